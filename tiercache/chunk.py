@@ -1,0 +1,118 @@
+"""The record every tier stores: a small header, the chunk's own key, then the payload.
+
+    magic "TCHK" | version u8 | codec u8 | namespace_len u16 | key_len u8 | 3 reserved | payload_len u64 | checksum u64
+    namespace (utf-8) | key | payload
+
+The checksum (xxh3-64) covers the header fields, the namespace, the key and the payload, so a record that was
+truncated, bit-flipped, or written under another key's name is caught by `decode`. Carrying the key also lets the
+disk tier rebuild its index from file contents alone after a restart.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+import xxhash
+
+from tiercache.errors import ChunkCorrupt
+from tiercache.keys import ChunkKey
+
+MAGIC = b"TCHK"
+FORMAT_VERSION = 1
+CODEC_RAW = 0
+
+_FIXED = struct.Struct("<4sBBHB3xQQ")
+FIXED_HEADER_BYTES = _FIXED.size
+# What the checksum covers from the fixed header: everything but the magic and the checksum itself.
+_SUMMED = struct.Struct("<BBHBQ")
+
+
+class RecordHeader(NamedTuple):
+    key: ChunkKey
+    codec: int
+    payload_bytes: int
+    header_bytes: int  # fixed part plus namespace and key: where the payload starts
+
+    @property
+    def record_bytes(self) -> int:
+        return self.header_bytes + self.payload_bytes
+
+
+def header_bytes(key: ChunkKey) -> int:
+    return FIXED_HEADER_BYTES + len(key.namespace.encode()) + len(key.key)
+
+
+def _checksum(namespace: bytes, key: bytes, codec: int, payload) -> int:
+    h = xxhash.xxh3_64()
+    h.update(_SUMMED.pack(FORMAT_VERSION, codec, len(namespace), len(key), len(payload)))
+    h.update(namespace)
+    h.update(key)
+    h.update(payload)
+    return h.intdigest()
+
+
+def seal(record: bytearray | memoryview, key: ChunkKey, codec: int = CODEC_RAW) -> None:
+    """Write the header into the front of `record`, whose payload region is already filled.
+
+    Lets a receiver assemble the payload in place (no extra copy) and seal it once complete.
+    """
+    namespace = key.namespace.encode()
+    start = header_bytes(key)
+    view = memoryview(record)
+    payload = view[start:]
+    checksum = _checksum(namespace, key.key, codec, payload)
+    _FIXED.pack_into(view, 0, MAGIC, FORMAT_VERSION, codec, len(namespace), len(key.key), len(payload), checksum)
+    view[FIXED_HEADER_BYTES:FIXED_HEADER_BYTES + len(namespace)] = namespace
+    view[FIXED_HEADER_BYTES + len(namespace):start] = key.key
+
+
+def encode(key: ChunkKey, payload, codec: int = CODEC_RAW) -> bytearray:
+    """A sealed record holding a copy of `payload` (any bytes-like object)."""
+    start = header_bytes(key)
+    payload = memoryview(payload).cast("B")
+    record = bytearray(start + len(payload))
+    record[start:] = payload
+    seal(record, key, codec)
+    return record
+
+
+def read_header(record) -> RecordHeader:
+    """Parse the header only (the disk tier reads the first bytes of each file at start). Checks structure, not sum."""
+    view = memoryview(record)
+    if len(view) < FIXED_HEADER_BYTES:
+        raise ChunkCorrupt(f"record of {len(view)} bytes is shorter than a header")
+    magic, version, codec, ns_len, key_len, payload_len, _ = _FIXED.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise ChunkCorrupt("bad magic")
+    if version != FORMAT_VERSION:
+        raise ChunkCorrupt(f"unknown record format version {version}")
+    start = FIXED_HEADER_BYTES + ns_len + key_len
+    if len(view) < start:
+        raise ChunkCorrupt("record truncated inside its key")
+    try:
+        namespace = bytes(view[FIXED_HEADER_BYTES:FIXED_HEADER_BYTES + ns_len]).decode()
+        key = ChunkKey(namespace, bytes(view[FIXED_HEADER_BYTES + ns_len:start]))
+    except Exception as exc:  # bad utf-8 or an invalid key: the header is damaged
+        raise ChunkCorrupt(f"bad key in header: {exc}") from exc
+    return RecordHeader(key, codec, payload_len, start)
+
+
+def decode(record, expected: ChunkKey, verify: bool = True) -> memoryview:
+    """The payload of a record, after checking structure, key and (when `verify`) checksum.
+
+    Raises ChunkCorrupt on any mismatch. `verify=False` is for records that never left this process's memory.
+    """
+    view = memoryview(record)
+    header = read_header(view)
+    if header.key != expected:
+        raise ChunkCorrupt(f"record holds {header.key}, expected {expected}")
+    if len(view) != header.record_bytes:
+        raise ChunkCorrupt(f"record is {len(view)} bytes, header says {header.record_bytes}")
+    payload = view[header.header_bytes:]
+    stored = _FIXED.unpack_from(view, 0)[-1]
+    if verify and _checksum(expected.namespace.encode(), expected.key, header.codec, payload) != stored:
+        raise ChunkCorrupt(f"checksum mismatch for {expected}")
+    if header.codec != CODEC_RAW:
+        raise ChunkCorrupt(f"unknown codec {header.codec}")
+    return payload

@@ -1,0 +1,200 @@
+"""Configuration: one tree of frozen dataclasses, and the thin loaders (YAML file, CLI overrides) that build it.
+
+Each component receives its own sub-config only. Every value is validated here, with an error that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from tiercache.errors import ConfigError
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "ki": KiB, "kib": KiB, "mi": MiB, "mib": MiB, "gi": GiB, "gib": GiB, "ti": TiB, "tib": TiB,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from '512MiB', '4GiB', '1.5G' (powers of 1000), or a plain integer."""
+    if isinstance(text, bool):
+        raise ConfigError(f"not a size: {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ConfigError(f"size must not be negative: {text}")
+        return text
+    match = _SIZE_RE.match(str(text))
+    unit = match and _SIZE_UNITS.get(match.group(2).lower())
+    if not match or unit is None:
+        raise ConfigError(f"not a size: {text!r} (use e.g. 512MiB, 4GiB or a byte count)")
+    return int(float(match.group(1)) * unit)
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def default_disk_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tiercache", "chunks")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class HostTierConfig:
+    """The in-memory tier: one preallocated arena carved into fixed-size pages."""
+
+    capacity_bytes: int = 1 * GiB
+    page_bytes: int = 64 * KiB
+
+    def __post_init__(self) -> None:
+        _require(self.capacity_bytes >= 0, "host.capacity_bytes must be >= 0 (0 disables the host tier)")
+        _require(self.page_bytes >= 4 * KiB and self.page_bytes % 4096 == 0,
+                 "host.page_bytes must be a multiple of 4096")
+        _require(self.capacity_bytes == 0 or self.capacity_bytes >= self.page_bytes,
+                 "host.capacity_bytes must hold at least one page")
+
+
+@dataclass(frozen=True)
+class DiskTierConfig:
+    """The local-disk tier: one file per chunk under `path`, never more than `capacity_bytes` of records."""
+
+    path: str = field(default_factory=default_disk_dir)
+    capacity_bytes: int = 4 * GiB
+    fsync: bool = False  # fsync each file before it becomes visible: survives power loss, costs write bandwidth
+
+    def __post_init__(self) -> None:
+        _require(self.capacity_bytes >= 0, "disk.capacity_bytes must be >= 0 (0 disables the disk tier)")
+        _require(bool(self.path), "disk.path must not be empty")
+
+
+@dataclass(frozen=True)
+class RedisTierConfig:
+    """The shared tier. Disabled unless `url` is set (redis://, rediss://, with user:password@ when needed)."""
+
+    url: str | None = None
+    key_prefix: str = "tiercache:"
+    ttl_s: float | None = None
+    write_through: bool = False  # also write every put to Redis, so other nodes see new chunks at once
+    socket_timeout_s: float = 2.0
+    max_backoff_s: float = 2.0  # longest wait between reconnection attempts while Redis is down
+
+    def __post_init__(self) -> None:
+        if self.url is not None:
+            _require(self.url.startswith(("redis://", "rediss://", "unix://")),
+                     f"redis.url must start with redis://, rediss:// or unix://, got {self.url!r}")
+        _require(self.ttl_s is None or self.ttl_s > 0, "redis.ttl_s must be positive when set")
+        _require(self.socket_timeout_s > 0, "redis.socket_timeout_s must be positive")
+        _require(self.max_backoff_s > 0, "redis.max_backoff_s must be positive")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_chunk_bytes: int = 64 * MiB
+    frame_bytes: int = 1 * MiB
+    workers: int = 16
+    metrics_port: int | None = None  # Prometheus endpoint; off unless set
+    metrics_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, f"server.port must be 0..65535, got {self.port}")
+        _require(self.max_chunk_bytes >= 1, "server.max_chunk_bytes must be positive")
+        _require(64 * KiB <= self.frame_bytes <= 16 * MiB, "server.frame_bytes must be 64KiB..16MiB")
+        _require(self.workers >= 1, "server.workers must be >= 1")
+        _require(self.metrics_port is None or 0 <= self.metrics_port <= 65535,
+                 f"server.metrics_port must be 0..65535, got {self.metrics_port}")
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    host: HostTierConfig = field(default_factory=HostTierConfig)
+    disk: DiskTierConfig = field(default_factory=DiskTierConfig)
+    redis: RedisTierConfig = field(default_factory=RedisTierConfig)
+
+
+def _coerce(name: str, hint: Any, value: Any) -> Any:
+    """Turn a YAML or CLI value into the field's type, with an error naming the key."""
+    if value is None:
+        return None
+    if name.endswith("_bytes"):
+        return parse_size(value)
+    kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    kind = kinds[0]
+    try:
+        if kind is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "yes", "no", "1", "0"):
+                    raise ValueError(value)
+                return value.lower() in ("true", "yes", "1")
+            return bool(value)
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected {kind.__name__}, got {value!r}") from None
+
+
+def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown config key {where + '.' if where else ''}{unknown[0]} "
+                          f"(known: {', '.join(sorted(known))})")
+    kwargs = {}
+    for name, value in values.items():
+        path = f"{where}.{name}" if where else name
+        if dataclasses.is_dataclass(hints[name]):
+            kwargs[name] = _build(hints[name], value or {}, path)
+        else:
+            kwargs[name] = _coerce(path, hints[name], value)
+    return cls(**kwargs)
+
+
+def from_mapping(values: Mapping[str, Any]) -> Config:
+    return _build(Config, values, "")
+
+
+def load_file(path: str | Path) -> Config:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        values = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}".replace("\n", " ")) from None
+    return from_mapping(values)
+
+
+def with_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:
+    """Apply dotted-key overrides ('server.port': 6000) on top of a config; None values are skipped."""
+    tree = {section.name: dataclasses.asdict(getattr(config, section.name)) for section in dataclasses.fields(config)}
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        section, name = dotted.split(".", 1)
+        tree[section][name] = value
+    return from_mapping(tree)

@@ -1,0 +1,45 @@
+"""The error hierarchy. Each class names one gRPC status code; the mapping lives in `tiercache.wire` alone."""
+
+
+class TierCacheError(Exception):
+    """Base of every error tiercache raises on purpose."""
+
+
+class InvalidArgument(TierCacheError):
+    """Malformed key, namespace, size or config value: the caller must change the request."""
+
+
+class NotFound(TierCacheError):
+    """The requested chunk is in no tier."""
+
+
+class CapacityExceeded(TierCacheError):
+    """The chunk is larger than any tier can hold, or a quota is spent."""
+
+
+class Unavailable(TierCacheError):
+    """A backend (or the server) cannot be reached right now; retrying later may succeed."""
+
+
+class ConfigError(InvalidArgument):
+    """A configuration value is unusable. The CLI prints its message on one line and exits non-zero."""
+
+
+class ChunkCorrupt(TierCacheError):
+    """A stored record failed its checksum or header checks. Internal: the store turns it into a miss."""
+
+
+class TierFull(TierCacheError):
+    """A tier cannot make room for one record (too large for it, or every victim is pinned).
+
+    Internal: the store then tries the next tier, and raises CapacityExceeded only when none can take it.
+    `evicted` lists what the tier gave up while trying, so the store can still demote it.
+    """
+
+    def __init__(self, message: str, evicted: list | None = None) -> None:
+        super().__init__(message)
+        self.evicted = evicted or []
+
+
+class TierDown(TierCacheError):
+    """A tier's backend is unreachable. Internal: reads become misses, writes fall through to other tiers."""

@@ -1,0 +1,268 @@
+"""TieredStore: the policy above the tiers. Placement, demotion on eviction, promotion on hit, write-through.
+
+Tiers are ordered fastest first (host -> disk -> redis by default). A put lands in the first tier that can take it;
+what that tier evicts is demoted to the next one (write-back), and so on down; what falls off the last tier is gone.
+A hit below the top is promoted to the top. Local tiers are exclusive (a promoted chunk leaves the disk), a shared
+tier is inclusive (other servers still read it there). With write-through, every put is also copied to the shared
+tier at once, so other nodes see new chunks without waiting for eviction.
+
+The store holds no lock around tier calls; tiers lock their own metadata, and the store's lock guards counters only.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+from tiercache import chunk
+from tiercache.config import Config
+from tiercache.errors import CapacityExceeded, ChunkCorrupt, TierDown, TierFull, Unavailable
+from tiercache.keys import ChunkKey
+from tiercache.tiers.base import Evicted, Tier
+
+
+@dataclass
+class TierCounters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    promotions: int = 0  # chunks promoted *out of* this tier
+    demotions: int = 0  # chunks demoted *into* this tier
+    checksum_failures: int = 0
+    errors: int = 0  # calls that failed because the tier was down or refused
+
+
+@dataclass(frozen=True)
+class Found:
+    payload: memoryview
+    tier: str
+
+
+@dataclass(frozen=True)
+class TierStats:
+    name: str
+    up: bool
+    chunks: int
+    used_bytes: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    promotions: int
+    demotions: int
+    checksum_failures: int
+    errors: int
+
+
+@dataclass(frozen=True)
+class NamespaceUsage:
+    namespace: str
+    used_bytes: int
+    chunks: int
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    tiers: tuple[TierStats, ...]
+    namespaces: tuple[NamespaceUsage, ...]
+
+
+class TieredStore:
+    def __init__(self, tiers: Sequence[Tier], *, write_through: bool = False) -> None:
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        self.tiers = tuple(tiers)
+        self.write_through = write_through
+        self._counters = {t.name: TierCounters() for t in self.tiers}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: Config) -> "TieredStore":
+        from tiercache.tiers.disk import DiskTier
+        from tiercache.tiers.host import HostTier
+        from tiercache.tiers.redis import RedisTier
+
+        tiers: list[Tier] = []
+        if config.host.capacity_bytes:
+            tiers.append(HostTier(config.host))
+        if config.disk.capacity_bytes:
+            tiers.append(DiskTier(config.disk))
+        if config.redis.url:
+            tiers.append(RedisTier(config.redis))
+        if not tiers:
+            raise CapacityExceeded("every tier is disabled: give the host, disk or redis tier some capacity")
+        return cls(tiers, write_through=config.redis.write_through)
+
+    # -- the store's operations ------------------------------------------------------------------------------------
+
+    def put(self, key: ChunkKey, payload) -> str:
+        """Store a copy of `payload`; returns the name of the tier that holds it."""
+        return self.put_record(key, chunk.encode(key, payload))
+
+    def put_record(self, key: ChunkKey, record: bytearray) -> str:
+        """Store an already sealed record (the server assembles records in place to save a copy)."""
+        placed = self._place(key, record, 0)
+        below = [t for t in self.tiers[placed + 1:] if not t.shared]
+        for tier in below:  # an older copy further down would shadow nothing but waste room; drop it
+            if tier.contains([key])[0]:
+                tier.delete([key])
+        if self.write_through:
+            for tier in self.tiers[placed + 1:]:
+                if tier.shared:
+                    self._copy_to(tier, key, record)
+        return self.tiers[placed].name
+
+    def get(self, key: ChunkKey) -> Found | None:
+        for level, tier in enumerate(self.tiers):
+            record = self._read(tier, key)
+            if record is None:
+                continue
+            try:
+                payload = chunk.decode(record, key, verify=tier.checksum_on_read)
+            except ChunkCorrupt:
+                self._count(tier, checksum_failures=1, misses=1)
+                self._forget(tier, key)
+                continue
+            self._count(tier, hits=1)
+            if level:
+                self._promote(key, record, level)
+            return Found(payload, tier.name)
+        return None
+
+    def locate(self, keys: Sequence[ChunkKey]) -> list[str | None]:
+        """For each key, the name of the highest tier holding it, or None. No bytes move, recency is unchanged."""
+        where: list[str | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        for tier in self.tiers:
+            if not pending:
+                break
+            try:
+                present = tier.contains([keys[i] for i in pending])
+            except TierDown:
+                self._count(tier, errors=1)
+                continue
+            for i, hit in zip(pending, present):
+                if hit:
+                    where[i] = tier.name
+            pending = [i for i, hit in zip(pending, present) if not hit]
+        return where
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        """Remove keys from every tier; returns how many were removed from the highest tier holding each."""
+        removed = [False] * len(keys)
+        for tier in self.tiers:
+            try:
+                present = tier.contains(keys)
+                tier.delete([k for k, p in zip(keys, present) if p])
+            except TierDown:
+                self._count(tier, errors=1)
+                continue
+            removed = [r or p for r, p in zip(removed, present)]
+        return sum(removed)
+
+    def stats(self) -> StoreStats:
+        usages = [(tier, tier.usage()) for tier in self.tiers]
+        with self._lock:
+            tiers = tuple(TierStats(tier.name, u.up, u.chunks, u.used_bytes, u.capacity_bytes,
+                                    **vars(self._counters[tier.name])) for tier, u in usages)
+        namespace_bytes: dict[str, int] = {}
+        namespace_chunks: dict[str, int] = {}
+        for tier, usage in usages:
+            if tier.shared:
+                continue  # a shared tier holds other servers' chunks too; it has no per-namespace view
+            for ns, n in usage.bytes_by_namespace.items():
+                namespace_bytes[ns] = namespace_bytes.get(ns, 0) + n
+            for ns, n in usage.chunks_by_namespace.items():
+                namespace_chunks[ns] = namespace_chunks.get(ns, 0) + n
+        namespaces = tuple(NamespaceUsage(ns, n, namespace_chunks[ns]) for ns, n in sorted(namespace_bytes.items()))
+        return StoreStats(tiers, namespaces)
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+    # -- placement --------------------------------------------------------------------------------------------------
+
+    def _place(self, key: ChunkKey, record, first: int, last: int | None = None) -> int:
+        """Put the record in the first tier of tiers[first:last] that takes it; demote what it evicts.
+
+        Returns the level it landed on. Raises CapacityExceeded when no tier can hold it, Unavailable when the only
+        tiers that could are down.
+        """
+        last = len(self.tiers) if last is None else last
+        down = False
+        for level in range(first, last):
+            tier = self.tiers[level]
+            if self.write_through and tier.shared and first > 0:
+                return level  # demoting into the shared tier: write-through put it there already
+            wants_evicted = level + 1 < len(self.tiers)
+            try:
+                evicted = tier.put(key, record, return_evicted=wants_evicted)
+            except TierFull as full:
+                self._demote(full.evicted, level)
+                continue
+            except TierDown:
+                self._count(tier, errors=1)
+                down = True
+                continue
+            self._demote(evicted, level)
+            return level
+        size = len(record)
+        if down:
+            raise Unavailable(f"no tier could store {size} bytes: the tier that could is down")
+        raise CapacityExceeded(f"{size} bytes are more than any tier can hold")
+
+    def _demote(self, evicted: list[Evicted], level: int) -> None:
+        if not evicted:
+            return
+        self._count(self.tiers[level], evictions=len(evicted))
+        for item in evicted:
+            if item.record is None or level + 1 >= len(self.tiers):
+                continue
+            try:
+                landed = self._place(item.key, item.record, level + 1)
+            except (CapacityExceeded, Unavailable):
+                continue  # fell off the bottom: an eviction, already counted
+            self._count(self.tiers[landed], demotions=1)
+
+    def _promote(self, key: ChunkKey, record, level: int) -> None:
+        source = self.tiers[level]
+        try:
+            self._place(key, record, 0, level)
+        except (CapacityExceeded, Unavailable):
+            return  # stays where it is
+        self._count(source, promotions=1)
+        if not source.shared:
+            self._forget(source, key)
+
+    def _copy_to(self, tier: Tier, key: ChunkKey, record) -> None:
+        try:
+            tier.put(key, record, return_evicted=False)
+        except (TierDown, TierFull):
+            self._count(tier, errors=1)
+
+    # -- small helpers ----------------------------------------------------------------------------------------------
+
+    def _read(self, tier: Tier, key: ChunkKey):
+        try:
+            record = tier.get(key)
+        except TierDown:
+            self._count(tier, errors=1, misses=1)
+            return None
+        if record is None:
+            self._count(tier, misses=1)
+        return record
+
+    def _forget(self, tier: Tier, key: ChunkKey) -> None:
+        try:
+            tier.delete([key])
+        except TierDown:
+            self._count(tier, errors=1)
+
+    def _count(self, tier: Tier, **increments: int) -> None:
+        with self._lock:
+            counters = self._counters[tier.name]
+            for name, n in increments.items():
+                setattr(counters, name, getattr(counters, name) + n)
+

@@ -1,0 +1,65 @@
+"""The tier contract, written once. Host, disk and Redis implement it; the store is the only caller.
+
+A tier stores *records* (see tiercache.chunk) under ChunkKeys. It is mechanism only: it keeps its own recency order
+and capacity, and hands back what it evicted; whether evicted records move down, and whether hits move up, is the
+store's decision.
+
+Contract (every method is thread-safe):
+- put(key, record, return_evicted): store a copy of `record`, replacing any record under `key`. To make room the
+  tier evicts its least recently used records and returns them, with their bytes when `return_evicted` is true (so
+  the store can demote them) and `record=None` otherwise. Raises TierFull when the record cannot fit at all (larger
+  than the tier, or every candidate victim is being read), and TierDown when the backend is unreachable. After put
+  returns, the tier holds no more than its capacity.
+- get(key): a copy of the record, or None. Marks the key most recently used. The record may be corrupt; callers verify.
+- contains(keys): one bool per key, without reading records or changing recency.
+- delete(keys): remove what exists, return how many were removed. Deleting a missing key is not an error.
+- usage(): a TierUsage snapshot.
+- close(): release resources; idempotent.
+Reads (get, contains) of a tier that is down raise TierDown; the store turns that into a miss.
+
+Two attributes tell the store how to treat a tier (data, not capability probes):
+- checksum_on_read: records that crossed a disk or network are verified on every read; records that never left
+  this process's memory are trusted.
+- shared: other servers read this tier too (Redis), so a promotion copies rather than moves the record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from tiercache.keys import ChunkKey
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted:
+    key: ChunkKey
+    record: bytes | bytearray | None
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    chunks: int
+    used_bytes: int
+    capacity_bytes: int  # 0 when the backend bounds itself (Redis without maxmemory)
+    up: bool = True
+    bytes_by_namespace: dict[str, int] = field(default_factory=dict)
+    chunks_by_namespace: dict[str, int] = field(default_factory=dict)
+
+
+class Tier(Protocol):
+    name: str
+    checksum_on_read: bool
+    shared: bool
+
+    def put(self, key: ChunkKey, record, *, return_evicted: bool) -> list[Evicted]: ...
+
+    def get(self, key: ChunkKey) -> bytes | bytearray | None: ...
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int: ...
+
+    def usage(self) -> TierUsage: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,249 @@
+"""The local-disk tier: one file per chunk, an in-memory LRU index rebuilt from the files at start.
+
+Files are named `<key digest>-<sequence>.chunk` in 256 fan-out folders. The sequence number makes every write a new
+file, so an eviction that unlinks the old file can never remove a newer copy written concurrently under the same key.
+Writes go to a temporary file that is renamed into place (atomic on POSIX), optionally after fsync, so a crash leaves
+either the old state or the new record, never a torn one; leftovers of interrupted writes are removed at start.
+
+The byte cap counts record bytes (what `stats` shows), and space is reserved before a write starts, so concurrent
+writers together never exceed it. File I/O runs outside the metadata lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from tiercache import chunk
+from tiercache.config import DiskTierConfig
+from tiercache.errors import ChunkCorrupt, ConfigError, TierFull
+from tiercache.keys import ChunkKey
+from tiercache.lru import LruIndex
+from tiercache.tiers.base import Evicted, TierUsage
+
+_SUFFIX = ".chunk"
+_TEMP_SUFFIX = ".tmp"
+_HEADER_PROBE_BYTES = 4096  # covers the largest header (fixed part + 256-char namespace + 64-byte key)
+
+
+@dataclass(slots=True, frozen=True)
+class _Entry:
+    path: str
+    record_bytes: int
+    sequence: int
+
+
+class DiskTier:
+    name = "disk"
+    checksum_on_read = True
+    shared = False
+
+    def __init__(self, config: DiskTierConfig) -> None:
+        self.root = Path(config.path).expanduser()
+        self.capacity_bytes = config.capacity_bytes
+        self._fsync = config.fsync
+        self._index: LruIndex[_Entry] = LruIndex(lambda e: e.record_bytes)
+        self._reserved_bytes = 0
+        self._releasing_bytes = 0
+        self._lock = threading.Lock()
+        self._prepare_root()
+        self._sequence = itertools.count(self._rebuild_index() + 1)
+
+    # -- contract ---------------------------------------------------------------------------------------------------
+
+    def put(self, key: ChunkKey, record, *, return_evicted: bool) -> list[Evicted]:
+        size = len(memoryview(record).cast("B"))
+        if size > self.capacity_bytes:
+            raise TierFull(f"{size} bytes exceed the disk tier's {self.capacity_bytes}")
+        with self._lock:
+            stale = self._take_out([key])
+        self._discard(stale, read=False)
+        evicted: list[Evicted] = []
+        while True:
+            with self._lock:
+                if self._committed_bytes() + size <= self.capacity_bytes:
+                    self._reserved_bytes += size
+                    break
+                victims = self._choose_victims(size)
+            if not victims:  # the rest of the room is reserved by writes in flight
+                raise TierFull(f"disk tier has no room for {size} bytes right now", evicted)
+            evicted += self._discard(victims, read=return_evicted)
+        entry = _Entry(self._path_for(key, next(self._sequence)), size, 0)
+        try:
+            self._write_file(entry.path, record)
+        finally:
+            with self._lock:
+                self._reserved_bytes -= size
+        with self._lock:
+            replaced = self._take_out([key])  # a concurrent put of the same key: last one wins
+            self._index.add(key, entry)
+        self._discard(replaced, read=False)
+        return evicted
+
+    def get(self, key: ChunkKey) -> bytearray | None:
+        with self._lock:
+            entry = self._index.touch(key)
+        if entry is None:
+            return None
+        try:
+            with open(entry.path, "rb", buffering=0) as f:
+                record = bytearray(entry.record_bytes)
+                n = f.readinto(record)
+        except FileNotFoundError:  # evicted or replaced between the lookup and the open
+            return None
+        return record if n == entry.record_bytes else record[:n]  # short: decode reports it corrupt
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._lock:
+            return [k in self._index for k in keys]
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        with self._lock:
+            removed = self._take_out(keys)
+        self._discard(removed, read=False)
+        return len(removed)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(len(self._index), self._index.used_bytes, self.capacity_bytes,
+                             bytes_by_namespace=dict(self._index.bytes_by_namespace),
+                             chunks_by_namespace=dict(self._index.chunks_by_namespace))
+
+    def close(self) -> None:
+        pass  # every file is complete on disk once put returns
+
+    # -- placement --------------------------------------------------------------------------------------------------
+
+    # Space accounting. A file counts against the cap from the moment its write is reserved until it is unlinked:
+    # `used` (indexed files) + `reserved` (writes in flight) + `releasing` (files taken out of the index but not yet
+    # unlinked) never exceeds capacity_bytes, so the files on disk never do either.
+
+    def _committed_bytes(self) -> int:
+        return self._index.used_bytes + self._reserved_bytes + self._releasing_bytes
+
+    def _take_out(self, keys: Sequence[ChunkKey]) -> list[tuple[ChunkKey, _Entry]]:
+        """Under the lock: remove keys from the index; their bytes stay counted (releasing) until _discard."""
+        taken = [(k, e) for k, e in ((k, self._index.remove(k)) for k in keys) if e is not None]
+        self._releasing_bytes += sum(e.record_bytes for _, e in taken)
+        return taken
+
+    def _choose_victims(self, size: int) -> list[tuple[ChunkKey, _Entry]]:
+        """Under the lock: take out LRU entries until `size` will fit once they are unlinked."""
+        excess = self._committed_bytes() + size - self.capacity_bytes
+        victims = []
+        for key, entry in self._index.oldest():
+            if excess <= 0:
+                break
+            victims.append(key)
+            excess -= entry.record_bytes
+        return self._take_out(victims)
+
+    def _discard(self, entries: list[tuple[ChunkKey, _Entry]], read: bool) -> list[Evicted]:
+        """Outside the lock: (read and) unlink taken-out files, then stop counting their bytes."""
+        evicted = []
+        for key, entry in entries:
+            record = self._read_file(entry.path) if read else None
+            _unlink(entry.path)
+            with self._lock:
+                self._releasing_bytes -= entry.record_bytes
+            if not read or record is not None:
+                evicted.append(Evicted(key, record))
+        return evicted
+
+    def _path_for(self, key: ChunkKey, sequence: int) -> str:
+        digest = key.digest
+        return str(self.root / digest[:2] / f"{digest}-{sequence:x}{_SUFFIX}")
+
+    def _write_file(self, path: str, record) -> None:
+        temp = path + _TEMP_SUFFIX
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            with open(temp, "wb", buffering=0) as f:
+                f.write(record)
+                if self._fsync:
+                    os.fsync(f.fileno())
+            os.replace(temp, path)
+        except BaseException:
+            _unlink(temp)
+            raise
+
+    @staticmethod
+    def _read_file(path: str) -> bytes | None:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    # -- start-up ---------------------------------------------------------------------------------------------------
+
+    def _prepare_root(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(f"disk tier directory {self.root} is not usable: {exc.strerror or exc}") from None
+
+    def _rebuild_index(self) -> int:
+        """Index every complete record file, oldest first; drop temp files, damaged headers and stale duplicates.
+
+        Returns the highest sequence number seen, so new files never reuse a name.
+        """
+        found: dict[ChunkKey, _Entry] = {}
+        mtimes: dict[ChunkKey, float] = {}
+        top_sequence = 0
+        for path in self.root.glob("*/*"):
+            name = path.name
+            if name.endswith(_TEMP_SUFFIX) or not name.endswith(_SUFFIX):
+                _unlink(str(path))  # an interrupted write, or nothing of ours
+                continue
+            try:
+                sequence = int(name[:-len(_SUFFIX)].rsplit("-", 1)[1], 16)
+                stat = path.stat()
+                with open(path, "rb") as f:
+                    header = chunk.read_header(f.read(_HEADER_PROBE_BYTES))
+            except (ValueError, IndexError, OSError, ChunkCorrupt):
+                _unlink(str(path))
+                continue
+            if header.record_bytes != stat.st_size:  # truncated or padded: never serve it
+                _unlink(str(path))
+                continue
+            top_sequence = max(top_sequence, sequence)
+            entry = _Entry(str(path), stat.st_size, sequence)
+            older = found.get(header.key)
+            if older is not None:
+                loser = older if older.sequence < sequence else entry
+                _unlink(loser.path)
+                if loser is older:
+                    found[header.key], mtimes[header.key] = entry, stat.st_mtime
+                continue
+            found[header.key], mtimes[header.key] = entry, stat.st_mtime
+        for key in sorted(found, key=lambda k: (mtimes[k], found[k].sequence)):
+            self._index.add(key, found[key])
+        for key, entry in self._index.oldest():  # the cap may have shrunk since the last run
+            if self._index.used_bytes <= self.capacity_bytes:
+                break
+            self._index.remove(key)
+            _unlink(entry.path)
+        return top_sequence
+
+    def check(self) -> None:
+        with self._lock:
+            self._index.check()
+            assert self._index.used_bytes <= self.capacity_bytes
+            for _, entry in self._index.items():
+                assert os.path.getsize(entry.path) == entry.record_bytes, entry.path
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,169 @@
+"""The host-memory tier: a preallocated arena of fixed-size pages, with LRU eviction.
+
+The arena is allocated once at start (an anonymous mmap), never per chunk: fresh memory costs a page fault per 4 KiB
+on first touch (1-2 GB/s on our machines against ~12 GB/s into reused memory), and a dict of `bytes` would fragment
+the Python heap. Records are placed by tiercache.allocator (one page of waste per record at most).
+
+Copies in and out of the arena happen outside the metadata lock. A reader pins its entry, so the pages it is copying
+cannot be reused by a concurrent put until it unpins; a record replaced or deleted while pinned frees its pages when
+the last reader leaves.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+from tiercache.allocator import Extent, ExtentAllocator
+from tiercache.config import HostTierConfig
+from tiercache.errors import TierFull
+from tiercache.keys import ChunkKey
+from tiercache.lru import LruIndex
+from tiercache.tiers.base import Evicted, TierUsage
+
+
+@dataclass(slots=True)
+class _Entry:
+    record_bytes: int
+    extents: tuple[Extent, ...]
+    pins: int = 0
+    dead: bool = False  # removed from the index while pinned: free the pages at the last unpin
+
+
+class HostTier:
+    name = "host"
+    checksum_on_read = False  # the bytes never leave this process's memory
+    shared = False
+
+    def __init__(self, config: HostTierConfig) -> None:
+        self.page_bytes = config.page_bytes
+        pages = config.capacity_bytes // config.page_bytes
+        self.capacity_bytes = pages * config.page_bytes
+        self._arena = mmap.mmap(-1, max(self.capacity_bytes, mmap.PAGESIZE))
+        self._view = memoryview(self._arena)
+        self._allocator = ExtentAllocator(pages)
+        self._index: LruIndex[_Entry] = LruIndex(lambda e: e.record_bytes)
+        self._lock = threading.Lock()
+
+    # -- contract ---------------------------------------------------------------------------------------------------
+
+    def put(self, key: ChunkKey, record, *, return_evicted: bool) -> list[Evicted]:
+        record = memoryview(record).cast("B")
+        pages = -(-len(record) // self.page_bytes)
+        if pages > self._allocator.total_pages:
+            raise TierFull(f"{len(record)} bytes exceed the host tier's {self.capacity_bytes}")
+        evicted: list[Evicted] = []
+        with self._lock:
+            self._unlink(key)
+        while True:
+            with self._lock:
+                extents = self._allocator.allocate(pages)
+                victims = [] if extents is not None else self._choose_victims(pages)
+            if extents is not None:
+                break
+            if not victims:  # everything left is being read right now
+                raise TierFull(f"host tier has no room for {len(record)} bytes right now", evicted)
+            for victim_key, victim in victims:  # copy victims out without the lock; they are pinned
+                evicted.append(Evicted(victim_key, self._read(victim) if return_evicted else None))
+            with self._lock:
+                for _, victim in victims:
+                    self._unpin(victim)  # frees their pages; the next round allocates (or evicts more if raced)
+        self._write(extents, record)
+        with self._lock:
+            self._unlink(key)  # a concurrent put of the same key may have committed meanwhile: last one wins
+            self._index.add(key, _Entry(len(record), extents))
+        return evicted
+
+    def get(self, key: ChunkKey) -> bytearray | None:
+        with self._lock:
+            entry = self._index.touch(key)
+            if entry is None:
+                return None
+            entry.pins += 1
+        try:
+            return self._read(entry)
+        finally:
+            with self._lock:
+                self._unpin(entry)
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._lock:
+            return [k in self._index for k in keys]
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        with self._lock:
+            return sum(self._unlink(k) for k in keys)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(len(self._index), self._index.used_bytes, self.capacity_bytes,
+                             bytes_by_namespace=dict(self._index.bytes_by_namespace),
+                             chunks_by_namespace=dict(self._index.chunks_by_namespace))
+
+    def close(self) -> None:
+        with self._lock:
+            self._view.release()
+            self._arena.close()
+
+    # -- inside the lock ------------------------------------------------------------------------------------------------
+
+    def _unlink(self, key: ChunkKey) -> bool:
+        entry = self._index.remove(key)
+        if entry is None:
+            return False
+        if entry.pins:
+            entry.dead = True
+        else:
+            self._allocator.free(entry.extents)
+        return True
+
+    def _choose_victims(self, pages: int) -> list[tuple[ChunkKey, _Entry]]:
+        """Unlink least recently used, unpinned entries until `pages` would be free; pin them for the copy-out."""
+        victims = []
+        free = self._allocator.free_pages
+        if free >= pages:
+            return victims
+        for key, entry in self._index.oldest(lambda e: e.pins == 0):
+            self._index.remove(key)
+            entry.pins, entry.dead = 1, True
+            victims.append((key, entry))
+            free += sum(e.pages for e in entry.extents)
+            if free >= pages:
+                break
+        return victims
+
+    def _unpin(self, entry: _Entry) -> None:
+        entry.pins -= 1
+        if entry.pins == 0 and entry.dead:
+            self._allocator.free(entry.extents)
+
+    # -- outside the lock -----------------------------------------------------------------------------------------
+
+    def _write(self, extents: tuple[Extent, ...], record: memoryview) -> None:
+        done = 0
+        for start, pages in extents:
+            n = min(pages * self.page_bytes, len(record) - done)
+            offset = start * self.page_bytes
+            self._view[offset:offset + n] = record[done:done + n]
+            done += n
+
+    def _read(self, entry: _Entry) -> bytearray:
+        out = bytearray(entry.record_bytes)
+        done = 0
+        for start, pages in entry.extents:
+            n = min(pages * self.page_bytes, entry.record_bytes - done)
+            offset = start * self.page_bytes
+            out[done:done + n] = self._view[offset:offset + n]
+            done += n
+        return out
+
+    def check(self) -> None:
+        """Integrity: index totals, allocator structure, and every live page accounted to exactly one owner."""
+        with self._lock:
+            self._index.check()
+            self._allocator.check()
+            live = sum(p for _, e in self._index.items() for _, p in e.extents)
+            assert live + self._allocator.free_pages <= self._allocator.total_pages
+            assert self._index.used_bytes <= self.capacity_bytes

@@ -1,0 +1,113 @@
+"""The Redis tier: one Redis string per chunk, the tier that several tiercache servers share.
+
+Redis bounds itself (maxmemory and its eviction policy, optional TTL), so this tier evicts nothing on its own.
+When Redis cannot be reached the tier is *down*: every call raises TierDown at once, without touching the network,
+until a backoff delay passes (doubling from 0.1 s up to `max_backoff_s`); then the next call tries again, and a
+success marks it up. The store turns TierDown into a miss (reads) or a skipped copy (writes), so clients see no
+errors for chunks the local tiers hold.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Sequence, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from tiercache.config import RedisTierConfig
+from tiercache.errors import TierDown
+from tiercache.keys import ChunkKey
+from tiercache.tiers.base import Evicted, TierUsage
+
+T = TypeVar("T")
+_FIRST_BACKOFF_S = 0.1
+
+
+class RedisTier:
+    name = "redis"
+    checksum_on_read = True
+    shared = True
+
+    def __init__(self, config: RedisTierConfig, client: redis.Redis | None = None) -> None:
+        assert config.url, "RedisTier needs redis.url"
+        self._prefix = config.key_prefix.encode()
+        self._ttl_ms = int(config.ttl_s * 1000) if config.ttl_s else None
+        self._max_backoff_s = config.max_backoff_s
+        # No retries inside redis-py: a dead Redis must cost one failed attempt, then the tier's own backoff.
+        self._redis = client or redis.Redis.from_url(
+            config.url, socket_timeout=config.socket_timeout_s, socket_connect_timeout=config.socket_timeout_s,
+            retry=Retry(NoBackoff(), 0))
+        self._lock = threading.Lock()
+        self._up = True
+        self._backoff_s = _FIRST_BACKOFF_S
+        self._next_attempt = 0.0
+        self.errors = 0
+
+    # -- contract ---------------------------------------------------------------------------------------------------
+
+    def put(self, key: ChunkKey, record, *, return_evicted: bool) -> list[Evicted]:
+        self._call(lambda r: r.set(self._name(key), memoryview(record), px=self._ttl_ms))
+        return []
+
+    def get(self, key: ChunkKey) -> bytes | None:
+        return self._call(lambda r: r.get(self._name(key)))
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        def exists(r: redis.Redis) -> list[bool]:
+            pipe = r.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self._name(key))
+            return [bool(n) for n in pipe.execute()]
+        return self._call(exists) if keys else []
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        return self._call(lambda r: r.unlink(*(self._name(k) for k in keys))) if keys else 0
+
+    def usage(self) -> TierUsage:
+        try:
+            info = self._call(lambda r: r.info("memory"))
+            keys = self._call(lambda r: r.dbsize())
+        except TierDown:
+            return TierUsage(0, 0, 0, up=False)
+        return TierUsage(keys, info.get("used_memory", 0), info.get("maxmemory", 0))
+
+    def close(self) -> None:
+        self._redis.close()
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    # -- one path for every call ------------------------------------------------------------------------------------
+
+    def _name(self, key: ChunkKey) -> bytes:
+        return self._prefix + key.digest.encode()
+
+    def _call(self, operation: Callable[[redis.Redis], T]) -> T:
+        with self._lock:
+            if not self._up and time.monotonic() < self._next_attempt:
+                raise TierDown("redis tier is down")
+        try:
+            result = operation(self._redis)
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            self._mark_down()
+            raise TierDown(f"redis unreachable: {exc}") from exc
+        except redis.RedisError as exc:  # e.g. OOM under maxmemory: this call fails, the tier stays up
+            with self._lock:
+                self.errors += 1
+            raise TierDown(f"redis error: {exc}") from exc
+        with self._lock:
+            self._up, self._backoff_s = True, _FIRST_BACKOFF_S
+        return result
+
+    def _mark_down(self) -> None:
+        with self._lock:
+            self.errors += 1
+            if self._up:
+                self._up, self._backoff_s = False, _FIRST_BACKOFF_S
+            else:
+                self._backoff_s = min(self._backoff_s * 2, self._max_backoff_s)
+            self._next_attempt = time.monotonic() + self._backoff_s
