@@ -162,7 +162,9 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 def _grpc_options(max_chunk_bytes: int) -> list[tuple[str, int]]:
     # grpc's default 4 MiB receive limit would reject a client that sends a whole chunk in one frame.
     limit = max_chunk_bytes + (1 << 20)
-    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    # grpc sets SO_REUSEPORT by default: a second server on the same port would silently share its traffic.
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0)]
 
 
 class CacheServer:
