@@ -1,0 +1,114 @@
+"""Put/get throughput of 4 MiB chunks, client -> `tiercache serve` on loopback, next to a raw loopback socket.
+
+Starts its own server (host tier big enough for the working set, so this measures the RPC path, not eviction)
+unless --server is given. Prints medians of --repeat rounds and the ratio to the raw socket measured in the same run.
+
+    .venv/bin/python benchmarks/put_get.py [--chunks 64] [--chunk-size 4MiB] [--repeat 3] [--server URL] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from tests.helpers import ServerProcess  # noqa: E402
+from tiercache.client import Client  # noqa: E402
+from tiercache.config import format_size, parse_size  # noqa: E402
+
+
+def loopback_socket_gbps(size: int, count: int) -> float:
+    """Raw TCP over loopback: sendall from one buffer, recv_into a preallocated one."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    total = size * count
+
+    def sink() -> None:
+        conn, _ = listener.accept()
+        buf = memoryview(bytearray(size))
+        received = 0
+        while received < total:
+            received += conn.recv_into(buf, min(size, total - received))
+        conn.sendall(b"k")
+        conn.close()
+
+    thread = threading.Thread(target=sink)
+    thread.start()
+    payload = os.urandom(size)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        start = time.perf_counter()
+        for _ in range(count):
+            s.sendall(payload)
+        s.recv(1)
+        elapsed = time.perf_counter() - start
+    thread.join()
+    listener.close()
+    return total / elapsed / 1e9
+
+
+def tiercache_gbps(url: str, size: int, count: int) -> tuple[float, float]:
+    chunks = [os.urandom(size) for _ in range(min(count, 8))]
+    keys = [b"bench-%06d" % i for i in range(count)]
+    with Client.from_url(url) as client:
+        start = time.perf_counter()
+        for i, key in enumerate(keys):
+            client.put("bench", key, chunks[i % len(chunks)])
+        put_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for i, key in enumerate(keys):
+            data = client.get("bench", key)
+            assert data is not None and len(data) == size
+        get_s = time.perf_counter() - start
+        client.delete("bench", keys)
+    return size * count / put_s / 1e9, size * count / get_s / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--chunks", type=int, default=64)
+    parser.add_argument("--chunk-size", type=parse_size, default=parse_size("4MiB"))
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--server", help="use a running server instead of starting one")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    server = None
+    url = args.server
+    if url is None:
+        work = tempfile.mkdtemp(prefix="tiercache-bench-")
+        host_mem = args.chunk_size * args.chunks * 2 + (64 << 20)
+        server = ServerProcess("--host-mem", str(host_mem), "--disk-dir", work, "--disk-size", "0").start()
+        url = server.url
+    try:
+        rounds = {"socket": [], "put": [], "get": []}
+        for _ in range(args.repeat):
+            rounds["socket"].append(loopback_socket_gbps(args.chunk_size, args.chunks))
+            put, get = tiercache_gbps(url, args.chunk_size, args.chunks)
+            rounds["put"].append(put)
+            rounds["get"].append(get)
+    finally:
+        if server is not None:
+            server.kill()
+    medians = {name: statistics.median(values) for name, values in rounds.items()}
+    result = {"chunk_bytes": args.chunk_size, "chunks": args.chunks, "repeat": args.repeat,
+              "gbps": medians, "ratio_to_socket": {k: medians[k] / medians["socket"] for k in ("put", "get")}}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{args.chunks} chunks of {format_size(args.chunk_size)}, median of {args.repeat} rounds")
+    print(f"{'path':<28}{'GB/s':>8}{'x socket':>10}")
+    print(f"{'raw loopback socket':<28}{medians['socket']:>8.2f}{1:>10.2f}")
+    for name in ("put", "get"):
+        print(f"{'tiercache ' + name + ' (grpc, host)':<28}{medians[name]:>8.2f}{medians[name] / medians['socket']:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
