@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: install proto serve test test-slow test-all bench clean
+.PHONY: install proto serve lint test test-slow test-all bench clean
 
 install:
 	scripts/install.sh
@@ -13,7 +13,10 @@ proto: install
 serve: install
 	$(VENV)/bin/tiercache serve
 
-test: install
+lint: install
+	$(VENV)/bin/ruff check tiercache tests benchmarks
+
+test: install lint
 	$(PYTEST) -q -m "not slow and not gpu"
 
 test-slow: install

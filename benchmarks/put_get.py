@@ -107,7 +107,8 @@ def main() -> None:
     print(f"{'path':<28}{'GB/s':>8}{'x socket':>10}")
     print(f"{'raw loopback socket':<28}{medians['socket']:>8.2f}{1:>10.2f}")
     for name in ("put", "get"):
-        print(f"{'tiercache ' + name + ' (grpc, host)':<28}{medians[name]:>8.2f}{medians[name] / medians['socket']:>10.2f}")
+        label = f"tiercache {name} (grpc, host)"
+        print(f"{label:<28}{medians[name]:>8.2f}{medians[name] / medians['socket']:>10.2f}")
 
 
 if __name__ == "__main__":

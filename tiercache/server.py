@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tiercache import __version__, chunk
 from tiercache.config import Config
-from tiercache.errors import ConfigError, InvalidArgument, TierCacheError
+from tiercache.errors import ConfigError, InvalidArgument
 from tiercache.keys import ChunkKey, validate_key, validate_namespace
 from tiercache.metrics import Metrics
 from tiercache.store import TieredStore

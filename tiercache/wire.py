@@ -15,7 +15,7 @@ from tiercache.store import StoreStats
 
 try:
     from tiercache._proto import tiercache_pb2 as pb
-    from tiercache._proto import tiercache_pb2_grpc as pb_grpc
+    from tiercache._proto import tiercache_pb2_grpc as pb_grpc  # noqa: F401 - re-exported for server/client
 except ImportError as exc:  # a clone where `make proto` has not run yet
     raise ImportError("tiercache's protobuf stubs are missing: run `make proto` (or `make install`)") from exc
 

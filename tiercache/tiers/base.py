@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from tiercache.keys import ChunkKey
+from tiercache.lru import LruIndex
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,13 @@ class TierUsage:
     up: bool = True
     bytes_by_namespace: dict[str, int] = field(default_factory=dict)
     chunks_by_namespace: dict[str, int] = field(default_factory=dict)
+
+
+def index_usage(index: LruIndex, capacity_bytes: int) -> TierUsage:
+    """The usage of a tier that keeps an LruIndex (host, disk). Call under the tier's lock."""
+    return TierUsage(len(index), index.used_bytes, capacity_bytes,
+                     bytes_by_namespace=dict(index.bytes_by_namespace),
+                     chunks_by_namespace=dict(index.chunks_by_namespace))
 
 
 class Tier(Protocol):

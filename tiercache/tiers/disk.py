@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -24,7 +23,7 @@ from tiercache.config import DiskTierConfig
 from tiercache.errors import ChunkCorrupt, ConfigError, TierFull
 from tiercache.keys import ChunkKey
 from tiercache.lru import LruIndex
-from tiercache.tiers.base import Evicted, TierUsage
+from tiercache.tiers.base import Evicted, TierUsage, index_usage
 
 _SUFFIX = ".chunk"
 _TEMP_SUFFIX = ".tmp"
@@ -110,9 +109,7 @@ class DiskTier:
 
     def usage(self) -> TierUsage:
         with self._lock:
-            return TierUsage(len(self._index), self._index.used_bytes, self.capacity_bytes,
-                             bytes_by_namespace=dict(self._index.bytes_by_namespace),
-                             chunks_by_namespace=dict(self._index.chunks_by_namespace))
+            return index_usage(self._index, self.capacity_bytes)
 
     def close(self) -> None:
         pass  # every file is complete on disk once put returns

@@ -21,7 +21,7 @@ from tiercache.config import HostTierConfig
 from tiercache.errors import TierFull
 from tiercache.keys import ChunkKey
 from tiercache.lru import LruIndex
-from tiercache.tiers.base import Evicted, TierUsage
+from tiercache.tiers.base import Evicted, TierUsage, index_usage
 
 
 @dataclass(slots=True)
@@ -98,16 +98,14 @@ class HostTier:
 
     def usage(self) -> TierUsage:
         with self._lock:
-            return TierUsage(len(self._index), self._index.used_bytes, self.capacity_bytes,
-                             bytes_by_namespace=dict(self._index.bytes_by_namespace),
-                             chunks_by_namespace=dict(self._index.chunks_by_namespace))
+            return index_usage(self._index, self.capacity_bytes)
 
     def close(self) -> None:
         with self._lock:
             self._view.release()
             self._arena.close()
 
-    # -- inside the lock ------------------------------------------------------------------------------------------------
+    # -- inside the lock ----------------------------------------------------------------------------------------------
 
     def _unlink(self, key: ChunkKey) -> bool:
         entry = self._index.remove(key)
