@@ -20,9 +20,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from tests.helpers import ServerProcess  # noqa: E402
 from tiercache.client import Client  # noqa: E402
 from tiercache.config import format_size, parse_size  # noqa: E402
+from tiercache.process import ServerProcess  # noqa: E402
 
 
 def loopback_socket_gbps(size: int, count: int) -> float:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -12,13 +11,11 @@ from typing import Callable
 
 import redis
 
+from tiercache.process import ServerProcess, free_port
+
+__all__ = ["RedisProcess", "ServerProcess", "free_port", "python_env", "wait_for"]
+
 REDIS_SERVER = shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
@@ -79,48 +76,3 @@ def python_env() -> dict:
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
-
-class ServerProcess:
-    """`tiercache serve` as a real subprocess on a free port, awaited through the gRPC health service."""
-
-    def __init__(self, *args: str, env: dict | None = None) -> None:
-        self.port = free_port()
-        self.args = ["--port", str(self.port), *args]
-        self.env = env or python_env()
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"grpc://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 30.0) -> "ServerProcess":
-        import sys
-
-        self.process = subprocess.Popen([sys.executable, "-m", "tiercache", "serve", *self.args], env=self.env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        wait_for(self.serving, timeout_s, what=f"tiercache serve on port {self.port}")
-        return self
-
-    def serving(self) -> bool:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        if self.process.poll() is not None:
-            raise RuntimeError(f"tiercache serve exited with {self.process.returncode}: {self.process.stderr.read()}")
-        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
-            try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
-            except grpc.RpcError:
-                return False
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-    def terminate(self, timeout_s: float = 15.0) -> tuple[int, str]:
-        """SIGTERM, wait for a graceful exit; returns (exit code, stderr)."""
-        self.process.terminate()
-        _, err = self.process.communicate(timeout=timeout_s)
-        return self.process.returncode, err
-
-    def kill(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.kill()
-            self.process.communicate()

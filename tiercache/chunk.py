@@ -1,7 +1,11 @@
 """The record every tier stores: a small header, the chunk's own key, then the payload.
 
-    magic "TCHK" | version u8 | codec u8 | namespace_len u16 | key_len u8 | 3 reserved | payload_len u64 | checksum u64
-    namespace (utf-8) | key | payload
+    magic "TCHK" | version u8 | codec u8 | namespace_len u16 | key_len u8 | object_class u8 | 2 reserved
+    | payload_len u64 | prefix_tokens u64 | checksum u64 | namespace (utf-8) | key | payload
+
+`object_class` says whether the chunk is KV (LRU-evicted) or a recurrent state (kept under its own byte budget and
+evicted by value), and `prefix_tokens` how many prefill tokens it saves (the state's value). The store learns both
+from the record, so they survive restarts with the disk tier.
 
 The checksum (xxh3-64) covers the header fields, the namespace, the key and the payload, so a record that was
 truncated, bit-flipped, or written under another key's name is caught by `decode`. Carrying the key also lets the
@@ -22,10 +26,20 @@ MAGIC = b"TCHK"
 FORMAT_VERSION = 1
 CODEC_RAW = 0
 
-_FIXED = struct.Struct("<4sBBHB3xQQ")
+CLASS_KV = 0  # attention KV, tails, and anything else: LRU
+CLASS_STATE = 1  # recurrent-state checkpoints: own budget, evicted by value
+
+_FIXED = struct.Struct("<4sBBHBB2xQQQ")
 FIXED_HEADER_BYTES = _FIXED.size
 # What the checksum covers from the fixed header: everything but the magic and the checksum itself.
-_SUMMED = struct.Struct("<BBHBQ")
+_SUMMED = struct.Struct("<BBHBBQQ")
+
+
+class ChunkMeta(NamedTuple):
+    """What the store needs to know about a chunk besides its bytes."""
+
+    object_class: int = CLASS_KV
+    prefix_tokens: int = 0
 
 
 class RecordHeader(NamedTuple):
@@ -33,6 +47,7 @@ class RecordHeader(NamedTuple):
     codec: int
     payload_bytes: int
     header_bytes: int  # fixed part plus namespace and key: where the payload starts
+    meta: ChunkMeta
 
     @property
     def record_bytes(self) -> int:
@@ -43,16 +58,17 @@ def header_bytes(key: ChunkKey) -> int:
     return FIXED_HEADER_BYTES + len(key.namespace.encode()) + len(key.key)
 
 
-def _checksum(namespace: bytes, key: bytes, codec: int, payload) -> int:
+def _checksum(namespace: bytes, key: bytes, codec: int, meta: ChunkMeta, payload) -> int:
     h = xxhash.xxh3_64()
-    h.update(_SUMMED.pack(FORMAT_VERSION, codec, len(namespace), len(key), len(payload)))
+    h.update(_SUMMED.pack(FORMAT_VERSION, codec, len(namespace), len(key), meta.object_class, len(payload),
+                          meta.prefix_tokens))
     h.update(namespace)
     h.update(key)
     h.update(payload)
     return h.intdigest()
 
 
-def seal(record: bytearray | memoryview, key: ChunkKey, codec: int = CODEC_RAW) -> None:
+def seal(record: bytearray | memoryview, key: ChunkKey, meta: ChunkMeta = ChunkMeta(), codec: int = CODEC_RAW) -> None:
     """Write the header into the front of `record`, whose payload region is already filled.
 
     Lets a receiver assemble the payload in place (no extra copy) and seal it once complete.
@@ -61,20 +77,27 @@ def seal(record: bytearray | memoryview, key: ChunkKey, codec: int = CODEC_RAW) 
     start = header_bytes(key)
     view = memoryview(record)
     payload = view[start:]
-    checksum = _checksum(namespace, key.key, codec, payload)
-    _FIXED.pack_into(view, 0, MAGIC, FORMAT_VERSION, codec, len(namespace), len(key.key), len(payload), checksum)
+    checksum = _checksum(namespace, key.key, codec, meta, payload)
+    _FIXED.pack_into(view, 0, MAGIC, FORMAT_VERSION, codec, len(namespace), len(key.key), meta.object_class,
+                     len(payload), meta.prefix_tokens, checksum)
     view[FIXED_HEADER_BYTES:FIXED_HEADER_BYTES + len(namespace)] = namespace
     view[FIXED_HEADER_BYTES + len(namespace):start] = key.key
 
 
-def encode(key: ChunkKey, payload, codec: int = CODEC_RAW) -> bytearray:
+def encode(key: ChunkKey, payload, meta: ChunkMeta = ChunkMeta(), codec: int = CODEC_RAW) -> bytearray:
     """A sealed record holding a copy of `payload` (any bytes-like object)."""
     start = header_bytes(key)
     payload = memoryview(payload).cast("B")
     record = bytearray(start + len(payload))
     record[start:] = payload
-    seal(record, key, codec)
+    seal(record, key, meta, codec)
     return record
+
+
+def read_meta(record) -> ChunkMeta:
+    """Class and value of a record, from the fixed header only (tiers call this on every put)."""
+    fields = _FIXED.unpack_from(record, 0)
+    return ChunkMeta(fields[5], fields[7])
 
 
 def read_header(record) -> RecordHeader:
@@ -82,7 +105,7 @@ def read_header(record) -> RecordHeader:
     view = memoryview(record)
     if len(view) < FIXED_HEADER_BYTES:
         raise ChunkCorrupt(f"record of {len(view)} bytes is shorter than a header")
-    magic, version, codec, ns_len, key_len, payload_len, _ = _FIXED.unpack_from(view, 0)
+    magic, version, codec, ns_len, key_len, object_class, payload_len, prefix_tokens, _ = _FIXED.unpack_from(view, 0)
     if magic != MAGIC:
         raise ChunkCorrupt("bad magic")
     if version != FORMAT_VERSION:
@@ -95,7 +118,7 @@ def read_header(record) -> RecordHeader:
         key = ChunkKey(namespace, bytes(view[FIXED_HEADER_BYTES + ns_len:start]))
     except Exception as exc:  # bad utf-8 or an invalid key: the header is damaged
         raise ChunkCorrupt(f"bad key in header: {exc}") from exc
-    return RecordHeader(key, codec, payload_len, start)
+    return RecordHeader(key, codec, payload_len, start, ChunkMeta(object_class, prefix_tokens))
 
 
 def decode(record, expected: ChunkKey, verify: bool = True) -> memoryview:
@@ -111,7 +134,7 @@ def decode(record, expected: ChunkKey, verify: bool = True) -> memoryview:
         raise ChunkCorrupt(f"record is {len(view)} bytes, header says {header.record_bytes}")
     payload = view[header.header_bytes:]
     stored = _FIXED.unpack_from(view, 0)[-1]
-    if verify and _checksum(expected.namespace.encode(), expected.key, header.codec, payload) != stored:
+    if verify and _checksum(expected.namespace.encode(), expected.key, header.codec, header.meta, payload) != stored:
         raise ChunkCorrupt(f"checksum mismatch for {expected}")
     if header.codec != CODEC_RAW:
         raise ChunkCorrupt(f"unknown codec {header.codec}")

@@ -45,6 +45,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: off)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
+    bench = commands.add_parser("bench", help="benchmarks against a real server")
+    benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    cliff = benches.add_parser("cliff", help="prefix hit ratio of a hybrid model: repeated prompts, chat, long context",
+                               description="Runs a simulated engine with objects of a preset's real sizes against "
+                                           "a server (one it starts when --server is omitted).")
+    cliff.add_argument("--server", metavar="URL", help="use a running server (default: start one)")
+    cliff.add_argument("--preset", default="qwen3.5-0.8b", help="qwen3.5-0.8b, qwen3.5-4b or qwen3.6-27b")
+    cliff.add_argument("--repeats", type=int, default=3, help="times each repeated prompt is sent (default 3)")
+    cliff.add_argument("--turns", type=int, default=8)
+    cliff.add_argument("--system-tokens", type=int, default=4096)
+    cliff.add_argument("--document-tokens", type=int, help="long-context document (default 262144; 16384 --quick)")
+    cliff.add_argument("--questions", type=int, default=8)
+    cliff.add_argument("--seed", type=int, default=0)
+    cliff.add_argument("--quick", action="store_true", help="fewer lengths and a shorter document (CI smoke)")
+    cliff.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    cliff.add_argument("--plot", default="tiercache-cliff.png", metavar="PNG", help="write the plot here ('' = none)")
+    cliff.add_argument("--no-progress", action="store_true")
+
     stats = commands.add_parser("stats", help="show a running server's tiers and namespaces")
     stats.add_argument("--server", default="grpc://127.0.0.1:50051", metavar="URL")
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -91,16 +109,29 @@ def show_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_bench(args: argparse.Namespace) -> int:
+    from tiercache.bench import cliff_command
+
+    return cliff_command(args)
+
+
 def format_table(stats: dict) -> str:
-    columns = ("tier", "up", "chunks", "used", "capacity", "use%", "hits", "misses", "evictions", "promotions",
-               "demotions", "checksum_failures", "errors")
+    columns = ("tier", "up", "chunks", "used", "capacity", "use%", "states", "state budget", "hits", "misses",
+               "evictions", "promotions", "demotions", "checksum_failures", "errors")
     rows = [columns]
     for t in stats["tiers"]:
-        cap = t["capacity_bytes"]
+        cap, budget = t["capacity_bytes"], t["state_budget_bytes"]
         rows.append((t["name"], "yes" if t["up"] else "DOWN", str(t["chunks"]), format_size(t["used_bytes"]),
                      format_size(cap) if cap else "-", f"{100 * t['used_bytes'] / cap:.1f}" if cap else "-",
-                     *(str(t[c]) for c in columns[6:])))
+                     f"{t['state_chunks']} ({format_size(t['state_bytes'])})",
+                     format_size(budget) if budget else "-", *(str(t[c]) for c in columns[8:])))
     lines = [_row(rows, r) for r in rows]
+    lookups = stats["lookups"]
+    if lookups["lookups"]:
+        hit = sum(lookups["hit_tokens_by_tier"].values())
+        by_tier = ", ".join(f"{name} {n}" for name, n in sorted(lookups["hit_tokens_by_tier"].items()))
+        lines += ["", f"lookups: {lookups['lookups']}, {hit} of {lookups['requested_tokens']} prompt tokens hit "
+                      f"({100 * hit / max(lookups['requested_tokens'], 1):.1f}%; {by_tier or 'none'})"]
     if stats["namespaces"]:
         lines.append("")
         ns_rows = [("namespace", "chunks", "used")] + [
@@ -117,7 +148,7 @@ def _row(rows: Sequence[Sequence[str]], row: Sequence[str]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"serve": serve, "stats": show_stats}[args.command](args)
+        return {"serve": serve, "stats": show_stats, "bench": run_bench}[args.command](args)
     except TierCacheError as exc:
         print(f"tiercache: error: {exc}", file=sys.stderr)
         return 2

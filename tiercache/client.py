@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Callable, Iterator, Mapping, NamedTuple, Sequence, TypeVar
 from urllib.parse import urlparse
 
 import grpc
 
+from tiercache.chunk import ChunkMeta
 from tiercache.errors import InvalidArgument, TierCacheError, Unavailable
 from tiercache.keys import validate_key, validate_namespace
 from tiercache.wire import error_for, frames, pb, pb_grpc, stats_dict
@@ -20,6 +21,19 @@ from tiercache.wire import error_for, frames, pb, pb_grpc, stats_dict
 T = TypeVar("T")
 DEFAULT_FRAME_BYTES = 1 << 20
 DEFAULT_MAX_CHUNK_BYTES = 64 << 20
+
+
+class Chunk(NamedTuple):
+    """One chunk to put: its key, its bytes, and how the store should value it (KV by default)."""
+
+    key: bytes
+    data: object  # any bytes-like object
+    meta: ChunkMeta = ChunkMeta()
+
+
+class Fetched(NamedTuple):
+    data: bytes
+    tier: str  # the tier it was read from
 
 
 @dataclass(frozen=True)
@@ -60,24 +74,36 @@ class Client:
 
     # -- the API ----------------------------------------------------------------------------------------------------
 
-    def put(self, namespace: str, key: bytes, data) -> str:
+    def put(self, namespace: str, key: bytes, data, meta: ChunkMeta = ChunkMeta()) -> str:
         """Store `data` (any bytes-like object) under (namespace, key); returns the tier that holds it."""
+        return self.put_many(namespace, [Chunk(key, data, meta)])[0]
+
+    def put_many(self, namespace: str, chunks: Sequence[Chunk]) -> list[str]:
+        """Store several chunks in one stream; returns, per chunk, the tier that holds it."""
         validate_namespace(namespace)
-        validate_key(key)
-        payload = memoryview(data).cast("B")
+        views = [(validate_key(c.key), memoryview(c.data).cast("B"), c.meta) for c in chunks]
+        if not views:
+            return []
 
         def stream() -> Iterator[pb.PutFrame]:
-            yield pb.PutFrame(header=pb.ChunkHeader(namespace=namespace, key=key, size_bytes=len(payload)))
-            for frame in frames(payload, self.frame_bytes):
-                yield pb.PutFrame(data=frame)
+            for key, payload, meta in views:
+                yield pb.PutFrame(header=pb.ChunkHeader(
+                    namespace=namespace, key=key, size_bytes=len(payload), object_class=meta.object_class,
+                    prefix_tokens=meta.prefix_tokens))
+                for frame in frames(payload, self.frame_bytes):
+                    yield pb.PutFrame(data=frame)
 
-        return self._call(lambda timeout: self._stub.Put(stream(), timeout=timeout)).stored_in[0]
+        return list(self._call(lambda timeout: self._stub.Put(stream(), timeout=timeout)).stored_in)
 
     def get(self, namespace: str, key: bytes) -> bytes | None:
         return self.get_many(namespace, [key])[0]
 
     def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[bytes | None]:
         """One result per key, in order: the bytes, or None for a miss."""
+        return [f.data if f is not None else None for f in self.fetch_many(namespace, keys)]
+
+    def fetch_many(self, namespace: str, keys: Sequence[bytes]) -> list[Fetched | None]:
+        """Like get_many, with the tier each chunk was read from."""
         request = pb.GetRequest(namespace=namespace, keys=self._checked(namespace, keys))
         return self._call(lambda timeout: _collect(self._stub.Get(request, timeout=timeout), len(keys)))
 
@@ -94,6 +120,12 @@ class Client:
         """Remove keys from every tier; returns how many existed."""
         request = pb.KeysRequest(namespace=namespace, keys=self._checked(namespace, keys))
         return self._call(lambda timeout: self._stub.Delete(request, timeout=timeout)).deleted
+
+    def report_lookup(self, namespace: str, requested_tokens: int, hit_tokens_by_tier: Mapping[str, int]) -> None:
+        """Tell the server how a prefix lookup went, for its metrics (`tiercache_lookup_*`) and stats."""
+        request = pb.LookupReport(namespace=validate_namespace(namespace), requested_tokens=requested_tokens,
+                                  hit_tokens_by_tier=dict(hit_tokens_by_tier))
+        self._call(lambda timeout: self._stub.ReportLookup(request, timeout=timeout))
 
     def stats(self) -> dict:
         return stats_dict(self._call(lambda timeout: self._stub.Stats(pb.StatsRequest(), timeout=timeout)))
@@ -128,20 +160,19 @@ class Client:
                 time.sleep(delay)
 
 
-def _collect(responses: Iterator[pb.GetFrame], count: int) -> list[bytes | None]:
-    results: list[bytes | None] = [None] * count
+def _collect(responses: Iterator[pb.GetFrame], count: int) -> list[Fetched | None]:
+    results: list[Fetched | None] = [None] * count
     parts: list[bytes] = []
-    index = size = None
+    header = None
     for frame in responses:
         if frame.WhichOneof("part") == "header":
-            if index is not None:
-                results[index] = _joined(parts, size)
-            header = frame.header
-            index, size, parts = (header.index, header.size_bytes, []) if header.found else (None, None, [])
-        elif index is not None:
+            if header is not None:
+                results[header.index] = Fetched(_joined(parts, header.size_bytes), header.tier)
+            header, parts = (frame.header if frame.header.found else None), []
+        elif header is not None:
             parts.append(frame.data)
-    if index is not None:
-        results[index] = _joined(parts, size)
+    if header is not None:
+        results[header.index] = Fetched(_joined(parts, header.size_bytes), header.tier)
     return results
 
 
@@ -152,4 +183,4 @@ def _joined(parts: list[bytes], size: int) -> bytes:
     return data
 
 
-__all__ = ["Client", "Retry", "TierCacheError"]
+__all__ = ["Chunk", "ChunkMeta", "Client", "Fetched", "Retry", "TierCacheError"]

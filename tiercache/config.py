@@ -59,14 +59,28 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _check_state_budget(tier: str, capacity: int, budget: int | None, weight: float) -> None:
+    _require(budget is None or 0 <= budget <= capacity,
+             f"{tier}.state_budget_bytes must be between 0 and {tier}.capacity_bytes")
+    _require(0.0 <= weight <= 1.0, f"{tier}.state_value_weight must be within 0..1")
+
+
+def state_budget(capacity: int, budget: int | None) -> int:
+    """The state budget in force: the configured one, or half the tier's capacity."""
+    return capacity // 2 if budget is None else budget
+
+
 @dataclass(frozen=True)
 class HostTierConfig:
     """The in-memory tier: one preallocated arena carved into fixed-size pages."""
 
     capacity_bytes: int = 1 * GiB
     page_bytes: int = 64 * KiB
+    state_budget_bytes: int | None = None  # most bytes of recurrent states held; default half the capacity
+    state_value_weight: float = 0.5  # weight of tokens-saved-per-byte against recency when evicting states
 
     def __post_init__(self) -> None:
+        _check_state_budget("host", self.capacity_bytes, self.state_budget_bytes, self.state_value_weight)
         _require(self.capacity_bytes >= 0, "host.capacity_bytes must be >= 0 (0 disables the host tier)")
         _require(self.page_bytes >= 4 * KiB and self.page_bytes % 4096 == 0,
                  "host.page_bytes must be a multiple of 4096")
@@ -81,8 +95,11 @@ class DiskTierConfig:
     path: str = field(default_factory=default_disk_dir)
     capacity_bytes: int = 4 * GiB
     fsync: bool = False  # fsync each file before it becomes visible: survives power loss, costs write bandwidth
+    state_budget_bytes: int | None = None  # most bytes of recurrent states held; default half the capacity
+    state_value_weight: float = 0.5
 
     def __post_init__(self) -> None:
+        _check_state_budget("disk", self.capacity_bytes, self.state_budget_bytes, self.state_value_weight)
         _require(self.capacity_bytes >= 0, "disk.capacity_bytes must be >= 0 (0 disables the disk tier)")
         _require(bool(self.path), "disk.path must not be empty")
 

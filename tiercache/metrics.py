@@ -26,6 +26,9 @@ _TIER_GAUGES = (
     ("tiercache_tier_used_bytes", "Bytes held by this tier", "used_bytes"),
     ("tiercache_tier_capacity_bytes", "Capacity of this tier (0: bounded by the backend)", "capacity_bytes"),
     ("tiercache_tier_chunks", "Chunks held by this tier", "chunks"),
+    ("tiercache_tier_state_bytes", "Bytes of recurrent-state checkpoints held by this tier", "state_bytes"),
+    ("tiercache_tier_state_budget_bytes", "State byte budget of this tier (0: none of its own)", "state_budget_bytes"),
+    ("tiercache_tier_state_chunks", "Recurrent-state checkpoints held by this tier", "state_chunks"),
 )
 
 
@@ -51,6 +54,15 @@ class StoreCollector:
         for tier in stats.tiers:
             up.add_metric([tier.name], 1 if tier.up else 0)
         yield up
+        lookups = stats.lookups
+        yield CounterMetricFamily("tiercache_lookups", "Prefix lookups reported by connectors", value=lookups.lookups)
+        yield CounterMetricFamily("tiercache_lookup_requested_tokens", "Prompt tokens of reported lookups",
+                                  value=lookups.requested_tokens)
+        hits = CounterMetricFamily("tiercache_lookup_hit_tokens", "Prompt tokens reused, by the tier they came from",
+                                   labels=["tier"])
+        for tier, n in sorted(lookups.hit_tokens_by_tier.items()):
+            hits.add_metric([tier], n)
+        yield hits
         used = GaugeMetricFamily("tiercache_namespace_used_bytes", "Bytes held in local tiers per namespace",
                                  labels=["namespace"])
         for ns in stats.namespaces:

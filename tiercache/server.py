@@ -23,7 +23,7 @@ from tiercache.errors import ConfigError, InvalidArgument
 from tiercache.keys import ChunkKey, validate_key, validate_namespace
 from tiercache.metrics import Metrics
 from tiercache.store import TieredStore
-from tiercache.wire import SERVICE_NAME, frames, pb, pb_grpc, stats_message, status_for
+from tiercache.wire import SERVICE_NAME, chunk_meta, frames, pb, pb_grpc, stats_message, status_for
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class _ChunkAssembler:
         if header.size_bytes > max_chunk_bytes:
             raise InvalidArgument(f"chunk of {header.size_bytes} bytes exceeds the maximum of {max_chunk_bytes}")
         self.key = ChunkKey(validate_namespace(header.namespace), validate_key(header.key))
+        self.meta = chunk_meta(header)
         self.start = chunk.header_bytes(self.key)
         self.record = bytearray(self.start + header.size_bytes)
         self.filled = self.start
@@ -90,7 +91,7 @@ class _ChunkAssembler:
         self.filled = end
 
     def sealed(self) -> bytearray:
-        chunk.seal(self.record, self.key)
+        chunk.seal(self.record, self.key, self.meta)
         return self.record
 
 
@@ -152,6 +153,15 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
     @_rpc
     def Delete(self, request: pb.KeysRequest, context) -> pb.DeleteResponse:
         return pb.DeleteResponse(deleted=self.store.delete(_chunk_keys(request.namespace, request.keys)))
+
+    @_rpc
+    def ReportLookup(self, request: pb.LookupReport, context) -> pb.LookupReportAck:
+        validate_namespace(request.namespace)
+        hit = dict(request.hit_tokens_by_tier)
+        if sum(hit.values()) > request.requested_tokens:
+            raise InvalidArgument("a lookup cannot hit more tokens than it requested")
+        self.store.record_lookup(request.requested_tokens, hit)
+        return pb.LookupReportAck()
 
     @_rpc
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:

@@ -12,7 +12,7 @@ The store holds no lock around tier calls; tiers lock their own metadata, and th
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from tiercache import chunk
@@ -53,6 +53,18 @@ class TierStats:
     demotions: int
     checksum_failures: int
     errors: int
+    state_chunks: int
+    state_bytes: int
+    state_budget_bytes: int
+
+
+@dataclass(frozen=True)
+class LookupStats:
+    """Prefix lookups reported by connectors: tokens asked for, and tokens hit per tier the hit came from."""
+
+    lookups: int = 0
+    requested_tokens: int = 0
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,7 @@ class NamespaceUsage:
 class StoreStats:
     tiers: tuple[TierStats, ...]
     namespaces: tuple[NamespaceUsage, ...]
+    lookups: LookupStats = LookupStats()
 
 
 class TieredStore:
@@ -75,6 +88,7 @@ class TieredStore:
         self.tiers = tuple(tiers)
         self.write_through = write_through
         self._counters = {t.name: TierCounters() for t in self.tiers}
+        self._lookups = LookupStats()
         self._lock = threading.Lock()
 
     @classmethod
@@ -96,9 +110,9 @@ class TieredStore:
 
     # -- the store's operations ------------------------------------------------------------------------------------
 
-    def put(self, key: ChunkKey, payload) -> str:
+    def put(self, key: ChunkKey, payload, meta: chunk.ChunkMeta = chunk.ChunkMeta()) -> str:
         """Store a copy of `payload`; returns the name of the tier that holds it."""
-        return self.put_record(key, chunk.encode(key, payload))
+        return self.put_record(key, chunk.encode(key, payload, meta))
 
     def put_record(self, key: ChunkKey, record: bytearray) -> str:
         """Store an already sealed record (the server assembles records in place to save a copy)."""
@@ -161,11 +175,23 @@ class TieredStore:
             removed = [r or p for r, p in zip(removed, present)]
         return sum(removed)
 
+    def record_lookup(self, requested_tokens: int, hit_tokens_by_tier: dict[str, int]) -> None:
+        """Count one connector lookup (the hit rule runs in the connector; the store keeps the totals)."""
+        with self._lock:
+            hits = dict(self._lookups.hit_tokens_by_tier)
+            for tier, n in hit_tokens_by_tier.items():
+                hits[tier] = hits.get(tier, 0) + n
+            self._lookups = LookupStats(self._lookups.lookups + 1, self._lookups.requested_tokens + requested_tokens,
+                                        hits)
+
     def stats(self) -> StoreStats:
         usages = [(tier, tier.usage()) for tier in self.tiers]
         with self._lock:
             tiers = tuple(TierStats(tier.name, u.up, u.chunks, u.used_bytes, u.capacity_bytes,
-                                    **vars(self._counters[tier.name])) for tier, u in usages)
+                                    **vars(self._counters[tier.name]), state_chunks=u.state_chunks,
+                                    state_bytes=u.state_bytes, state_budget_bytes=u.state_budget_bytes)
+                          for tier, u in usages)
+            lookups = self._lookups
         namespace_bytes: dict[str, int] = {}
         namespace_chunks: dict[str, int] = {}
         for tier, usage in usages:
@@ -176,7 +202,7 @@ class TieredStore:
             for ns, n in usage.chunks_by_namespace.items():
                 namespace_chunks[ns] = namespace_chunks.get(ns, 0) + n
         namespaces = tuple(NamespaceUsage(ns, n, namespace_chunks[ns]) for ns, n in sorted(namespace_bytes.items()))
-        return StoreStats(tiers, namespaces)
+        return StoreStats(tiers, namespaces, lookups)
 
     def close(self) -> None:
         for tier in self.tiers:

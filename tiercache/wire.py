@@ -11,6 +11,7 @@ from typing import Iterator
 import grpc
 
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound, TierCacheError, Unavailable
+from tiercache.chunk import CLASS_KV, CLASS_STATE, ChunkMeta
 from tiercache.store import StoreStats
 
 try:
@@ -56,7 +57,9 @@ def stats_message(stats: StoreStats, *, version: str, uptime_s: float, max_chunk
         version=version, uptime_s=uptime_s, max_chunk_bytes=max_chunk_bytes,
         tiers=[pb.TierStats(**vars(t)) for t in stats.tiers],
         namespaces=[pb.NamespaceStats(namespace=n.namespace, used_bytes=n.used_bytes, chunks=n.chunks)
-                    for n in stats.namespaces])
+                    for n in stats.namespaces],
+        lookups=stats.lookups.lookups, requested_tokens=stats.lookups.requested_tokens,
+        hit_tokens_by_tier=stats.lookups.hit_tokens_by_tier)
 
 
 def stats_dict(message: pb.StatsResponse) -> dict:
@@ -69,4 +72,12 @@ def stats_dict(message: pb.StatsResponse) -> dict:
         "tiers": [{name: getattr(t, name) for name in tier_fields} for t in message.tiers],
         "namespaces": [{"namespace": n.namespace, "used_bytes": n.used_bytes, "chunks": n.chunks}
                        for n in message.namespaces],
+        "lookups": {"lookups": message.lookups, "requested_tokens": message.requested_tokens,
+                    "hit_tokens_by_tier": dict(message.hit_tokens_by_tier)},
     }
+
+
+def chunk_meta(header: pb.ChunkHeader) -> ChunkMeta:
+    if header.object_class not in (CLASS_KV, CLASS_STATE):
+        raise InvalidArgument(f"unknown object class {header.object_class}")
+    return ChunkMeta(header.object_class, header.prefix_tokens)

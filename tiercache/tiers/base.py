@@ -7,9 +7,11 @@ store's decision.
 Contract (every method is thread-safe):
 - put(key, record, return_evicted): store a copy of `record`, replacing any record under `key`. To make room the
   tier evicts its least recently used records and returns them, with their bytes when `return_evicted` is true (so
-  the store can demote them) and `record=None` otherwise. Raises TierFull when the record cannot fit at all (larger
-  than the tier, or every candidate victim is being read), and TierDown when the backend is unreachable. After put
-  returns, the tier holds no more than its capacity.
+  the store can demote them) and `record=None` otherwise. Tiers with an index also keep recurrent-state records
+  (chunk.CLASS_STATE) within a state byte budget, evicting states by value rather than recency. Raises TierFull
+  when the record cannot fit at all (larger than the tier or its state budget, or every candidate victim is being
+  read), and TierDown when the backend is unreachable. After put returns, the tier holds no more than its capacity
+  and its state budget.
 - get(key): a copy of the record, or None. Marks the key most recently used. The record may be corrupt; callers verify.
 - contains(keys): one bool per key, without reading records or changing recency.
 - delete(keys): remove what exists, return how many were removed. Deleting a missing key is not an error.
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from tiercache.keys import ChunkKey
-from tiercache.lru import LruIndex
+from tiercache.lru import ChunkIndex
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,13 +46,17 @@ class TierUsage:
     used_bytes: int
     capacity_bytes: int  # 0 when the backend bounds itself (Redis without maxmemory)
     up: bool = True
+    state_chunks: int = 0
+    state_bytes: int = 0
+    state_budget_bytes: int = 0  # 0 when states have no budget of their own here (Redis)
     bytes_by_namespace: dict[str, int] = field(default_factory=dict)
     chunks_by_namespace: dict[str, int] = field(default_factory=dict)
 
 
-def index_usage(index: LruIndex, capacity_bytes: int) -> TierUsage:
-    """The usage of a tier that keeps an LruIndex (host, disk). Call under the tier's lock."""
-    return TierUsage(len(index), index.used_bytes, capacity_bytes,
+def index_usage(index: ChunkIndex, capacity_bytes: int, state_budget_bytes: int) -> TierUsage:
+    """The usage of a tier that keeps a ChunkIndex (host, disk). Call under the tier's lock."""
+    return TierUsage(len(index), index.used_bytes, capacity_bytes, state_chunks=index.state_chunks,
+                     state_bytes=index.state_bytes, state_budget_bytes=state_budget_bytes,
                      bytes_by_namespace=dict(index.bytes_by_namespace),
                      chunks_by_namespace=dict(index.chunks_by_namespace))
 

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Sequence
 
 from tiercache import chunk
-from tiercache.config import DiskTierConfig
+from tiercache.config import DiskTierConfig, state_budget
 from tiercache.errors import ChunkCorrupt, ConfigError, TierFull
 from tiercache.keys import ChunkKey
-from tiercache.lru import LruIndex
+from tiercache.lru import ChunkIndex
 from tiercache.tiers.base import Evicted, TierUsage, index_usage
 
 _SUFFIX = ".chunk"
@@ -35,6 +35,7 @@ class _Entry:
     path: str
     record_bytes: int
     sequence: int
+    meta: chunk.ChunkMeta
 
 
 class DiskTier:
@@ -45,10 +46,12 @@ class DiskTier:
     def __init__(self, config: DiskTierConfig) -> None:
         self.root = Path(config.path).expanduser()
         self.capacity_bytes = config.capacity_bytes
+        self.state_budget_bytes = state_budget(config.capacity_bytes, config.state_budget_bytes)
         self._fsync = config.fsync
-        self._index: LruIndex[_Entry] = LruIndex(lambda e: e.record_bytes)
+        self._index: ChunkIndex[_Entry] = ChunkIndex(config.state_value_weight)
         self._reserved_bytes = 0
         self._releasing_bytes = 0
+        self._state_reserved = 0
         self._lock = threading.Lock()
         self._prepare_root()
         self._sequence = itertools.count(self._rebuild_index() + 1)
@@ -57,27 +60,31 @@ class DiskTier:
 
     def put(self, key: ChunkKey, record, *, return_evicted: bool) -> list[Evicted]:
         size = len(memoryview(record).cast("B"))
-        if size > self.capacity_bytes:
-            raise TierFull(f"{size} bytes exceed the disk tier's {self.capacity_bytes}")
+        meta = chunk.read_meta(record)
+        state = size if meta.object_class == chunk.CLASS_STATE else 0
+        if size > self.capacity_bytes or state > self.state_budget_bytes:
+            raise TierFull(f"{size} bytes exceed what the disk tier may hold")
         with self._lock:
             stale = self._take_out([key])
         self._discard(stale, read=False)
         evicted: list[Evicted] = []
         while True:
             with self._lock:
-                if self._committed_bytes() + size <= self.capacity_bytes:
+                if self._committed_bytes() + size <= self.capacity_bytes and self._state_excess(state) <= 0:
                     self._reserved_bytes += size
+                    self._state_reserved += state
                     break
-                victims = self._choose_victims(size)
+                victims = self._choose_victims(size, state)
             if not victims:  # the rest of the room is reserved by writes in flight
                 raise TierFull(f"disk tier has no room for {size} bytes right now", evicted)
             evicted += self._discard(victims, read=return_evicted)
-        entry = _Entry(self._path_for(key, next(self._sequence)), size, 0)
+        entry = _Entry(self._path_for(key, next(self._sequence)), size, 0, meta)
         try:
             self._write_file(entry.path, record)
         finally:
             with self._lock:
                 self._reserved_bytes -= size
+                self._state_reserved -= state
         with self._lock:
             replaced = self._take_out([key])  # a concurrent put of the same key: last one wins
             self._index.add(key, entry)
@@ -109,7 +116,7 @@ class DiskTier:
 
     def usage(self) -> TierUsage:
         with self._lock:
-            return index_usage(self._index, self.capacity_bytes)
+            return index_usage(self._index, self.capacity_bytes, self.state_budget_bytes)
 
     def close(self) -> None:
         pass  # every file is complete on disk once put returns
@@ -129,15 +136,30 @@ class DiskTier:
         self._releasing_bytes += sum(e.record_bytes for _, e in taken)
         return taken
 
-    def _choose_victims(self, size: int) -> list[tuple[ChunkKey, _Entry]]:
-        """Under the lock: take out LRU entries until `size` will fit once they are unlinked."""
-        excess = self._committed_bytes() + size - self.capacity_bytes
-        victims = []
-        for key, entry in self._index.oldest():
+    def _state_excess(self, state_bytes: int) -> int:
+        return self._index.state_bytes + self._state_reserved + state_bytes - self.state_budget_bytes
+
+    def _choose_victims(self, size: int, state_bytes: int) -> list[tuple[ChunkKey, _Entry]]:
+        """Under the lock: take out entries until the record will fit once they are unlinked. States over budget
+        go first, lowest value first; then whatever the index ranks first."""
+        victims: list[ChunkKey] = []
+        freed = 0
+        if state_bytes:
+            excess = self._state_excess(state_bytes)
+            for key, entry in self._index.states_by_value():
+                if excess <= 0:
+                    break
+                victims.append(key)
+                excess -= entry.record_bytes
+                freed += entry.record_bytes
+        excess = self._committed_bytes() + size - self.capacity_bytes - freed
+        chosen = set(victims)
+        for key, entry in self._index.eviction_order():
             if excess <= 0:
                 break
-            victims.append(key)
-            excess -= entry.record_bytes
+            if key not in chosen:
+                victims.append(key)
+                excess -= entry.record_bytes
         return self._take_out(victims)
 
     def _discard(self, entries: list[tuple[ChunkKey, _Entry]], read: bool) -> list[Evicted]:
@@ -213,7 +235,7 @@ class DiskTier:
                 _unlink(str(path))
                 continue
             top_sequence = max(top_sequence, sequence)
-            entry = _Entry(str(path), stat.st_size, sequence)
+            entry = _Entry(str(path), stat.st_size, sequence, header.meta)
             older = found.get(header.key)
             if older is not None:
                 loser = older if older.sequence < sequence else entry
@@ -224,8 +246,13 @@ class DiskTier:
             found[header.key], mtimes[header.key] = entry, stat.st_mtime
         for key in sorted(found, key=lambda k: (mtimes[k], found[k].sequence)):
             self._index.add(key, found[key])
-        for key, entry in self._index.oldest():  # the cap may have shrunk since the last run
+        for key, entry in self._index.eviction_order():  # the caps may have shrunk since the last run
             if self._index.used_bytes <= self.capacity_bytes:
+                break
+            self._index.remove(key)
+            _unlink(entry.path)
+        for key, entry in self._index.states_by_value():
+            if self._index.state_bytes <= self.state_budget_bytes:
                 break
             self._index.remove(key)
             _unlink(entry.path)
@@ -235,6 +262,7 @@ class DiskTier:
         with self._lock:
             self._index.check()
             assert self._index.used_bytes <= self.capacity_bytes
+            assert self._index.state_bytes <= self.state_budget_bytes
             for _, entry in self._index.items():
                 assert os.path.getsize(entry.path) == entry.record_bytes, entry.path
 

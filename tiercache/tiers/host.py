@@ -1,4 +1,4 @@
-"""The host-memory tier: a preallocated arena of fixed-size pages, with LRU eviction.
+"""The host-memory tier: a preallocated arena of fixed-size pages, with LRU eviction (and by value for states).
 
 The arena is allocated once at start (an anonymous mmap), never per chunk: fresh memory costs a page fault per 4 KiB
 on first touch (1-2 GB/s on our machines against ~12 GB/s into reused memory), and a dict of `bytes` would fragment
@@ -16,17 +16,19 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
+from tiercache import chunk
 from tiercache.allocator import Extent, ExtentAllocator
-from tiercache.config import HostTierConfig
+from tiercache.config import HostTierConfig, state_budget
 from tiercache.errors import TierFull
 from tiercache.keys import ChunkKey
-from tiercache.lru import LruIndex
+from tiercache.lru import ChunkIndex
 from tiercache.tiers.base import Evicted, TierUsage, index_usage
 
 
 @dataclass(slots=True)
 class _Entry:
     record_bytes: int
+    meta: chunk.ChunkMeta
     extents: tuple[Extent, ...]
     pins: int = 0
     dead: bool = False  # removed from the index while pinned: free the pages at the last unpin
@@ -41,30 +43,38 @@ class HostTier:
         self.page_bytes = config.page_bytes
         pages = config.capacity_bytes // config.page_bytes
         self.capacity_bytes = pages * config.page_bytes
+        self.state_budget_bytes = min(state_budget(config.capacity_bytes, config.state_budget_bytes),
+                                      self.capacity_bytes)
         self._arena = mmap.mmap(-1, max(self.capacity_bytes, mmap.PAGESIZE))
         self._view = memoryview(self._arena)
         self._allocator = ExtentAllocator(pages)
-        self._index: LruIndex[_Entry] = LruIndex(lambda e: e.record_bytes)
+        self._index: ChunkIndex[_Entry] = ChunkIndex(config.state_value_weight)
+        self._state_reserved = 0  # state bytes of puts between allocation and commit
         self._lock = threading.Lock()
 
     # -- contract ---------------------------------------------------------------------------------------------------
 
     def put(self, key: ChunkKey, record, *, return_evicted: bool) -> list[Evicted]:
         record = memoryview(record).cast("B")
-        pages = -(-len(record) // self.page_bytes)
-        if pages > self._allocator.total_pages:
-            raise TierFull(f"{len(record)} bytes exceed the host tier's {self.capacity_bytes}")
+        meta = chunk.read_meta(record)
+        size = len(record)
+        state = size if meta.object_class == chunk.CLASS_STATE else 0
+        pages = -(-size // self.page_bytes)
+        if pages > self._allocator.total_pages or state > self.state_budget_bytes:
+            raise TierFull(f"{size} bytes exceed what the host tier may hold")
         evicted: list[Evicted] = []
         with self._lock:
             self._unlink(key)
         while True:
             with self._lock:
-                extents = self._allocator.allocate(pages)
-                victims = [] if extents is not None else self._choose_victims(pages)
-            if extents is not None:
-                break
+                victims = self._choose_victims(pages, state)
+                fits = not victims and self._state_excess(state) <= 0
+                extents = self._allocator.allocate(pages) if fits else None
+                if extents is not None:
+                    self._state_reserved += state
+                    break
             if not victims:  # everything left is being read right now
-                raise TierFull(f"host tier has no room for {len(record)} bytes right now", evicted)
+                raise TierFull(f"host tier has no room for {size} bytes right now", evicted)
             for victim_key, victim in victims:  # copy victims out without the lock; they are pinned
                 evicted.append(Evicted(victim_key, self._read(victim) if return_evicted else None))
             with self._lock:
@@ -72,8 +82,9 @@ class HostTier:
                     self._unpin(victim)  # frees their pages; the next round allocates (or evicts more if raced)
         self._write(extents, record)
         with self._lock:
+            self._state_reserved -= state
             self._unlink(key)  # a concurrent put of the same key may have committed meanwhile: last one wins
-            self._index.add(key, _Entry(len(record), extents))
+            self._index.add(key, _Entry(size, meta, extents))
         return evicted
 
     def get(self, key: ChunkKey) -> bytearray | None:
@@ -98,14 +109,14 @@ class HostTier:
 
     def usage(self) -> TierUsage:
         with self._lock:
-            return index_usage(self._index, self.capacity_bytes)
+            return index_usage(self._index, self.capacity_bytes, self.state_budget_bytes)
 
     def close(self) -> None:
         with self._lock:
             self._view.release()
             self._arena.close()
 
-    # -- inside the lock ----------------------------------------------------------------------------------------------
+    # -- inside the lock --------------------------------------------------------------------------------------------
 
     def _unlink(self, key: ChunkKey) -> bool:
         entry = self._index.remove(key)
@@ -117,27 +128,41 @@ class HostTier:
             self._allocator.free(entry.extents)
         return True
 
-    def _choose_victims(self, pages: int) -> list[tuple[ChunkKey, _Entry]]:
-        """Unlink least recently used, unpinned entries until `pages` would be free; pin them for the copy-out."""
-        victims = []
-        free = self._allocator.free_pages
-        if free >= pages:
-            return victims
-        for key, entry in self._index.oldest(lambda e: e.pins == 0):
+    def _choose_victims(self, pages: int, state_bytes: int) -> list[tuple[ChunkKey, _Entry]]:
+        """Unlink entries until a record of `pages` (and `state_bytes` of state budget) would fit; pin them for the
+        copy-out. States over budget go first, lowest value first; then whatever the index ranks first."""
+        victims: list[tuple[ChunkKey, _Entry]] = []
+        unpinned = lambda e: e.pins == 0  # noqa: E731
+        if state_bytes:
+            excess = self._state_excess(state_bytes)
+            for key, entry in self._index.states_by_value(unpinned):
+                if excess <= 0:
+                    break
+                victims.append((key, entry))
+                excess -= entry.record_bytes
+        free = self._allocator.free_pages + sum(e.pages for _, v in victims for e in v.extents)
+        if free < pages:
+            chosen = {k for k, _ in victims}
+            for key, entry in self._index.eviction_order(unpinned):
+                if free >= pages:
+                    break
+                if key not in chosen:
+                    victims.append((key, entry))
+                    free += sum(e.pages for e in entry.extents)
+        for key, entry in victims:
             self._index.remove(key)
             entry.pins, entry.dead = 1, True
-            victims.append((key, entry))
-            free += sum(e.pages for e in entry.extents)
-            if free >= pages:
-                break
         return victims
+
+    def _state_excess(self, state_bytes: int) -> int:
+        return self._index.state_bytes + self._state_reserved + state_bytes - self.state_budget_bytes
 
     def _unpin(self, entry: _Entry) -> None:
         entry.pins -= 1
         if entry.pins == 0 and entry.dead:
             self._allocator.free(entry.extents)
 
-    # -- outside the lock -----------------------------------------------------------------------------------------
+    # -- outside the lock -------------------------------------------------------------------------------------------
 
     def _write(self, extents: tuple[Extent, ...], record: memoryview) -> None:
         done = 0
@@ -158,10 +183,11 @@ class HostTier:
         return out
 
     def check(self) -> None:
-        """Integrity: index totals, allocator structure, and every live page accounted to exactly one owner."""
+        """Integrity: index totals, allocator structure, caps, and every live page accounted to one owner."""
         with self._lock:
             self._index.check()
             self._allocator.check()
             live = sum(p for _, e in self._index.items() for _, p in e.extents)
             assert live + self._allocator.free_pages <= self._allocator.total_pages
             assert self._index.used_bytes <= self.capacity_bytes
+            assert self._index.state_bytes <= self.state_budget_bytes

@@ -1,0 +1,71 @@
+"""`tiercache serve` as a child process on a free port, awaited through the gRPC health service (never a sleep).
+
+Used by `tiercache bench` and `tiercache demo` when no --server is given, and by the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *args: str, env: dict | None = None) -> None:
+        self.port = free_port()
+        self.args = ["--port", str(self.port), *args]
+        self.env = env if env is not None else {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"grpc://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> "ServerProcess":
+        self.process = subprocess.Popen([sys.executable, "-m", "tiercache", "serve", *self.args], env=self.env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + timeout_s
+        while not self.serving():
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"tiercache serve did not become ready on port {self.port} in {timeout_s}s")
+            time.sleep(0.02)
+        return self
+
+    def serving(self) -> bool:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"tiercache serve exited with {self.process.returncode}: {self.process.stderr.read()}")
+        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+            except grpc.RpcError:
+                return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def terminate(self, timeout_s: float = 15.0) -> tuple[int, str]:
+        """SIGTERM, wait for a graceful exit; returns (exit code, stderr)."""
+        self.process.terminate()
+        _, err = self.process.communicate(timeout=timeout_s)
+        return self.process.returncode, err
+
+    def kill(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
