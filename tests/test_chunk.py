@@ -60,7 +60,7 @@ def test_seal_in_place_equals_encode():
                                            ("ns", b"k" * 65), ("ns", "str-key")])
 def test_invalid_keys_are_rejected(namespace, key):
     with pytest.raises(InvalidArgument):
-        ChunkKey(namespace, key)
+        ChunkKey.checked(namespace, key)
 
 
 def test_digest_is_stable():

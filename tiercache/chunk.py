@@ -115,7 +115,7 @@ def read_header(record) -> RecordHeader:
         raise ChunkCorrupt("record truncated inside its key")
     try:
         namespace = bytes(view[FIXED_HEADER_BYTES:FIXED_HEADER_BYTES + ns_len]).decode()
-        key = ChunkKey(namespace, bytes(view[FIXED_HEADER_BYTES + ns_len:start]))
+        key = ChunkKey.checked(namespace, bytes(view[FIXED_HEADER_BYTES + ns_len:start]))
     except Exception as exc:  # bad utf-8 or an invalid key: the header is damaged
         raise ChunkCorrupt(f"bad key in header: {exc}") from exc
     return RecordHeader(key, codec, payload_len, start, ChunkMeta(object_class, prefix_tokens))

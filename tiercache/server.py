@@ -73,7 +73,7 @@ class _ChunkAssembler:
     def __init__(self, header: pb.ChunkHeader, max_chunk_bytes: int) -> None:
         if header.size_bytes > max_chunk_bytes:
             raise InvalidArgument(f"chunk of {header.size_bytes} bytes exceeds the maximum of {max_chunk_bytes}")
-        self.key = ChunkKey(validate_namespace(header.namespace), validate_key(header.key))
+        self.key = ChunkKey.checked(header.namespace, header.key)
         self.meta = chunk_meta(header)
         self.start = chunk.header_bytes(self.key)
         self.record = bytearray(self.start + header.size_bytes)
@@ -96,7 +96,7 @@ class _ChunkAssembler:
 
 
 def _chunk_keys(namespace: str, keys: Iterable[bytes]) -> list[ChunkKey]:
-    validate_namespace(namespace)
+    validate_namespace(namespace)  # once per request, not per key
     return [ChunkKey(namespace, validate_key(k)) for k in keys]
 
 

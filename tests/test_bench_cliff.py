@@ -1,0 +1,34 @@
+"""`tiercache bench cliff --quick --json` meets the hybrid-caching acceptance criteria. Slow: it moves ~2 GB."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import python_env
+
+pytestmark = pytest.mark.slow
+
+
+def test_cliff_quick(tmp_path):
+    plot = tmp_path / "cliff.png"
+    result = subprocess.run([sys.executable, "-m", "tiercache", "bench", "cliff", "--quick", "--json", "--no-progress",
+                             "--plot", str(plot)], capture_output=True, text=True, env=python_env(), timeout=600)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    n = report["N"]
+    assert report["preset"] == "qwen3.5-0.8b" and n == 544 and report["u"] == 16
+    for row in report["repeated"]:
+        length = row["length"]
+        assert row["tiercache_hit_ratio"] >= (length - 1) / length, row
+        if length < n:
+            assert row["full_block_hit_ratio"] == 0
+    for row in report["multi_turn"][1:]:
+        assert row["hit_tokens"] >= row["previous_turn_end"], row
+    document = report["long_context"][0]["document_tokens"]
+    for row in report["long_context"][1:]:
+        assert row["hit_tokens"] >= document - n, row
+    assert plot.stat().st_size > 10_000

@@ -1,0 +1,129 @@
+"""PrefixCache against a real server: hits from every tier, namespace isolation, lookup reports, corruption."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tiercache.client import Client
+from tiercache.connector.prefix_cache import PrefixCache
+from tiercache.hybrid import CacheSpec, ObjectKind, object_ref
+from tiercache.layout import GroupKind, LayerGroup, ModelLayout
+from tiercache.presets import gated_deltanet_layout
+
+LAYOUT = gated_deltanet_layout("tiny/hybrid", layers=4, full_attention_interval=2, kv_heads=1, head_dim=8,
+                               key_heads=1, value_heads=2, key_dim=4, value_dim=4, conv_kernel=4)
+
+
+def spec(**changes) -> CacheSpec:
+    layout = changes.pop("layout", LAYOUT)
+    return CacheSpec.for_layout(layout, match_unit=changes.pop("match_unit", 8), **changes)
+
+
+def tokens(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30_000, n)
+
+
+def prefill(cache: PrefixCache, prompt) -> int:
+    """What an engine does: look up, load, compute the rest, save what admission plans (payload: object size)."""
+    lookup = cache.lookup(prompt)
+    assert cache.load(lookup.hit) is not None
+    plan = cache.plan_prompt(lookup)
+    cache.save({ref: bytes([ref.kind]) * cache.spec.object_bytes(ref) for ref in plan.objects})
+    return lookup.hit.tokens
+
+
+@pytest.fixture
+def client(start_server, request):
+    options = getattr(request, "param", {})
+    server = start_server(**options)
+    with Client.from_url(server.url) as c:
+        yield c
+
+
+def test_unified_block_size_of_the_tiny_layout():
+    # one GDN layer: conv 16 channels x 3 x bf16 (96 B) + 2 x 4 x 4 fp32 (128 B) = 224 B; KV 32 B/token -> 7 -> 16
+    assert spec().chunk_tokens == 16
+
+
+@pytest.mark.parametrize("client", [{}, {"host_bytes": 0}], indirect=True, ids=["host", "disk"])
+def test_repeat_hits_and_loads_identical_bytes(client):
+    cache = PrefixCache(client, spec())
+    prompt = tokens(100)
+    assert prefill(cache, prompt) == 0
+    lookup = cache.lookup(prompt)
+    assert lookup.hit.tokens == 99
+    loaded = cache.load(lookup.hit)
+    assert {ref.kind for ref in loaded} == {ObjectKind.KV, ObjectKind.TAIL, ObjectKind.STATE}
+    for ref, data in loaded.items():
+        assert data == bytes([ref.kind]) * cache.spec.object_bytes(ref)
+
+
+def test_repeat_hits_from_redis(start_server, redis_url):
+    writer = start_server(redis_url=redis_url, write_through=True)
+    reader = start_server(redis_url=redis_url)  # another node: empty local tiers
+    prompt = tokens(100)
+    with Client.from_url(writer.url) as a, Client.from_url(reader.url) as b:
+        prefill(PrefixCache(a, spec()), prompt)
+        lookup = PrefixCache(b, spec()).lookup(prompt)
+    assert lookup.hit.tokens == 99 and {o.tier for o in lookup.hit.objects} == {"redis"}
+
+
+@pytest.mark.parametrize("other", [
+    {"match_unit": 16},
+    {"chunk_tokens": 64},
+    {"salt": "tenant-b"},
+    {"layout": dataclasses.replace(LAYOUT, revision="v2")},
+    {"layout": gated_deltanet_layout("tiny/hybrid", layers=4, full_attention_interval=2, kv_heads=1, head_dim=8,
+                                     key_heads=1, value_heads=2, key_dim=4, value_dim=4, conv_kernel=4,
+                                     kv_dtype="float16")},
+    {"layout": dataclasses.replace(LAYOUT, model="tiny/other")},
+], ids=["u", "N", "salt", "revision", "dtype", "model"])
+def test_namespaces_never_hit_each_other(client, other):
+    prompt = tokens(100)
+    prefill(PrefixCache(client, spec()), prompt)
+    assert PrefixCache(client, spec()).lookup(prompt).hit.tokens == 99
+    assert PrefixCache(client, spec(**other)).lookup(prompt).hit.tokens == 0
+
+
+def test_lookups_are_reported_to_the_server(client):
+    cache = PrefixCache(client, spec())
+    prompt = tokens(70)
+    prefill(cache, prompt)
+    prefill(cache, prompt)
+    lookups = client.stats()["lookups"]
+    assert lookups == {"lookups": 2, "requested_tokens": 140, "hit_tokens_by_tier": {"host": 69}}
+
+
+def test_corrupt_object_makes_the_load_fail_not_lie(start_server, tmp_path):
+    server = start_server(host_bytes=0)
+    with Client.from_url(server.url) as client:
+        cache = PrefixCache(client, spec())
+        prompt = tokens(100)
+        prefill(cache, prompt)
+        for path in (tmp_path / "disk").glob("*/*.chunk"):
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0xFF
+            path.write_bytes(data)
+        lookup = cache.lookup(prompt)
+        assert lookup.hit.tokens == 99  # presence is cheap and says yes...
+        assert cache.load(lookup.hit) is None  # ...but no corrupt byte is ever returned
+        assert cache.lookup(prompt).hit.tokens == 0  # and the bad copies are gone
+
+
+def test_pure_attention_layout_round_trip(client):
+    layout = ModelLayout("tiny/attn", (LayerGroup(GroupKind.FULL_ATTENTION, (0, 1), kv_heads=2, head_dim=4),))
+    cache = PrefixCache(client, spec(layout=layout))
+    prompt = tokens(50)
+    prefill(cache, prompt)
+    assert cache.lookup(prompt).hit.tokens == 49
+
+
+def test_object_sizes_follow_the_layout():
+    s = spec()
+    hashes = s.hashes(tokens(40))
+    assert s.object_bytes(object_ref(s, hashes, ObjectKind.KV, 16, 0)) == 16 * 2 * 32  # 2 attention layers
+    assert s.object_bytes(object_ref(s, hashes, ObjectKind.TAIL, 37, 0)) == 5 * 2 * 32
+    assert s.object_bytes(object_ref(s, hashes, ObjectKind.STATE, 37, 1)) == 2 * 224
