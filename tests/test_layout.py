@@ -60,7 +60,7 @@ def test_namespace_carries_model_revision_layout_and_salt_digest():
     lambda: LayerGroup(GroupKind.SLIDING_WINDOW, (0,), kv_heads=1, head_dim=8),
     lambda: LayerGroup(GroupKind.FULL_ATTENTION, (0,), kv_heads=1, head_dim=8, kv_dtype="float99"),
     lambda: ModelLayout("m", (LayerGroup(GroupKind.FULL_ATTENTION, (0,), kv_heads=1, head_dim=8),
-                              LayerGroup(GroupKind.FULL_ATTENTION, (0,), kv_heads=1, head_dim=8))),
+                              LayerGroup(GroupKind.SLIDING_WINDOW, (0,), kv_heads=1, head_dim=8, window=4))),
     lambda: gated_deltanet_layout("m", layers=4, full_attention_interval=4, kv_heads=3, head_dim=8, key_heads=2,
                                   value_heads=2, key_dim=4, value_dim=4, conv_kernel=4, tp_size=2),
     lambda: CacheSpec(preset("qwen3.5-0.8b"), 544, match_unit=48),

@@ -123,11 +123,13 @@ class ModelLayout:
             raise InvalidArgument(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
         if sum(g.kind is GroupKind.RECURRENT for g in self.groups) > 1:
             raise InvalidArgument("at most one recurrent group (its state is saved as one object)")
-        layers = [layer for g in self.groups for layer in g.layers]
-        if len(layers) != len(set(layers)):
-            raise InvalidArgument("a layer belongs to more than one group")
+        # A layer may be both attention and recurrent (Falcon-H1 runs both side by side), but not in two groups of
+        # the same side.
+        attention = [layer for g in self.groups if g.is_attention for layer in g.layers]
+        if len(attention) != len(set(attention)):
+            raise InvalidArgument("a layer belongs to more than one attention group")
         if not self.num_layers:
-            object.__setattr__(self, "num_layers", max(layers) + 1)
+            object.__setattr__(self, "num_layers", max(layer for g in self.groups for layer in g.layers) + 1)
 
     @property
     def attention_groups(self) -> tuple[LayerGroup, ...]:
