@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-EXTRAS=${1:-dev}
+EXTRAS=${1:-dev,hf}
 
 if ! command -v redis-server >/dev/null 2>&1; then
     echo "installing redis-server (the tests start their own on free ports)"

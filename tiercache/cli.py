@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     cliff.add_argument("--plot", default="tiercache-cliff.png", metavar="PNG", help="write the plot here ('' = none)")
     cliff.add_argument("--no-progress", action="store_true")
 
+    demo = commands.add_parser("demo", help="cold vs warm TTFT of a tiny Qwen3.5-architecture model (needs the hf "
+                                            "extra)")
+    demo.add_argument("--server", metavar="URL", help="use a running server (default: start one)")
+    demo.add_argument("--turns", type=int, default=4, help="chat turns (default 4)")
+    demo.add_argument("--no-progress", action="store_true")
+
     stats = commands.add_parser("stats", help="show a running server's tiers and namespaces")
     stats.add_argument("--server", default="grpc://127.0.0.1:50051", metavar="URL")
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -109,6 +115,12 @@ def show_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def demo(args: argparse.Namespace) -> int:
+    from tiercache.demo import run_demo
+
+    return run_demo(args.server, args.turns, show_progress=not args.no_progress)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from tiercache.bench import cliff_command
 
@@ -148,7 +160,7 @@ def _row(rows: Sequence[Sequence[str]], row: Sequence[str]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"serve": serve, "stats": show_stats, "bench": run_bench}[args.command](args)
+        return {"serve": serve, "stats": show_stats, "bench": run_bench, "demo": demo}[args.command](args)
     except TierCacheError as exc:
         print(f"tiercache: error: {exc}", file=sys.stderr)
         return 2

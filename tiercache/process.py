@@ -1,18 +1,23 @@
-"""`tiercache serve` as a child process on a free port, awaited through the gRPC health service (never a sleep).
-
-Used by `tiercache bench` and `tiercache demo` when no --server is given, and by the tests.
+"""Real processes on free loopback ports, awaited for readiness (never a fixed sleep): `tiercache serve` (through
+the gRPC health service) and `redis-server` (through PING). Used by `tiercache bench`, `tiercache demo`, the
+benchmarks and the tests.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+REDIS_SERVER = shutil.which("redis-server")
 
 
 def free_port() -> int:
@@ -69,3 +74,55 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.kill()
+
+
+class RedisProcess:
+    """A real redis-server on a free loopback port, in its own temp dir, with persistence off."""
+
+    def __init__(self, *extra_args: str) -> None:
+        if REDIS_SERVER is None:
+            raise RuntimeError("redis-server is not installed: run scripts/install.sh")
+        self.port = free_port()
+        self.extra_args = extra_args
+        self.dir = tempfile.mkdtemp(prefix="tiercache-redis-")
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisProcess":
+        self.process = subprocess.Popen(
+            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.dir, *self.extra_args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not self.ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"redis-server did not answer PING on port {self.port}")
+            time.sleep(0.01)
+        return self
+
+    def ready(self) -> bool:
+        import redis
+
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {self.process.returncode}")
+        try:
+            return redis.Redis(port=self.port, socket_timeout=0.5).ping()
+        except redis.ConnectionError:
+            return False
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def client(self):
+        import redis
+
+        return redis.Redis(port=self.port)

@@ -13,6 +13,7 @@ from zero) is refused hits, with the reason logged, rather than given wrong logi
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -72,6 +73,7 @@ class CachedPrefill:
                                          chunk_tokens=self.options.chunk_tokens, salt=self.options.salt)
         self.cache = PrefixCache(client, self.spec)
         self.refusal = continuation_refusal(model, verify=self.options.verify_continuation)
+        self.last_timings: dict[str, float] = {}  # seconds of the last prefill: lookup, load, compute, save
         if self.refusal:
             log.warning("tiercache will not serve hits for %s: %s", name, self.refusal)
 
@@ -82,13 +84,16 @@ class CachedPrefill:
         if self.refusal:
             out = self.model(ids, past_key_values=self._fresh_cache(), use_cache=True)
             return Prefill(out.logits[:, -1], out.past_key_values, 0)
+        clock = _Clock()
         lookup = self.cache.lookup(tokens)
+        clock.lap("lookup")
         hit, present = lookup.hit.tokens, lookup.present
         loaded = self.cache.load(lookup.hit) if hit else {}
         if loaded is None:  # gone or corrupt since the lookup: recompute, and write everything again
             log.info("tiercache: objects of a %d-token hit could not be loaded; recomputing", hit)
             hit, present, loaded = 0, {}, {}
         past = build_cache(self.model, self.spec, hit, loaded) if hit else self._fresh_cache()
+        clock.lap("load")
         _record_sliding_windows(past, True)
         plan = plan_prompt_admission(self.spec, lookup.hashes, hit, present)
         cuts = [p for p in plan.state_positions if hit < p < len(tokens)]
@@ -98,8 +103,11 @@ class CachedPrefill:
                              position_ids=torch.arange(start, end, device=ids.device)[None])
             if end in plan.state_positions:
                 states[end] = state_payload(past, self.layout.recurrent_group)
+        clock.lap("compute")  # the first token's logits exist from here on: time to first token
         self.cache.save({ref: states[ref.position] if ref.kind is ObjectKind.STATE
                          else object_payload(past, self.spec, ref) for ref in plan.objects})
+        clock.lap("save")
+        self.last_timings = clock.laps
         return Prefill(out.logits[:, -1], past, hit)
 
     @torch.no_grad()
@@ -137,6 +145,17 @@ class CachedPrefill:
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self._last
+        self._last = now
 
 
 def _token_array(input_ids) -> np.ndarray:

@@ -1,0 +1,198 @@
+"""The store-vs-retrieve correctness gate: real transformers models (tiny configs, random weights, CPU) restored
+from every tier must reproduce a full recompute.
+
+Tolerances: float32 last-position logits within atol 1e-4 of a one-shot forward pass (measured: <= 2e-7; chunked
+prefill differs from one-shot by float rounding only). bfloat16: within 2% of the largest |logit| (measured: 0 on
+these models, since both paths round to the same bf16 values; a split pass may legitimately differ by one bf16 ulp).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.hf_models import VOCAB, reference_greedy, reference_logits, tiny_model  # noqa: E402
+from tiercache import chunk  # noqa: E402
+from tiercache.client import Client  # noqa: E402
+from tiercache.connector import hf as hf_connector  # noqa: E402
+from tiercache.connector.hf import CachedPrefill, continuation_refusal  # noqa: E402
+from tiercache.layout import GroupKind  # noqa: E402
+
+TIERS = {
+    "host": dict(host_bytes=64 << 20, disk_bytes=0),
+    "disk": dict(host_bytes=0, disk_bytes=128 << 20),
+    "redis": dict(host_bytes=0, disk_bytes=0),
+}
+
+
+def prompt(length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    if expected.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+    else:
+        scale = expected.float().abs().max().item()
+        assert (actual.float() - expected.float()).abs().max().item() <= 0.02 * scale
+
+
+@pytest.fixture
+def connect(start_server, request):
+    clients = []
+
+    def connect(tier: str = "host") -> Client:
+        options = dict(TIERS[tier])
+        if tier == "redis":
+            options["redis_url"] = request.getfixturevalue("redis_url")
+        client = Client.from_url(start_server(**options).url)
+        clients.append(client)
+        return client
+
+    yield connect
+    for client in clients:
+        client.close()
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["qwen3_5", "falcon_h1"])
+def test_restored_cache_matches_full_recompute(connect, family, dtype, tier):
+    model = tiny_model(family, dtype)
+    cached = CachedPrefill(model, connect(tier))
+    ids = prompt(70)
+    cold = cached.prefill(ids)
+    warm = cached.prefill(ids)
+    assert (cold.hit_tokens, warm.hit_tokens) == (0, 69)
+    assert_close(warm.logits, reference_logits(model, ids))
+    generation = cached.generate(ids, 8)
+    assert generation.hit_tokens == 69
+    assert generation.tokens == reference_greedy(model, ids, 8)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "bamba", "lfm2", "gemma3", "llama"])
+def test_other_families(connect, family):
+    model = tiny_model(family)
+    cached = CachedPrefill(model, connect())
+    ids = prompt(50)
+    cached.prefill(ids)
+    warm = cached.prefill(ids)
+    assert warm.hit_tokens == 49
+    assert_close(warm.logits, reference_logits(model, ids))
+
+
+def test_exact_repeat_below_n_hits_all_but_the_last_token(connect):
+    model = tiny_model("qwen3_5")
+    cached = CachedPrefill(model, connect(), chunk_tokens=64)
+    ids = prompt(37)
+    cached.prefill(ids)
+    warm = cached.prefill(ids)
+    assert warm.hit_tokens == 36
+    assert_close(warm.logits, reference_logits(model, ids))
+
+
+def test_partial_prefix_hits_the_deepest_stored_state(connect):
+    model = tiny_model("qwen3_5")
+    cached = CachedPrefill(model, connect())  # N = 16: boundary states at 96, 80 and 48 for a 100-token prompt
+    first = prompt(100)
+    cached.prefill(first)
+    second = first.clone()
+    second[0, 85:] = prompt(15, seed=7)
+    result = cached.prefill(second)
+    assert result.hit_tokens == 80
+    assert_close(result.logits, reference_logits(model, second))
+
+
+def test_multi_turn_chat_reuses_everything_up_to_the_previous_turn(connect):
+    model = tiny_model("qwen3_5")
+    cached = CachedPrefill(model, connect())
+    conversation = prompt(40)
+    for turn in range(3):
+        user = prompt(9, seed=10 + turn)
+        turn_prompt = torch.cat([conversation, user], dim=1) if turn else conversation
+        generation = cached.generate(turn_prompt, 6)
+        if turn:
+            assert generation.hit_tokens == conversation.shape[1]
+        assert generation.tokens == reference_greedy(model, turn_prompt, 6)
+        conversation = torch.cat([turn_prompt, torch.tensor([generation.tokens])], dim=1)
+
+
+def test_sliding_window_model_reuses_a_prefix_longer_than_its_window(connect):
+    model = tiny_model("gemma3")  # sliding_window 8, every other layer full attention
+    cached = CachedPrefill(model, connect())
+    assert any(g.kind is GroupKind.SLIDING_WINDOW and g.window == 8 for g in cached.layout.groups)
+    ids = prompt(90)
+    cached.prefill(ids)
+    other = ids.clone()
+    other[0, 75:] = prompt(15, seed=3)
+    result = cached.prefill(other)
+    assert result.hit_tokens >= 64
+    assert_close(result.logits, reference_logits(model, other))
+
+
+def test_corrupt_state_leads_to_recompute_never_wrong_logits(connect, tmp_path):
+    model = tiny_model("qwen3_5")
+    cached = CachedPrefill(model, connect("disk"))
+    ids = prompt(70)
+    cached.prefill(ids)
+    corrupted = 0
+    for path in (tmp_path / "disk").glob("*/*.chunk"):
+        data = bytearray(path.read_bytes())
+        if chunk.read_header(data).meta.object_class == chunk.CLASS_STATE:
+            data[-5] ^= 0x40
+            path.write_bytes(data)
+            corrupted += 1
+    assert corrupted
+    result = cached.prefill(ids)
+    assert result.hit_tokens == 0  # the hit was found, its state failed the checksum, the prompt was recomputed
+    assert_close(result.logits, reference_logits(model, ids))
+    assert cached.prefill(ids).hit_tokens == 69  # and the recompute stored good copies again
+
+
+def test_models_with_different_weights_never_share(connect):
+    client = connect()
+    ids = prompt(40)
+    CachedPrefill(tiny_model("qwen3_5", seed=0), client).prefill(ids)
+    other = CachedPrefill(tiny_model("qwen3_5", seed=1), client)
+    assert other.prefill(ids).hit_tokens == 0
+
+
+def test_jamba_is_refused_hits_with_a_reason(connect):
+    model = tiny_model("jamba")
+    cached = CachedPrefill(model, connect())
+    assert "zero state" in cached.refusal
+    ids = prompt(40)
+    cached.prefill(ids)
+    result = cached.prefill(ids)
+    assert result.hit_tokens == 0
+    assert_close(result.logits, reference_logits(model, ids))
+
+
+def test_self_test_catches_a_broken_continuation_without_the_known_list(monkeypatch):
+    monkeypatch.setattr(hf_connector, "KNOWN_BROKEN_CONTINUATION", {})
+    assert "changes the logits" in continuation_refusal(tiny_model("jamba"))
+    assert continuation_refusal(tiny_model("qwen3_5")) is None
+
+
+def test_layout_is_derived_from_the_model(connect):
+    cached = CachedPrefill(tiny_model("qwen3_5", torch.bfloat16), connect())
+    attention, recurrent = cached.layout.groups
+    assert attention.kind is GroupKind.FULL_ATTENTION and attention.layers == (1, 3)
+    assert (attention.kv_heads, attention.head_dim, attention.kv_dtype) == (2, 16, "bfloat16")
+    assert recurrent.layers == (0, 2)
+    assert [(t.name, t.shape, t.dtype) for t in recurrent.state] == [
+        ("conv0", (64, 4), "bfloat16"), ("recurrent0", (4, 8, 8), "float32")]  # SSM state stays fp32
+    assert cached.spec.namespace.startswith("qwen3_5_text@")
+
+
+def test_token_ids_may_be_lists_or_arrays(connect):
+    model = tiny_model("llama")
+    cached = CachedPrefill(model, connect())
+    ids = prompt(20)
+    cached.prefill(ids[0].tolist())
+    assert cached.prefill(np.asarray(ids[0])).hit_tokens == 19
+    with pytest.raises(ValueError):
+        cached.prefill(torch.zeros((2, 5), dtype=torch.long))
