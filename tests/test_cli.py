@@ -78,3 +78,17 @@ def test_port_in_use_is_one_clear_line(served, tmp_path):
 def test_stats_of_a_dead_server_fails_cleanly():
     result = run_cli("stats", "--server", f"grpc://127.0.0.1:{free_port()}")
     assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("signals", [("SIGTERM",), ("SIGINT",), ("SIGTERM", "SIGTERM", "SIGINT")])
+def test_signals_stop_the_server_gracefully(tmp_path, signals):
+    import signal as signal_module
+
+    server = ServerProcess("--disk-dir", str(tmp_path / "d"), "--host-mem", "8MiB").start()
+    try:
+        for name in signals:
+            server.process.send_signal(getattr(signal_module, name))
+        _, err = server.process.communicate(timeout=20)
+        assert server.process.returncode == 0 and "stopped" in err
+    finally:
+        server.kill()

@@ -85,6 +85,13 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def serve(args: argparse.Namespace) -> int:
+    # SIGTERM / SIGINT are blocked in every thread and taken synchronously with sigwait, so no handler ever runs
+    # inside a lock the main thread holds. The mask is inherited by new threads: block before grpc is even imported
+    # (its core starts threads), or a second signal lands on one of them and kills the process. A handler that called
+    # stop() deadlocked in Event.wait's condition (seen with `make serve` under `timeout`); one that raised left the
+    # condition half-released when signals came in quick succession (tests/test_cli.py covers both).
+    signals = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     from tiercache.server import CacheServer
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -94,9 +101,9 @@ def serve(args: argparse.Namespace) -> int:
     logging.getLogger("tiercache").info(
         "serving on %s (tiers: %s; max chunk %s)%s", server.url, tiers, format_size(config.server.max_chunk_bytes),
         f"; metrics on :{server.metrics_port}" if server.metrics_port is not None else "")
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: server.stop())
-    server.wait()
+    received = signal.sigwait(signals)
+    logging.getLogger("tiercache").info("%s: stopping (running RPCs get 5 s)", signal.Signals(received).name)
+    server.stop()  # further signals stay blocked and pending: they cannot cut the graceful stop short
     logging.getLogger("tiercache").info("stopped")
     return 0
 
