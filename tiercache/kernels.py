@@ -1,0 +1,250 @@
+"""Copy kernels between an engine's paged GPU buffers and contiguous chunks, with a torch reference for each.
+
+One Python function per kernel family. CUDA tensors go to the CUDA kernels in `tiercache/native/*.cu`, compiled
+once per process with CuPy (`RawModule` from the source text) on first use; CPU tensors go to the torch reference,
+which is also the test oracle. Inputs are checked here, at the boundary (shapes, dtypes, strides, devices, index
+bounds), with a clear error: a launch never runs out of bounds. Importing this module needs neither CUDA nor CuPy.
+
+Shapes:
+- paged KV, one tensor per layer: NHD [2, num_blocks, block_size, heads, head_dim] or HND
+  [2, num_blocks, heads, block_size, head_dim] (any strides; all layers alike);
+- chunk: [layers, 2, capacity, heads * head_dim], same dtype; tokens go to [token_offset, token_offset + n);
+- slots: int64 [n], slot = block_id * block_size + position in block (`slots_for_blocks` builds them);
+- state pools: per tensor [num_slots, ...] (any dtype); buffer: uint8 [n, record_bytes], a record being every
+  tensor's slot bytes back to back, in order.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from importlib import resources
+from typing import Sequence
+
+import torch
+
+from tiercache.errors import InvalidArgument
+
+_WIDTHS = (16, 8, 4, 2, 1)
+
+
+@dataclass(frozen=True)
+class PagedGeometry:
+    """What the checks learned about a list of paged layer caches."""
+
+    num_blocks: int
+    block_size: int
+    heads: int
+    head_dim: int
+    strides_bytes: tuple[int, int, int, int]  # kv, block, position, head
+
+
+def slots_for_blocks(block_ids: Sequence[int] | torch.Tensor, block_size: int, start: int, count: int,
+                     device=None) -> torch.Tensor:
+    """Slots of tokens [start, start + count) of a sequence whose KV lives in `block_ids` (in order)."""
+    blocks = torch.as_tensor(block_ids, dtype=torch.int64, device=device)
+    positions = torch.arange(start, start + count, dtype=torch.int64, device=blocks.device)
+    if count and positions[-1] // block_size >= len(blocks):
+        raise InvalidArgument(f"tokens up to {start + count} need more than {len(blocks)} blocks of {block_size}")
+    return blocks[positions // block_size] * block_size + positions % block_size
+
+
+# -- paged KV ----------------------------------------------------------------------------------------------------
+
+def gather_kv(layers: Sequence[torch.Tensor], slots: torch.Tensor, chunk: torch.Tensor, token_offset: int = 0,
+              layout: str = "NHD") -> None:
+    """chunk[l, kv, token_offset + i] = layers[l][kv] at slots[i], for every layer in one launch."""
+    geometry = _check_paged(layers, slots, chunk, token_offset, layout)
+    if chunk.is_cuda:
+        _launch_paged("gather_kv", layers, slots, chunk, token_offset, geometry)
+    else:
+        gather_kv_reference(layers, slots, chunk, token_offset, layout)
+
+
+def scatter_kv(layers: Sequence[torch.Tensor], slots: torch.Tensor, chunk: torch.Tensor, token_offset: int = 0,
+               layout: str = "NHD") -> None:
+    """The exact inverse of gather_kv: layers[l][kv] at slots[i] = chunk[l, kv, token_offset + i]."""
+    geometry = _check_paged(layers, slots, chunk, token_offset, layout)
+    if chunk.is_cuda:
+        _launch_paged("scatter_kv", layers, slots, chunk, token_offset, geometry)
+    else:
+        scatter_kv_reference(layers, slots, chunk, token_offset, layout)
+
+
+def _as_nhd(layer: torch.Tensor, layout: str) -> torch.Tensor:
+    return layer if layout == "NHD" else layer.transpose(2, 3)
+
+
+def gather_kv_reference(layers, slots, chunk, token_offset=0, layout="NHD") -> None:
+    n = len(slots)
+    for index, layer in enumerate(layers):
+        nhd = _as_nhd(layer, layout)
+        block_size = nhd.shape[2]
+        rows = nhd[:, slots // block_size, slots % block_size]  # [2, n, heads, head_dim]
+        chunk[index, :, token_offset:token_offset + n] = rows.reshape(2, n, -1)
+
+
+def scatter_kv_reference(layers, slots, chunk, token_offset=0, layout="NHD") -> None:
+    n = len(slots)
+    for index, layer in enumerate(layers):
+        nhd = _as_nhd(layer, layout)
+        block_size, heads, head_dim = nhd.shape[2:]
+        rows = chunk[index, :, token_offset:token_offset + n].reshape(2, n, heads, head_dim)
+        nhd[:, slots // block_size, slots % block_size] = rows
+
+
+def _check_paged(layers, slots, chunk, token_offset, layout) -> PagedGeometry:
+    if layout not in ("NHD", "HND"):
+        raise InvalidArgument(f"layout must be NHD or HND, got {layout!r}")
+    if not layers:
+        raise InvalidArgument("no layers given")
+    first = layers[0]
+    if first.dim() != 5 or first.shape[0] != 2:
+        raise InvalidArgument(f"a paged layer must be [2, blocks, ...] with 5 dims, got {tuple(first.shape)}")
+    for layer in layers:
+        if layer.shape != first.shape or layer.dtype != first.dtype or layer.device != first.device \
+                or layer.stride() != first.stride():
+            raise InvalidArgument("all layers must share shape, dtype, device and strides")
+    nhd = _as_nhd(first, layout)
+    _, num_blocks, block_size, heads, head_dim = nhd.shape
+    if nhd.stride(4) != 1:
+        raise InvalidArgument("head_dim must be the innermost, contiguous dimension")
+    if chunk.dim() != 4 or chunk.shape[0] != len(layers) or chunk.shape[1] != 2 \
+            or chunk.shape[3] != heads * head_dim:
+        raise InvalidArgument(f"chunk must be [{len(layers)}, 2, capacity, {heads * head_dim}], "
+                              f"got {tuple(chunk.shape)}")
+    if chunk.dtype != first.dtype or chunk.device != first.device or not chunk.is_contiguous():
+        raise InvalidArgument("chunk must be contiguous, with the layers' dtype and device")
+    _check_slots(slots, num_blocks * block_size, chunk.device)
+    if token_offset < 0 or token_offset + len(slots) > chunk.shape[2]:
+        raise InvalidArgument(f"tokens [{token_offset}, {token_offset + len(slots)}) do not fit a chunk of "
+                              f"{chunk.shape[2]}")
+    size = first.element_size()
+    strides = (nhd.stride(0) * size, nhd.stride(1) * size, nhd.stride(2) * size, nhd.stride(3) * size)
+    return PagedGeometry(num_blocks, block_size, heads, head_dim, strides)
+
+
+def _check_slots(slots: torch.Tensor, limit: int, device) -> None:
+    if slots.dtype != torch.int64 or slots.dim() != 1 or slots.device != device:
+        raise InvalidArgument("slots must be a 1-D int64 tensor on the data's device")
+    if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= limit):
+        raise InvalidArgument(f"slots must lie in [0, {limit})")
+
+
+# -- recurrent state -----------------------------------------------------------------------------------------------
+
+def states_to_buffer(pools: Sequence[torch.Tensor], slots: torch.Tensor, buffer: torch.Tensor) -> None:
+    """buffer[i] = the bytes of every pool at slots[i], back to back."""
+    offsets = _check_states(pools, slots, buffer)
+    if buffer.is_cuda:
+        _launch_states("states_to_buffer", pools, slots, buffer, offsets)
+    else:
+        states_to_buffer_reference(pools, slots, buffer)
+
+
+def states_from_buffer(pools: Sequence[torch.Tensor], slots: torch.Tensor, buffer: torch.Tensor) -> None:
+    """The inverse: every pool at slots[i] = its part of buffer[i]."""
+    offsets = _check_states(pools, slots, buffer)
+    if buffer.is_cuda:
+        _launch_states("states_from_buffer", pools, slots, buffer, offsets)
+    else:
+        states_from_buffer_reference(pools, slots, buffer)
+
+
+def state_record_bytes(pools: Sequence[torch.Tensor]) -> int:
+    return sum(pool[0].numel() * pool.element_size() for pool in pools)
+
+
+def states_to_buffer_reference(pools, slots, buffer) -> None:
+    offset = 0
+    for pool in pools:
+        size = pool[0].numel() * pool.element_size()
+        buffer[:, offset:offset + size] = pool[slots].reshape(len(slots), -1).view(torch.uint8)
+        offset += size
+
+
+def states_from_buffer_reference(pools, slots, buffer) -> None:
+    offset = 0
+    for pool in pools:
+        size = pool[0].numel() * pool.element_size()
+        pool[slots] = buffer[:, offset:offset + size].contiguous().view(pool.dtype).view(len(slots), *pool.shape[1:])
+        offset += size
+
+
+def _check_states(pools, slots, buffer) -> list[int]:
+    if not pools:
+        raise InvalidArgument("no state pools given")
+    device = pools[0].device
+    num_slots = pools[0].shape[0]
+    offsets, offset = [], 0
+    for pool in pools:
+        if pool.device != device or pool.shape[0] != num_slots:
+            raise InvalidArgument("state pools must share device and slot count")
+        if not pool[0].is_contiguous():
+            raise InvalidArgument("each slot of a state pool must be contiguous")
+        offsets.append(offset)
+        offset += pool[0].numel() * pool.element_size()
+    if buffer.dtype != torch.uint8 or buffer.dim() != 2 or buffer.shape != (len(slots), offset) \
+            or buffer.device != device or not buffer.is_contiguous():
+        raise InvalidArgument(f"buffer must be contiguous uint8 [{len(slots)}, {offset}] on {device}")
+    _check_slots(slots, num_slots, device)
+    return offsets
+
+
+# -- CUDA launches -------------------------------------------------------------------------------------------------
+
+@functools.cache
+def _module(family: str):
+    import cupy
+
+    source = resources.files("tiercache.native").joinpath(f"{family}.cu").read_text()
+    return cupy.RawModule(code=source, options=("--std=c++17",))
+
+
+def _width(*values: int) -> int:
+    """The widest copy unit dividing every address, stride and size: 16-byte vector loads when alignment allows."""
+    return next(w for w in _WIDTHS if all(v % w == 0 for v in values))
+
+
+def _launch(family: str, kernel: str, grid: tuple[int, int], threads: int, args: tuple, device: torch.device) -> None:
+    import cupy
+
+    with cupy.cuda.Device(device.index or 0):
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
+        with stream:
+            _module(family).get_function(kernel)(grid, (threads,), args)
+
+
+def _addresses(tensors: Sequence[torch.Tensor]):
+    import cupy
+
+    return cupy.asarray([t.data_ptr() for t in tensors], dtype=cupy.int64)
+
+
+def _launch_paged(name, layers, slots, chunk, token_offset, g: PagedGeometry) -> None:
+    import cupy
+    import numpy as np
+
+    head_bytes = g.head_dim * chunk.element_size()
+    width = _width(head_bytes, *g.strides_bytes, chunk.data_ptr(), *(t.data_ptr() for t in layers))
+    units = 2 * g.heads * head_bytes // width
+    args = (_addresses(layers), cupy.from_dlpack(chunk.view(torch.uint8).reshape(-1)), cupy.from_dlpack(slots),
+            np.int32(g.heads), np.int32(head_bytes), *(np.int64(s) for s in g.strides_bytes),
+            np.int32(g.block_size), np.int32(chunk.shape[2]), np.int32(token_offset))
+    if len(slots):
+        _launch("paged_kv", f"{name}_w{width}", (len(slots), len(layers)), min(256, max(32, units)), args,
+                chunk.device)
+
+
+def _launch_states(name, pools, slots, buffer, offsets) -> None:
+    import cupy
+    import numpy as np
+
+    sizes = [pool[0].numel() * pool.element_size() for pool in pools]
+    strides = [pool.stride(0) * pool.element_size() for pool in pools]
+    width = _width(buffer.shape[1], buffer.data_ptr(), *sizes, *strides, *offsets, *(p.data_ptr() for p in pools))
+    args = (_addresses(pools), cupy.asarray(strides, dtype=cupy.int64), cupy.asarray(sizes, dtype=cupy.int64),
+            cupy.asarray(offsets, dtype=cupy.int64), cupy.from_dlpack(buffer.reshape(-1)), cupy.from_dlpack(slots),
+            np.int64(buffer.shape[1]))
+    if len(slots):
+        _launch("state_copy", f"{name}_w{width}", (len(slots), len(pools)), 256, args, buffer.device)
