@@ -61,6 +61,7 @@ def test_config_file_with_flag_override(tmp_path):
     (["serve", "--disk-dir", "/proc/tiercache-cannot-exist"], "is not usable"),
     (["serve", "--config", "/nonexistent/tiercache.yaml"], "cannot read config file"),
     (["serve", "--redis-url", "http://x"], "redis.url"),
+    (["serve", "--gpu-mem", "1GiB", "--port", "0"], "CUDA"),
     (["stats", "--server", "nonsense://x"], "grpc://host:port"),
 ])
 def test_bad_input_is_one_clear_line(args, needle):

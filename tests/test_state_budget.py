@@ -12,14 +12,14 @@ from tiercache.config import Config, DiskTierConfig, HostTierConfig, KiB, MiB
 from tiercache.keys import ChunkKey
 from tiercache.store import TieredStore
 from tiercache.tiers.disk import DiskTier
-from tiercache.tiers.host import HostTier
+from tiercache.tiers.host import host_tier
 
 SIZE = 100 * KiB
 
 
 def make(kind, tmp_path, capacity=2 * MiB, budget=500 * KiB, weight=0.5):
     if kind == "host":
-        return HostTier(HostTierConfig(capacity_bytes=capacity, state_budget_bytes=budget, state_value_weight=weight))
+        return host_tier(HostTierConfig(capacity_bytes=capacity, state_budget_bytes=budget, state_value_weight=weight))
     return DiskTier(DiskTierConfig(path=str(tmp_path / "d"), capacity_bytes=capacity, state_budget_bytes=budget,
                                    state_value_weight=weight))
 

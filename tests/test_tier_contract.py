@@ -12,11 +12,11 @@ from tiercache.config import DiskTierConfig, HostTierConfig, KiB, MiB, RedisTier
 from tiercache.errors import TierFull
 from tiercache.keys import ChunkKey
 from tiercache.tiers.disk import DiskTier
-from tiercache.tiers.host import HostTier
+from tiercache.tiers.host import host_tier
 from tiercache.tiers.redis import RedisTier
 
-ALL_TIERS = ["host", "disk", "redis"]
-BOUNDED_TIERS = ["host", "disk"]
+ALL_TIERS = ["host", "disk", "redis", pytest.param("gpu", marks=pytest.mark.gpu)]
+BOUNDED_TIERS = ["host", "disk", pytest.param("gpu", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture
@@ -25,7 +25,15 @@ def make_tier(tmp_path, request):
 
     def make(kind: str, capacity_bytes: int = 64 * MiB):
         if kind == "host":
-            tier = HostTier(HostTierConfig(capacity_bytes=capacity_bytes, page_bytes=64 * KiB))
+            tier = host_tier(HostTierConfig(capacity_bytes=capacity_bytes, page_bytes=64 * KiB))
+        elif kind == "gpu":
+            torch = pytest.importorskip("torch")
+            if not torch.cuda.is_available():
+                pytest.skip("needs a CUDA device")
+            from tiercache.config import GpuTierConfig
+            from tiercache.tiers.gpu import gpu_tier
+
+            tier = gpu_tier(GpuTierConfig(capacity_bytes=capacity_bytes, page_bytes=64 * KiB))
         elif kind == "disk":
             tier = DiskTier(DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=capacity_bytes))
         else:

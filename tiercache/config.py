@@ -89,6 +89,24 @@ class HostTierConfig:
 
 
 @dataclass(frozen=True)
+class GpuTierConfig:
+    """The device-memory tier, above the host tier. Off unless capacity_bytes is set (needs CUDA)."""
+
+    capacity_bytes: int = 0
+    device: str = "cuda:0"
+    page_bytes: int = 1 * MiB  # device copies are one DMA per extent: larger pages than the host arena
+    state_budget_bytes: int | None = None
+    state_value_weight: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check_state_budget("gpu", self.capacity_bytes, self.state_budget_bytes, self.state_value_weight)
+        _require(self.capacity_bytes >= 0, "gpu.capacity_bytes must be >= 0 (0 disables the GPU tier)")
+        _require(self.page_bytes >= 4 * KiB and self.page_bytes % 4096 == 0,
+                 "gpu.page_bytes must be a multiple of 4096")
+        _require(self.device.startswith("cuda"), f"gpu.device must name a CUDA device, got {self.device!r}")
+
+
+@dataclass(frozen=True)
 class DiskTierConfig:
     """The local-disk tier: one file per chunk under `path`, never more than `capacity_bytes` of records."""
 
@@ -146,6 +164,7 @@ class ServerConfig:
 @dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
+    gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
     host: HostTierConfig = field(default_factory=HostTierConfig)
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)

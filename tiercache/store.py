@@ -1,10 +1,10 @@
 """TieredStore: the policy above the tiers. Placement, demotion on eviction, promotion on hit, write-through.
 
-Tiers are ordered fastest first (host -> disk -> redis by default). A put lands in the first tier that can take it;
-what that tier evicts is demoted to the next one (write-back), and so on down; what falls off the last tier is gone.
-A hit below the top is promoted to the top. Local tiers are exclusive (a promoted chunk leaves the disk), a shared
-tier is inclusive (other servers still read it there). With write-through, every put is also copied to the shared
-tier at once, so other nodes see new chunks without waiting for eviction.
+Tiers are ordered fastest first (gpu -> host -> disk -> redis; gpu only with --gpu-mem). A put lands in the first
+tier that can take it; what that tier evicts is demoted to the next one (write-back), and so on down; what falls off
+the last tier is gone. A hit below the top is promoted to the top. Local tiers are exclusive (a promoted chunk leaves
+the disk), a shared tier is inclusive (other servers still read it there). With write-through, every put is also
+copied to the shared tier at once, so other nodes see new chunks without waiting for eviction.
 
 The store holds no lock around tier calls; tiers lock their own metadata, and the store's lock guards counters only.
 """
@@ -94,12 +94,15 @@ class TieredStore:
     @classmethod
     def from_config(cls, config: Config) -> "TieredStore":
         from tiercache.tiers.disk import DiskTier
-        from tiercache.tiers.host import HostTier
+        from tiercache.tiers.gpu import gpu_tier
+        from tiercache.tiers.host import host_tier
         from tiercache.tiers.redis import RedisTier
 
         tiers: list[Tier] = []
+        if config.gpu.capacity_bytes:
+            tiers.append(gpu_tier(config.gpu))
         if config.host.capacity_bytes:
-            tiers.append(HostTier(config.host))
+            tiers.append(host_tier(config.host))
         if config.disk.capacity_bytes:
             tiers.append(DiskTier(config.disk))
         if config.redis.url:
