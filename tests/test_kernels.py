@@ -262,3 +262,17 @@ def test_cuda_sources_compile_with_nvrtc_as_cupy_does(source, arch):
     nvrtc.nvrtcGetProgramLog(program, log)
     nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
     assert status == 0, log.value.decode()
+
+
+@gpu
+def test_cuda_gather_into_pinned_host_memory():
+    if not _cuda_ready():
+        pytest.skip("needs CUDA and CuPy")
+    layers = paged_layers(3, 8, 16, 2, 128, torch.bfloat16, "NHD", device="cuda")
+    slots = kernels.slots_for_blocks(torch.tensor([5, 1, 7], device="cuda"), 16, start=3, count=40)
+    pinned = torch.zeros(3, 2, 40, 256, dtype=torch.bfloat16).pin_memory()
+    kernels.gather_kv(layers, slots, pinned)
+    torch.cuda.synchronize()
+    expected = torch.zeros(3, 2, 40, 256, dtype=torch.bfloat16, device="cuda")
+    kernels.gather_kv_reference(layers, slots, expected)
+    assert torch.equal(pinned, expected.cpu())

@@ -8,7 +8,9 @@ bounds), with a clear error: a launch never runs out of bounds. Importing this m
 Shapes:
 - paged KV, one tensor per layer: NHD [2, num_blocks, block_size, heads, head_dim] or HND
   [2, num_blocks, heads, block_size, head_dim] (any strides; all layers alike);
-- chunk: [layers, 2, capacity, heads * head_dim], same dtype; tokens go to [token_offset, token_offset + n);
+- chunk: [layers, 2, capacity, heads * head_dim], same dtype; tokens go to [token_offset, token_offset + n); on the
+  layers' device, or in pinned host memory when the layers are on a GPU (the kernel then writes across PCIe directly,
+  through the unified address space: no staging copy);
 - slots: int64 [n], slot = block_id * block_size + position in block (`slots_for_blocks` builds them);
 - state pools: per tensor [num_slots, ...] (any dtype); buffer: uint8 [n, record_bytes], a record being every
   tensor's slot bytes back to back, in order.
@@ -55,7 +57,7 @@ def gather_kv(layers: Sequence[torch.Tensor], slots: torch.Tensor, chunk: torch.
               layout: str = "NHD") -> None:
     """chunk[l, kv, token_offset + i] = layers[l][kv] at slots[i], for every layer in one launch."""
     geometry = _check_paged(layers, slots, chunk, token_offset, layout)
-    if chunk.is_cuda:
+    if layers[0].is_cuda:
         _launch_paged("gather_kv", layers, slots, chunk, token_offset, geometry)
     else:
         gather_kv_reference(layers, slots, chunk, token_offset, layout)
@@ -65,7 +67,7 @@ def scatter_kv(layers: Sequence[torch.Tensor], slots: torch.Tensor, chunk: torch
                layout: str = "NHD") -> None:
     """The exact inverse of gather_kv: layers[l][kv] at slots[i] = chunk[l, kv, token_offset + i]."""
     geometry = _check_paged(layers, slots, chunk, token_offset, layout)
-    if chunk.is_cuda:
+    if layers[0].is_cuda:
         _launch_paged("scatter_kv", layers, slots, chunk, token_offset, geometry)
     else:
         scatter_kv_reference(layers, slots, chunk, token_offset, layout)
@@ -113,15 +115,21 @@ def _check_paged(layers, slots, chunk, token_offset, layout) -> PagedGeometry:
             or chunk.shape[3] != heads * head_dim:
         raise InvalidArgument(f"chunk must be [{len(layers)}, 2, capacity, {heads * head_dim}], "
                               f"got {tuple(chunk.shape)}")
-    if chunk.dtype != first.dtype or chunk.device != first.device or not chunk.is_contiguous():
-        raise InvalidArgument("chunk must be contiguous, with the layers' dtype and device")
-    _check_slots(slots, num_blocks * block_size, chunk.device)
+    if chunk.dtype != first.dtype or not _reachable(chunk, first.device) or not chunk.is_contiguous():
+        raise InvalidArgument("chunk must be contiguous, with the layers' dtype, on their device (or pinned host "
+                              "memory for GPU layers)")
+    _check_slots(slots, num_blocks * block_size, first.device)
     if token_offset < 0 or token_offset + len(slots) > chunk.shape[2]:
         raise InvalidArgument(f"tokens [{token_offset}, {token_offset + len(slots)}) do not fit a chunk of "
                               f"{chunk.shape[2]}")
     size = first.element_size()
     strides = (nhd.stride(0) * size, nhd.stride(1) * size, nhd.stride(2) * size, nhd.stride(3) * size)
     return PagedGeometry(num_blocks, block_size, heads, head_dim, strides)
+
+
+def _reachable(buffer: torch.Tensor, device: torch.device) -> bool:
+    """Same device, or pinned host memory that a GPU kernel can address directly."""
+    return buffer.device == device or (device.type == "cuda" and buffer.device.type == "cpu" and buffer.is_pinned())
 
 
 def _check_slots(slots: torch.Tensor, limit: int, device) -> None:
@@ -136,7 +144,7 @@ def _check_slots(slots: torch.Tensor, limit: int, device) -> None:
 def states_to_buffer(pools: Sequence[torch.Tensor], slots: torch.Tensor, buffer: torch.Tensor) -> None:
     """buffer[i] = the bytes of every pool at slots[i], back to back."""
     offsets = _check_states(pools, slots, buffer)
-    if buffer.is_cuda:
+    if pools[0].is_cuda:
         _launch_states("states_to_buffer", pools, slots, buffer, offsets)
     else:
         states_to_buffer_reference(pools, slots, buffer)
@@ -145,7 +153,7 @@ def states_to_buffer(pools: Sequence[torch.Tensor], slots: torch.Tensor, buffer:
 def states_from_buffer(pools: Sequence[torch.Tensor], slots: torch.Tensor, buffer: torch.Tensor) -> None:
     """The inverse: every pool at slots[i] = its part of buffer[i]."""
     offsets = _check_states(pools, slots, buffer)
-    if buffer.is_cuda:
+    if pools[0].is_cuda:
         _launch_states("states_from_buffer", pools, slots, buffer, offsets)
     else:
         states_from_buffer_reference(pools, slots, buffer)
@@ -185,8 +193,9 @@ def _check_states(pools, slots, buffer) -> list[int]:
         offsets.append(offset)
         offset += pool[0].numel() * pool.element_size()
     if buffer.dtype != torch.uint8 or buffer.dim() != 2 or buffer.shape != (len(slots), offset) \
-            or buffer.device != device or not buffer.is_contiguous():
-        raise InvalidArgument(f"buffer must be contiguous uint8 [{len(slots)}, {offset}] on {device}")
+            or not _reachable(buffer, device) or not buffer.is_contiguous():
+        raise InvalidArgument(f"buffer must be contiguous uint8 [{len(slots)}, {offset}] on {device} "
+                              f"(or pinned host memory)")
     _check_slots(slots, num_slots, device)
     return offsets
 
@@ -206,13 +215,15 @@ def _width(*values: int) -> int:
     return next(w for w in _WIDTHS if all(v % w == 0 for v in values))
 
 
-def _launch(family: str, kernel: str, grid: tuple[int, int], threads: int, args: tuple, device: torch.device) -> None:
+def _launch(family: str, kernel: str, grid: tuple[int, int], threads: int, make_args, device: torch.device) -> None:
+    """Launch on torch's current stream of `device`. Arguments are built inside the stream context, so the small
+    index arrays CuPy allocates for them are ordered with the kernel that reads them."""
     import cupy
 
     with cupy.cuda.Device(device.index or 0):
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
         with stream:
-            _module(family).get_function(kernel)(grid, (threads,), args)
+            _module(family).get_function(kernel)(grid, (threads,), make_args())
 
 
 def _addresses(tensors: Sequence[torch.Tensor]):
@@ -221,19 +232,28 @@ def _addresses(tensors: Sequence[torch.Tensor]):
     return cupy.asarray([t.data_ptr() for t in tensors], dtype=cupy.int64)
 
 
+def _pointer(tensor: torch.Tensor):
+    """A raw address as a kernel argument: works for device memory and for pinned host memory alike (UVA)."""
+    import numpy as np
+
+    return np.uint64(tensor.data_ptr())
+
+
 def _launch_paged(name, layers, slots, chunk, token_offset, g: PagedGeometry) -> None:
-    import cupy
     import numpy as np
 
     head_bytes = g.head_dim * chunk.element_size()
     width = _width(head_bytes, *g.strides_bytes, chunk.data_ptr(), *(t.data_ptr() for t in layers))
     units = 2 * g.heads * head_bytes // width
-    args = (_addresses(layers), cupy.from_dlpack(chunk.view(torch.uint8).reshape(-1)), cupy.from_dlpack(slots),
-            np.int32(g.heads), np.int32(head_bytes), *(np.int64(s) for s in g.strides_bytes),
-            np.int32(g.block_size), np.int32(chunk.shape[2]), np.int32(token_offset))
+
+    def make_args() -> tuple:
+        return (_addresses(layers), _pointer(chunk), _pointer(slots), np.int32(g.heads), np.int32(head_bytes),
+                *(np.int64(s) for s in g.strides_bytes), np.int32(g.block_size), np.int32(chunk.shape[2]),
+                np.int32(token_offset))
+
     if len(slots):
-        _launch("paged_kv", f"{name}_w{width}", (len(slots), len(layers)), min(256, max(32, units)), args,
-                chunk.device)
+        _launch("paged_kv", f"{name}_w{width}", (len(slots), len(layers)), min(256, max(32, units)), make_args,
+                layers[0].device)
 
 
 def _launch_states(name, pools, slots, buffer, offsets) -> None:
@@ -243,8 +263,11 @@ def _launch_states(name, pools, slots, buffer, offsets) -> None:
     sizes = [pool[0].numel() * pool.element_size() for pool in pools]
     strides = [pool.stride(0) * pool.element_size() for pool in pools]
     width = _width(buffer.shape[1], buffer.data_ptr(), *sizes, *strides, *offsets, *(p.data_ptr() for p in pools))
-    args = (_addresses(pools), cupy.asarray(strides, dtype=cupy.int64), cupy.asarray(sizes, dtype=cupy.int64),
-            cupy.asarray(offsets, dtype=cupy.int64), cupy.from_dlpack(buffer.reshape(-1)), cupy.from_dlpack(slots),
-            np.int64(buffer.shape[1]))
+
+    def make_args() -> tuple:
+        return (_addresses(pools), cupy.asarray(strides, dtype=cupy.int64), cupy.asarray(sizes, dtype=cupy.int64),
+                cupy.asarray(offsets, dtype=cupy.int64), _pointer(buffer), _pointer(slots),
+                np.int64(buffer.shape[1]))
+
     if len(slots):
-        _launch("state_copy", f"{name}_w{width}", (len(slots), len(pools)), 256, args, buffer.device)
+        _launch("state_copy", f"{name}_w{width}", (len(slots), len(pools)), 256, make_args, pools[0].device)
