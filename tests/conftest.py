@@ -29,10 +29,10 @@ def redis_url(shared_redis):
 
 
 def make_config(tmp_path, *, host_bytes=64 * MiB, disk_bytes=128 * MiB, redis_url=None, write_through=False,
-                **server) -> Config:
+                shared_memory=True, **server) -> Config:
     return Config(
         server=ServerConfig(port=0, **server),
-        host=HostTierConfig(capacity_bytes=host_bytes),
+        host=HostTierConfig(capacity_bytes=host_bytes, shared_memory=shared_memory),
         disk=DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=disk_bytes),
         redis=RedisTierConfig(url=redis_url, write_through=write_through, max_backoff_s=0.5),
     )

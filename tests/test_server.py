@@ -23,9 +23,11 @@ def server(start_server):
     return start_server(max_chunk_bytes=8 * MiB)
 
 
-@pytest.fixture
-def client(server):
-    with Client.from_url(server.url) as c:
+@pytest.fixture(params=[True, False], ids=["same-host", "grpc"])
+def client(server, request):
+    """Both data paths: payloads through the shared-memory arena, and streamed over gRPC."""
+    with Client.from_url(server.url, same_host=request.param) as c:
+        assert c.same_host is request.param
         yield c
 
 
@@ -66,7 +68,7 @@ def test_namespaces_do_not_share_keys(client):
 
 def test_stats_and_metrics(start_server):
     server = start_server(max_chunk_bytes=8 * MiB, metrics_port=0)
-    client = Client.from_url(server.url)
+    client = Client.from_url(server.url, same_host=False)
     client.put(NS, b"a", b"x" * 5000)
     client.get(NS, b"a")
     client.get(NS, b"missing")

@@ -58,14 +58,26 @@ def header_bytes(key: ChunkKey) -> int:
     return FIXED_HEADER_BYTES + len(key.namespace.encode()) + len(key.key)
 
 
-def _checksum(namespace: bytes, key: bytes, codec: int, meta: ChunkMeta, payload) -> int:
+def header(key: ChunkKey, meta: ChunkMeta, payload_parts, codec: int = CODEC_RAW) -> bytearray:
+    """The header of a record whose payload is the concatenation of `payload_parts` (bytes-like objects).
+
+    Parts let a payload that lies in several arena extents be summed where it lies, without gathering it first.
+    """
+    namespace = key.namespace.encode()
+    parts = [memoryview(p).cast("B") for p in payload_parts]
+    payload_len = sum(len(p) for p in parts)
     h = xxhash.xxh3_64()
-    h.update(_SUMMED.pack(FORMAT_VERSION, codec, len(namespace), len(key), meta.object_class, len(payload),
+    h.update(_SUMMED.pack(FORMAT_VERSION, codec, len(namespace), len(key.key), meta.object_class, payload_len,
                           meta.prefix_tokens))
     h.update(namespace)
-    h.update(key)
-    h.update(payload)
-    return h.intdigest()
+    h.update(key.key)
+    for part in parts:
+        h.update(part)
+    out = bytearray(header_bytes(key))
+    _FIXED.pack_into(out, 0, MAGIC, FORMAT_VERSION, codec, len(namespace), len(key.key), meta.object_class,
+                     payload_len, meta.prefix_tokens, h.intdigest())
+    out[FIXED_HEADER_BYTES:] = namespace + key.key
+    return out
 
 
 def seal(record: bytearray | memoryview, key: ChunkKey, meta: ChunkMeta = ChunkMeta(), codec: int = CODEC_RAW) -> None:
@@ -73,15 +85,9 @@ def seal(record: bytearray | memoryview, key: ChunkKey, meta: ChunkMeta = ChunkM
 
     Lets a receiver assemble the payload in place (no extra copy) and seal it once complete.
     """
-    namespace = key.namespace.encode()
-    start = header_bytes(key)
     view = memoryview(record)
-    payload = view[start:]
-    checksum = _checksum(namespace, key.key, codec, meta, payload)
-    _FIXED.pack_into(view, 0, MAGIC, FORMAT_VERSION, codec, len(namespace), len(key.key), meta.object_class,
-                     len(payload), meta.prefix_tokens, checksum)
-    view[FIXED_HEADER_BYTES:FIXED_HEADER_BYTES + len(namespace)] = namespace
-    view[FIXED_HEADER_BYTES + len(namespace):start] = key.key
+    start = header_bytes(key)
+    view[:start] = header(key, meta, [view[start:]], codec)
 
 
 def encode(key: ChunkKey, payload, meta: ChunkMeta = ChunkMeta(), codec: int = CODEC_RAW) -> bytearray:
@@ -127,15 +133,15 @@ def decode(record, expected: ChunkKey, verify: bool = True) -> memoryview:
     Raises ChunkCorrupt on any mismatch. `verify=False` is for records that never left this process's memory.
     """
     view = memoryview(record)
-    header = read_header(view)
-    if header.key != expected:
-        raise ChunkCorrupt(f"record holds {header.key}, expected {expected}")
-    if len(view) != header.record_bytes:
-        raise ChunkCorrupt(f"record is {len(view)} bytes, header says {header.record_bytes}")
-    payload = view[header.header_bytes:]
+    parsed = read_header(view)
+    if parsed.key != expected:
+        raise ChunkCorrupt(f"record holds {parsed.key}, expected {expected}")
+    if len(view) != parsed.record_bytes:
+        raise ChunkCorrupt(f"record is {len(view)} bytes, header says {parsed.record_bytes}")
+    payload = view[parsed.header_bytes:]
     stored = _FIXED.unpack_from(view, 0)[-1]
-    if verify and _checksum(expected.namespace.encode(), expected.key, header.codec, header.meta, payload) != stored:
+    if verify and _FIXED.unpack_from(header(expected, parsed.meta, [payload], parsed.codec), 0)[-1] != stored:
         raise ChunkCorrupt(f"checksum mismatch for {expected}")
-    if header.codec != CODEC_RAW:
-        raise ChunkCorrupt(f"unknown codec {header.codec}")
+    if parsed.codec != CODEC_RAW:
+        raise ChunkCorrupt(f"unknown codec {parsed.codec}")
     return payload

@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", metavar="FILE", help="YAML config file (see README, 'Configuration')")
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     serve.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
+    serve.add_argument("--unix-socket", metavar="PATH", help="also listen on a unix socket (grpc+unix:///PATH)")
     serve.add_argument("--gpu-mem", type=_size, metavar="SIZE", help="GPU memory tier size, e.g. 8GiB (needs CUDA; "
                                                                       "default: off)")
     serve.add_argument("--host-mem", type=_size, metavar="SIZE", help="host memory tier size, e.g. 4GiB (0: off)")
@@ -80,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> Config:
     base = load_file(args.config) if args.config else Config()
     return with_overrides(base, {
-        "server.host": args.host, "server.port": args.port, "server.max_chunk_bytes": args.max_chunk_size,
+        "server.host": args.host, "server.port": args.port, "server.unix_socket": args.unix_socket,
+        "server.max_chunk_bytes": args.max_chunk_size,
         "server.metrics_port": args.metrics_port, "gpu.capacity_bytes": args.gpu_mem,
         "host.capacity_bytes": args.host_mem, "disk.path": args.disk_dir,
         "disk.capacity_bytes": args.disk_size, "redis.url": args.redis_url, "redis.write_through": args.write_through,

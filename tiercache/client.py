@@ -2,10 +2,15 @@
 
 All operations are idempotent (a put of the same key and bytes leaves the same state), so UNAVAILABLE is retried
 for every call, with a short exponential backoff inside the call's deadline.
+
+Two data paths, chosen per client: on the server's host, payloads are copied in place into the server's shared-memory
+arena (tiercache.shm; gRPC carries only control); elsewhere, or when the arena cannot be mapped, they are streamed in
+1 MiB gRPC frames. `same_host=None` (the default) picks by trying to map the arena the server names.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, NamedTuple, Sequence, TypeVar
@@ -14,8 +19,9 @@ from urllib.parse import urlparse
 import grpc
 
 from tiercache.chunk import ChunkMeta
-from tiercache.errors import InvalidArgument, TierCacheError, Unavailable
+from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound, TierCacheError, Unavailable
 from tiercache.keys import validate_key, validate_namespace
+from tiercache.shm import SharedArena
 from tiercache.wire import error_for, frames, pb, pb_grpc, stats_dict
 
 T = TypeVar("T")
@@ -53,7 +59,8 @@ class Retry:
 
 class Client:
     def __init__(self, target: str, *, timeout_s: float = 30.0, retry: Retry = Retry(),
-                 frame_bytes: int = DEFAULT_FRAME_BYTES, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
+                 frame_bytes: int = DEFAULT_FRAME_BYTES, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+                 same_host: bool | None = None) -> None:
         limit = max_chunk_bytes + (1 << 20)
         self._channel = grpc.insecure_channel(target, options=[
             ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
@@ -62,15 +69,28 @@ class Client:
         self.timeout_s = timeout_s
         self.retry = retry
         self.frame_bytes = frame_bytes
+        self._same_host = same_host
+        self._shared: SharedArena | None = None
+        self._attach_lock = threading.Lock()
 
     @classmethod
     def from_url(cls, url: str, **options) -> "Client":
-        """`grpc://host:port` (or plain `host:port`)."""
+        """`grpc://host:port` (or plain `host:port`), or `grpc+unix:///path/to/socket`."""
+        if url.startswith("grpc+unix://"):
+            path = url.removeprefix("grpc+unix://")
+            if not path.startswith("/"):
+                raise InvalidArgument(f"expected grpc+unix:///absolute/path, got {url!r}")
+            return cls(f"unix:{path}", **options)
         parsed = urlparse(url if "://" in url else f"grpc://{url}")
         if parsed.scheme != "grpc" or not parsed.hostname or not parsed.port:
-            raise InvalidArgument(f"expected a URL like grpc://host:port, got {url!r}")
+            raise InvalidArgument(f"expected a URL like grpc://host:port or grpc+unix:///path, got {url!r}")
         host = f"[{parsed.hostname}]" if ":" in parsed.hostname else parsed.hostname
         return cls(f"{host}:{parsed.port}", **options)
+
+    @property
+    def same_host(self) -> bool:
+        """Whether payloads go through the server's shared-memory arena (attaching on first use)."""
+        return self._arena() is not None
 
     # -- the API ----------------------------------------------------------------------------------------------------
 
@@ -79,12 +99,38 @@ class Client:
         return self.put_many(namespace, [Chunk(key, data, meta)])[0]
 
     def put_many(self, namespace: str, chunks: Sequence[Chunk]) -> list[str]:
-        """Store several chunks in one stream; returns, per chunk, the tier that holds it."""
+        """Store several chunks in one stream; returns, per chunk, the tier that holds it. A chunk is a `Chunk`
+        or a (key, data[, meta]) tuple."""
         validate_namespace(namespace)
+        chunks = [c if isinstance(c, Chunk) else Chunk(*c) for c in chunks]
         views = [(validate_key(c.key), memoryview(c.data).cast("B"), c.meta) for c in chunks]
         if not views:
             return []
+        arena = self._arena()
+        if arena is not None:
+            try:
+                return [tier for batch in _batches(views, arena.batch_bytes)
+                        for tier in self._put_shared(namespace, batch, arena)]
+            except (CapacityExceeded, NotFound):
+                pass  # the arena is full or a lease expired: the streamed path places chunks in any tier
+        return self._put_streamed(namespace, views)
 
+    def _put_shared(self, namespace: str, views, arena: "SharedArena") -> list[str]:
+        headers = [pb.ChunkHeader(namespace=namespace, key=key, size_bytes=len(payload),
+                                  object_class=meta.object_class, prefix_tokens=meta.prefix_tokens)
+                   for key, payload, meta in views]
+        request = pb.ReserveRequest(namespace=namespace, chunks=headers)
+        reservations = self._call(lambda timeout: self._stub.Reserve(request, timeout=timeout)).reservations
+        ids = pb.LeaseIds(lease_ids=[r.lease_id for r in reservations])
+        try:
+            for (_, payload, _), reservation in zip(views, reservations):
+                arena.write([(r.offset, r.length) for r in reservation.payload], payload)
+        except BaseException:
+            self._call(lambda timeout: self._stub.Abort(ids, timeout=timeout))
+            raise
+        return list(self._call(lambda timeout: self._stub.Commit(ids, timeout=timeout)).stored_in)
+
+    def _put_streamed(self, namespace: str, views) -> list[str]:
         def stream() -> Iterator[pb.PutFrame]:
             for key, payload, meta in views:
                 yield pb.PutFrame(header=pb.ChunkHeader(
@@ -104,8 +150,45 @@ class Client:
 
     def fetch_many(self, namespace: str, keys: Sequence[bytes]) -> list[Fetched | None]:
         """Like get_many, with the tier each chunk was read from."""
-        request = pb.GetRequest(namespace=namespace, keys=self._checked(namespace, keys))
-        return self._call(lambda timeout: _collect(self._stub.Get(request, timeout=timeout), len(keys)))
+        return self._read(namespace, keys, lambda size: None)
+
+    def get_into(self, namespace: str, keys: Sequence[bytes], buffers: Sequence) -> list[str | None]:
+        """Copy chunks into caller-owned buffers (e.g. pinned staging buffers, reused across calls: no allocation,
+        no page faults); returns per key the tier it came from, or None for a miss. A buffer must hold its chunk."""
+        outs = [memoryview(b).cast("B") for b in buffers]
+        if len(outs) != len(keys):
+            raise InvalidArgument("get_into needs one buffer per key")
+        fetched = self._read(namespace, keys, lambda index: outs[index])
+        return [f.tier if f is not None else None for f in fetched]
+
+    def _read(self, namespace: str, keys: Sequence[bytes], out_for) -> list[Fetched | None]:
+        """Read through the arena when attached (leased ranges copied out, then released), else over gRPC.
+        `out_for(index)` gives a buffer to fill for key `index`, or None to return new bytes."""
+        checked = self._checked(namespace, keys)
+        arena = self._arena()
+        results: list[Fetched | None] = [None] * len(keys)
+        remote = list(range(len(keys)))
+        if arena is not None and keys:
+            request = pb.KeysRequest(namespace=namespace, keys=checked)
+            leases = self._call(lambda timeout: self._stub.Acquire(request, timeout=timeout)).leases
+            try:
+                remote = []
+                for index, lease in enumerate(leases):
+                    if lease.found and lease.leased:
+                        ranges = [(r.offset, r.length) for r in lease.payload]
+                        results[index] = Fetched(arena.read(ranges, lease.size_bytes, out_for(index)), lease.tier)
+                    elif lease.found:
+                        remote.append(index)
+            finally:
+                ids = pb.LeaseIds(lease_ids=[lease.lease_id for lease in leases if lease.leased])
+                if ids.lease_ids:
+                    self._call(lambda timeout: self._stub.Release(ids, timeout=timeout))
+        if remote:
+            request = pb.GetRequest(namespace=namespace, keys=[checked[i] for i in remote])
+            streamed = self._call(lambda timeout: _collect(self._stub.Get(request, timeout=timeout), len(remote)))
+            for index, item in zip(remote, streamed):
+                results[index] = None if item is None else Fetched(_deliver(item.data, out_for(index)), item.tier)
+        return results
 
     def exists(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         return [tier is not None for tier in self.locate(namespace, keys)]
@@ -131,6 +214,9 @@ class Client:
         return stats_dict(self._call(lambda timeout: self._stub.Stats(pb.StatsRequest(), timeout=timeout)))
 
     def close(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
         self._channel.close()
 
     def __enter__(self) -> "Client":
@@ -140,6 +226,23 @@ class Client:
         self.close()
 
     # -- one path for every call ------------------------------------------------------------------------------------
+
+    def _arena(self) -> "SharedArena | None":
+        """The server's shared-memory arena, mapped on first use; None when not on its host (or same_host=False)."""
+        if self._same_host is False:
+            return None
+        with self._attach_lock:
+            if self._shared is None and self._same_host is not False:
+                reply = self._call(lambda timeout: self._stub.Attach(pb.AttachRequest(), timeout=timeout))
+                try:
+                    if not reply.available:
+                        raise OSError("the server has no shared-memory arena")
+                    self._shared = SharedArena(reply.path, reply.size_bytes, reply.inode)
+                except OSError as exc:
+                    if self._same_host:
+                        raise Unavailable(f"same_host=True but the server's arena cannot be mapped: {exc}") from None
+                    self._same_host = False  # another host: stream payloads over gRPC from now on
+        return self._shared
 
     @staticmethod
     def _checked(namespace: str, keys: Sequence[bytes]) -> list[bytes]:
@@ -174,6 +277,28 @@ def _collect(responses: Iterator[pb.GetFrame], count: int) -> list[Fetched | Non
     if header is not None:
         results[header.index] = Fetched(_joined(parts, header.size_bytes), header.tier)
     return results
+
+
+def _batches(views, limit: int):
+    """Split a put into batches of at most `limit` payload bytes (always at least one chunk per batch)."""
+    batch, size = [], 0
+    for item in views:
+        if batch and size + len(item[1]) > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += len(item[1])
+    if batch:
+        yield batch
+
+
+def _deliver(data: bytes, out: memoryview | None):
+    if out is None:
+        return data
+    if len(out) < len(data):
+        raise InvalidArgument(f"a {len(out)}-byte buffer cannot hold a {len(data)}-byte chunk")
+    out[:len(data)] = data
+    return out[:len(data)]
 
 
 def _joined(parts: list[bytes], size: int) -> bytes:

@@ -78,6 +78,7 @@ class HostTierConfig:
     page_bytes: int = 64 * KiB
     state_budget_bytes: int | None = None  # most bytes of recurrent states held; default half the capacity
     state_value_weight: float = 0.5  # weight of tokens-saved-per-byte against recency when evicting states
+    shared_memory: bool = True  # arena in /dev/shm, so same-host clients copy chunks in place (no gRPC payload)
 
     def __post_init__(self) -> None:
         _check_state_budget("host", self.capacity_bytes, self.state_budget_bytes, self.state_value_weight)
@@ -151,8 +152,11 @@ class ServerConfig:
     workers: int = 16
     metrics_port: int | None = None  # Prometheus endpoint; off unless set
     metrics_host: str = "127.0.0.1"
+    lease_ttl_s: float = 30.0  # same-host reservations and read pins not committed / released by then are taken back
+    unix_socket: str | None = None  # also listen on this unix socket (clients: grpc+unix:///path)
 
     def __post_init__(self) -> None:
+        _require(self.lease_ttl_s > 0, "server.lease_ttl_s must be positive")
         _require(0 <= self.port <= 65535, f"server.port must be 0..65535, got {self.port}")
         _require(self.max_chunk_bytes >= 1, "server.max_chunk_bytes must be positive")
         _require(64 * KiB <= self.frame_bytes <= 16 * MiB, "server.frame_bytes must be 64KiB..16MiB")

@@ -22,7 +22,9 @@ from tiercache.config import Config
 from tiercache.errors import ConfigError, InvalidArgument
 from tiercache.keys import ChunkKey, validate_key, validate_namespace
 from tiercache.metrics import Metrics
+from tiercache.shm import LeaseTable
 from tiercache.store import TieredStore
+from tiercache.tiers.arena import payload_ranges
 from tiercache.wire import SERVICE_NAME, chunk_meta, frames, pb, pb_grpc, stats_message, status_for
 
 log = logging.getLogger(__name__)
@@ -101,9 +103,10 @@ def _chunk_keys(namespace: str, keys: Iterable[bytes]) -> list[ChunkKey]:
 
 
 class TierCacheServicer(pb_grpc.TierCacheServicer):
-    def __init__(self, store: TieredStore, config: Config, metrics: Metrics) -> None:
+    def __init__(self, store: TieredStore, config: Config, metrics: Metrics, leases: LeaseTable) -> None:
         self.store = store
         self.metrics = metrics
+        self.leases = leases
         self._max_chunk_bytes = config.server.max_chunk_bytes
         self._frame_bytes = config.server.frame_bytes
         self._started = time.monotonic()
@@ -163,10 +166,81 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         self.store.record_lookup(request.requested_tokens, hit)
         return pb.LookupReportAck()
 
+    # -- the same-host path (tiercache.shm) ------------------------------------------------------------------------
+
+    @_rpc
+    def Attach(self, request: pb.AttachRequest, context) -> pb.AttachResponse:
+        tier = self.store.shared_tier
+        if tier is None:
+            return pb.AttachResponse(available=False)
+        return pb.AttachResponse(available=True, path=tier.shared_path, size_bytes=tier.shared_bytes,
+                                 inode=tier.shared_inode, lease_ttl_s=self.leases.ttl_s)
+
+    @_rpc
+    def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
+        if self.store.shared_tier is None:
+            raise InvalidArgument("this server has no shared-memory arena: use Put")
+        granted = []  # (lease id, reservation)
+        try:
+            for header in request.chunks:
+                if header.size_bytes > self._max_chunk_bytes:
+                    raise InvalidArgument(f"chunk of {header.size_bytes} bytes exceeds the maximum of "
+                                          f"{self._max_chunk_bytes}")
+                key = ChunkKey.checked(request.namespace, header.key)
+                reservation = self.store.reserve(key, chunk.header_bytes(key) + header.size_bytes,
+                                                 chunk_meta(header))
+                granted.append((self.leases.grant(reservation, self.store.abort, writable=True), reservation))
+        except Exception:
+            self.leases.release([lease_id for lease_id, _ in granted], writable=True)
+            raise
+        return pb.ReserveResponse(reservations=[
+            pb.Reservation(lease_id=lease_id, payload=_pb_ranges(payload_ranges(r.key, r.ranges)))
+            for lease_id, r in granted])
+
+    @_rpc
+    def Commit(self, request: pb.LeaseIds, context) -> pb.PutResponse:
+        return pb.PutResponse(stored_in=[self.store.commit(self.leases.take(i, writable=True))
+                                         for i in request.lease_ids])
+
+    @_rpc
+    def Abort(self, request: pb.LeaseIds, context) -> pb.LeaseAck:
+        self.leases.release(request.lease_ids, writable=True)
+        return pb.LeaseAck()
+
+    @_rpc
+    def Acquire(self, request: pb.KeysRequest, context) -> pb.AcquireResponse:
+        tier = self.store.shared_tier
+        if tier is None:
+            raise InvalidArgument("this server has no shared-memory arena: use Get")
+        leases = []
+        for key in _chunk_keys(request.namespace, request.keys):
+            found = self.store.lease(key)
+            if found is None:
+                leases.append(pb.Lease(found=False))
+                continue
+            pinned, where = found
+            if pinned is None:
+                leases.append(pb.Lease(found=True, leased=False, tier=where))
+                continue
+            lease_id = self.leases.grant(pinned, tier.unpin, writable=False)
+            payload = payload_ranges(key, pinned.ranges)
+            leases.append(pb.Lease(found=True, leased=True, lease_id=lease_id, tier=where,
+                                   size_bytes=sum(n for _, n in payload), payload=_pb_ranges(payload)))
+        return pb.AcquireResponse(leases=leases)
+
+    @_rpc
+    def Release(self, request: pb.LeaseIds, context) -> pb.LeaseAck:
+        self.leases.release(request.lease_ids, writable=False)
+        return pb.LeaseAck()
+
     @_rpc
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         return stats_message(self.store.stats(), version=__version__, uptime_s=time.monotonic() - self._started,
                              max_chunk_bytes=self._max_chunk_bytes)
+
+
+def _pb_ranges(ranges) -> list:
+    return [pb.Range(offset=o, length=n) for o, n in ranges]
 
 
 def _grpc_options(max_chunk_bytes: int) -> list[tuple[str, int]]:
@@ -184,6 +258,7 @@ class CacheServer:
         self.config = config
         self.store = store or TieredStore.from_config(config)
         self.metrics = Metrics(self.store)
+        self.leases = LeaseTable(config.server.lease_ttl_s)
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
         self._stopped = threading.Event()
@@ -194,7 +269,8 @@ class CacheServer:
         cfg = self.config.server
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="tiercache-rpc"),
                              options=_grpc_options(cfg.max_chunk_bytes))
-        pb_grpc.add_TierCacheServicer_to_server(TierCacheServicer(self.store, self.config, self.metrics), server)
+        servicer = TierCacheServicer(self.store, self.config, self.metrics, self.leases)
+        pb_grpc.add_TierCacheServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
         try:
@@ -203,6 +279,13 @@ class CacheServer:
             self.port = 0
         if not self.port:
             raise ConfigError(f"cannot listen on {cfg.host}:{cfg.port} (address in use or not available)")
+        if cfg.unix_socket:
+            try:
+                bound = server.add_insecure_port(f"unix:{cfg.unix_socket}")
+            except RuntimeError:
+                bound = 0
+            if not bound:
+                raise ConfigError(f"cannot listen on unix socket {cfg.unix_socket}")
         if cfg.metrics_port is not None:
             try:
                 self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
@@ -230,6 +313,7 @@ class CacheServer:
         if self._server is not None:
             self._server.stop(grace_s).wait()
         self.metrics.close()
+        self.leases.close()  # takes back every reservation and read pin before the arena goes away
         self.store.close()
 
     def wait(self) -> None:

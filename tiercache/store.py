@@ -120,6 +120,55 @@ class TieredStore:
     def put_record(self, key: ChunkKey, record: bytearray) -> str:
         """Store an already sealed record (the server assembles records in place to save a copy)."""
         placed = self._place(key, record, 0)
+        self._after_placement(key, placed, lambda: record)
+        return self.tiers[placed].name
+
+    # -- the same-host path: records written and read in place in the host tier's shared memory ---------------
+
+    @property
+    def shared_tier(self):
+        """The tier whose arena same-host clients can map (the host tier in /dev/shm), or None."""
+        return next((t for t in self.tiers if getattr(t, "shared_path", None)), None)
+
+    def reserve(self, key: ChunkKey, size: int, meta: chunk.ChunkMeta):
+        """Room for a record in the shared arena, invisible until commit; what it evicts is demoted as usual."""
+        tier = self.shared_tier
+        level = self.tiers.index(tier)
+        try:
+            reservation, evicted = tier.reserve(key, size, meta, return_evicted=level + 1 < len(self.tiers))
+        except TierFull as full:
+            self._demote(full.evicted, level)
+            raise CapacityExceeded(f"the shared arena has no room for {size} bytes") from None
+        self._demote(evicted, level)
+        return reservation
+
+    def commit(self, reservation) -> str:
+        tier = self.shared_tier
+        tier.commit(reservation)
+        self._after_placement(reservation.key, self.tiers.index(tier), lambda: tier.get(reservation.key))
+        return tier.name
+
+    def abort(self, reservation) -> None:
+        self.shared_tier.abort(reservation)
+
+    def lease(self, key: ChunkKey):
+        """Pin a chunk in the shared arena for a same-host reader, promoting it there first when it lives below.
+
+        Returns (Pinned, tier it was found in), or None when absent; (None, tier) when it exists but cannot be pinned
+        in the arena (too large for it, or held above it by the GPU tier): the caller reads it over gRPC.
+        """
+        tier = self.shared_tier
+        pinned = tier.pin(key)
+        if pinned is not None:
+            self._count(tier, hits=1)
+            return pinned, tier.name
+        found = self.get(key)
+        if found is None:
+            return None
+        return tier.pin(key), found.tier
+
+    def _after_placement(self, key: ChunkKey, placed: int, record) -> None:
+        """Drop older copies below the tier a record landed in, and copy it to the shared tier (write-through)."""
         below = [t for t in self.tiers[placed + 1:] if not t.shared]
         for tier in below:  # an older copy further down would shadow nothing but waste room; drop it
             if tier.contains([key])[0]:
@@ -127,8 +176,7 @@ class TieredStore:
         if self.write_through:
             for tier in self.tiers[placed + 1:]:
                 if tier.shared:
-                    self._copy_to(tier, key, record)
-        return self.tiers[placed].name
+                    self._copy_to(tier, key, record())
 
     def get(self, key: ChunkKey) -> Found | None:
         for level, tier in enumerate(self.tiers):

@@ -13,7 +13,7 @@ the last reader leaves.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from tiercache import chunk
@@ -41,7 +41,55 @@ class ArenaMemory(Protocol):
 
     def read(self, ranges: Sequence[tuple[int, int]], size: int) -> bytearray: ...
 
+    def views(self, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """Zero-copy views of ranges (host memory only; the GPU arena raises NotImplementedError)."""
+        ...
+
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Reservation:
+    key: ChunkKey
+    size: int  # record bytes: header + payload
+    meta: chunk.ChunkMeta
+    extents: tuple[Extent, ...]
+    ranges: tuple[tuple[int, int], ...]  # (byte offset, length) in the arena, in record order
+
+
+@dataclass(frozen=True)
+class Pinned:
+    key: ChunkKey
+    size: int
+    ranges: tuple[tuple[int, int], ...]
+    entry: object = field(repr=False, compare=False)
+
+
+def _cut(ranges: Sequence[tuple[int, int]], end: int) -> list[tuple[int, int]]:
+    """The part of a record's ranges before byte `end`."""
+    out, left = [], end
+    for offset, n in ranges:
+        if left <= 0:
+            break
+        out.append((offset, min(n, left)))
+        left -= n
+    return out
+
+
+def _shift(ranges: Sequence[tuple[int, int]], start: int) -> list[tuple[int, int]]:
+    """The part of a record's ranges from byte `start` on (e.g. the payload after the header)."""
+    out, skip = [], start
+    for offset, n in ranges:
+        if skip >= n:
+            skip -= n
+            continue
+        out.append((offset + skip, n - skip))
+        skip = 0
+    return out
+
+
+def payload_ranges(key: ChunkKey, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    return _shift(ranges, chunk.header_bytes(key))
 
 
 class ArenaTier:
@@ -61,16 +109,71 @@ class ArenaTier:
         self._state_reserved = 0  # state bytes of puts between allocation and commit
         self._lock = threading.Lock()
 
+    @property
+    def shared_path(self) -> str | None:
+        """The file same-host clients can map, when the arena lives in shared memory."""
+        return getattr(self._memory, "path", None)
+
+    @property
+    def shared_inode(self) -> int | None:
+        return getattr(self._memory, "inode", None)
+
+    @property
+    def shared_bytes(self) -> int:
+        return getattr(self._memory, "size", 0)
+
     # -- contract ---------------------------------------------------------------------------------------------------
 
     def put(self, key: ChunkKey, record, *, return_evicted: bool) -> list[Evicted]:
         record = memoryview(record).cast("B")
         meta = chunk.read_meta(record)
-        size = len(record)
+        extents, evicted = self._allocate(key, len(record), meta, return_evicted)
+        self._write(extents, record)
+        self._commit_entry(key, len(record), meta, extents)
+        return evicted
+
+    # -- same-host writes and reads (tiercache.shm): the client copies the payload itself ---------------------------
+
+    def reserve(self, key: ChunkKey, size: int, meta: chunk.ChunkMeta, *,
+                return_evicted: bool) -> tuple["Reservation", list[Evicted]]:
+        """Room for a record of `size` bytes, invisible until `commit` (or freed by `abort`)."""
+        extents, evicted = self._allocate(key, size, meta, return_evicted)
+        return Reservation(key, size, meta, extents, self._ranges(extents, size)), evicted
+
+    def commit(self, reservation: "Reservation") -> None:
+        """Seal the record (its header is written over the reserved front) and make it visible."""
+        start = chunk.header_bytes(reservation.key)
+        payload = self._memory.views(_shift(reservation.ranges, start))
+        head = chunk.header(reservation.key, reservation.meta, payload)
+        self._memory.write(_cut(reservation.ranges, start), memoryview(head))
+        self._commit_entry(reservation.key, reservation.size, reservation.meta, reservation.extents)
+
+    def abort(self, reservation: "Reservation") -> None:
+        with self._lock:
+            self._allocator.free(reservation.extents)
+            if reservation.meta.object_class == chunk.CLASS_STATE:
+                self._state_reserved -= reservation.size
+
+    def pin(self, key: ChunkKey) -> "Pinned | None":
+        """Hold a record in place for a same-host reader until `unpin`: its pages are not reused meanwhile."""
+        with self._lock:
+            entry = self._index.touch(key)
+            if entry is None:
+                return None
+            entry.pins += 1
+        return Pinned(key, entry.record_bytes, self._ranges(entry.extents, entry.record_bytes), entry)
+
+    def unpin(self, pinned: "Pinned") -> None:
+        with self._lock:
+            self._unpin(pinned.entry)
+
+    def _allocate(self, key: ChunkKey, size: int, meta: chunk.ChunkMeta,
+                  return_evicted: bool) -> tuple[tuple[Extent, ...], list[Evicted]]:
+        """Pages for a record, evicting as needed; counts it against the state budget until _commit_entry."""
         state = size if meta.object_class == chunk.CLASS_STATE else 0
         pages = -(-size // self.page_bytes)
         if pages > self._allocator.total_pages or state > self.state_budget_bytes:
-            raise TierFull(f"{size} bytes exceed what the host tier may hold")
+            raise TierFull(f"{size} bytes exceed what the {self.name} tier may hold")
         evicted: list[Evicted] = []
         with self._lock:
             self._unlink(key)
@@ -81,20 +184,21 @@ class ArenaTier:
                 extents = self._allocator.allocate(pages) if fits else None
                 if extents is not None:
                     self._state_reserved += state
-                    break
+                    return extents, evicted
             if not victims:  # everything left is being read right now
-                raise TierFull(f"host tier has no room for {size} bytes right now", evicted)
+                raise TierFull(f"{self.name} tier has no room for {size} bytes right now", evicted)
             for victim_key, victim in victims:  # copy victims out without the lock; they are pinned
                 evicted.append(Evicted(victim_key, self._read(victim) if return_evicted else None))
             with self._lock:
                 for _, victim in victims:
                     self._unpin(victim)  # frees their pages; the next round allocates (or evicts more if raced)
-        self._write(extents, record)
+
+    def _commit_entry(self, key: ChunkKey, size: int, meta: chunk.ChunkMeta, extents: tuple[Extent, ...]) -> None:
         with self._lock:
-            self._state_reserved -= state
+            if meta.object_class == chunk.CLASS_STATE:
+                self._state_reserved -= size
             self._unlink(key)  # a concurrent put of the same key may have committed meanwhile: last one wins
             self._index.add(key, _Entry(size, meta, extents))
-        return evicted
 
     def get(self, key: ChunkKey) -> bytearray | None:
         with self._lock:
@@ -172,14 +276,14 @@ class ArenaTier:
 
     # -- outside the lock -------------------------------------------------------------------------------------------
 
-    def _ranges(self, extents: tuple[Extent, ...], size: int) -> list[tuple[int, int]]:
+    def _ranges(self, extents: tuple[Extent, ...], size: int) -> tuple[tuple[int, int], ...]:
         """(byte offset, length) of each extent, the last one cut to the record's end."""
         ranges, left = [], size
         for start, pages in extents:
             n = min(pages * self.page_bytes, left)
             ranges.append((start * self.page_bytes, n))
             left -= n
-        return ranges
+        return tuple(ranges)
 
     def _write(self, extents: tuple[Extent, ...], record: memoryview) -> None:
         self._memory.write(self._ranges(extents, len(record)), record)

@@ -74,6 +74,9 @@ class DeviceMemory:
         finally:
             self._staging.put(staging)
 
+    def views(self, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+        raise NotImplementedError("device memory has no host views; the same-host path uses the host tier")
+
     def close(self) -> None:
         self.stream.synchronize()
         self.pool = None

@@ -1,0 +1,132 @@
+"""The same-host path: payloads through the server's shared-memory arena, leases that expire, pins that hold."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import pytest
+
+from tests.helpers import wait_for
+from tiercache.client import Client
+from tiercache.config import MiB
+from tiercache.errors import InvalidArgument, Unavailable
+from tiercache.shm import SharedArena
+from tiercache.wire import pb, pb_grpc
+
+NS = "same-host"
+
+
+def raw_stub(server):
+    return pb_grpc.TierCacheStub(grpc.insecure_channel(server.url.removeprefix("grpc://")))
+
+
+def test_a_local_client_attaches_by_itself(start_server):
+    server = start_server()
+    with Client.from_url(server.url) as client:
+        assert client.same_host
+        data = os.urandom(3 * MiB + 5)
+        assert client.put(NS, b"k", data) == "host"
+        assert client.get(NS, b"k") == data
+
+
+def test_no_arena_means_grpc_and_same_host_true_is_an_error(start_server):
+    server = start_server(shared_memory=False)
+    with Client.from_url(server.url) as client:
+        assert not client.same_host
+        client.put(NS, b"k", b"streamed")
+        assert client.get(NS, b"k") == b"streamed"
+    with pytest.raises(Unavailable):
+        Client.from_url(server.url, same_host=True).put(NS, b"k", b"x")
+
+
+def test_get_into_fills_caller_buffers(start_server):
+    server = start_server()
+    with Client.from_url(server.url) as client:
+        chunks = {b"a": os.urandom(MiB), b"b": os.urandom(1000)}
+        client.put_many(NS, [(k, v) for k, v in chunks.items()])
+        buffers = [bytearray(MiB), bytearray(MiB), bytearray(10)]
+        assert client.get_into(NS, [b"a", b"b", b"missing"], buffers) == ["host", "host", None]
+        assert bytes(buffers[0]) == chunks[b"a"] and bytes(buffers[1][:1000]) == chunks[b"b"]
+        with pytest.raises(InvalidArgument):
+            client.get_into(NS, [b"a"], [bytearray(10)])
+
+
+def test_acquire_promotes_from_disk(start_server):
+    server = start_server(host_bytes=2 * MiB, disk_bytes=16 * MiB)
+    with Client.from_url(server.url) as client:
+        chunks = {b"c%d" % i: os.urandom(MiB - 100) for i in range(5)}
+        for k, v in chunks.items():
+            client.put(NS, k, v)
+        assert client.locate(NS, [b"c0"]) == ["disk"]
+        assert client.fetch_many(NS, [b"c0"])[0] == (chunks[b"c0"], "disk")
+        assert client.locate(NS, [b"c0"]) == ["host"]
+
+
+def test_chunk_too_large_for_the_arena_falls_back_to_grpc(start_server):
+    server = start_server(host_bytes=1 * MiB, disk_bytes=16 * MiB)
+    with Client.from_url(server.url) as client:
+        big = os.urandom(3 * MiB)
+        assert client.put(NS, b"big", big) == "disk"  # Reserve refused: streamed instead
+        assert client.get(NS, b"big") == big  # found but not leasable: streamed instead
+
+
+def test_abandoned_reservation_is_taken_back_when_its_lease_expires(start_server):
+    server = start_server(host_bytes=4 * MiB, disk_bytes=16 * MiB, lease_ttl_s=0.3)
+    stub = raw_stub(server)
+    header = pb.ChunkHeader(namespace=NS, key=b"crashed", size_bytes=3 * MiB)
+    stub.Reserve(pb.ReserveRequest(namespace=NS, chunks=[header]))  # ...and the client "crashes"
+    with Client.from_url(server.url) as client:
+        assert client.put(NS, b"next", os.urandom(3 * MiB)) == "disk"  # the arena is still held
+        wait_for(lambda: len(server.leases) == 0, timeout_s=5, what="the reservation to expire")
+        assert client.put(NS, b"after", os.urandom(3 * MiB)) == "host"
+
+
+def test_a_chunk_under_a_read_lease_is_never_overwritten(start_server):
+    server = start_server(host_bytes=4 * MiB, disk_bytes=32 * MiB, lease_ttl_s=60)
+    with Client.from_url(server.url) as client:
+        original = os.urandom(MiB)
+        client.put(NS, b"held", original)
+        stub = raw_stub(server)
+        lease = stub.Acquire(pb.KeysRequest(namespace=NS, keys=[b"held"])).leases[0]
+        attach = stub.Attach(pb.AttachRequest())
+        arena = SharedArena(attach.path, attach.size_bytes, attach.inode)
+        ranges = [(r.offset, r.length) for r in lease.payload]
+        for i in range(12):  # 12 MiB through a 4 MiB arena: everything else is evicted around the pinned chunk
+            client.put(NS, b"churn-%d" % i, os.urandom(MiB))
+        assert arena.read(ranges, lease.size_bytes) == original
+        stub.Release(pb.LeaseIds(lease_ids=[lease.lease_id]))
+        for i in range(12, 24):
+            client.put(NS, b"churn-%d" % i, os.urandom(MiB))
+        assert client.locate(NS, [b"held"]) == ["disk"]  # evictable again once released
+        assert client.get(NS, b"held") == original
+        arena.close()
+
+
+def test_expired_read_lease_releases_the_pin(start_server):
+    server = start_server(host_bytes=2 * MiB, disk_bytes=16 * MiB, lease_ttl_s=0.3)
+    with Client.from_url(server.url) as client:
+        client.put(NS, b"held", os.urandom(MiB - 100))
+        raw_stub(server).Acquire(pb.KeysRequest(namespace=NS, keys=[b"held"]))  # never released
+        wait_for(lambda: len(server.leases) == 0, timeout_s=5, what="the read lease to expire")
+        for i in range(4):
+            client.put(NS, b"churn-%d" % i, os.urandom(MiB - 100))
+        assert client.locate(NS, [b"held"]) == ["disk"]
+
+
+def test_stopping_the_server_removes_its_arena(start_server):
+    server = start_server()
+    path = server.store.shared_tier.shared_path
+    assert os.path.exists(path) and oct(os.stat(path).st_mode & 0o777) == "0o600"
+    server.stop(grace_s=0)
+    assert not os.path.exists(path)
+
+
+def test_unix_socket_urls(start_server, tmp_path):
+    socket_path = str(tmp_path / "tiercache.sock")
+    start_server(unix_socket=socket_path)
+    with Client.from_url(f"grpc+unix://{socket_path}", same_host=False) as client:
+        client.put(NS, b"k", b"over a unix socket")
+        assert client.get(NS, b"k") == b"over a unix socket"
+    with pytest.raises(InvalidArgument):
+        Client.from_url("grpc+unix://relative/path")

@@ -1,0 +1,127 @@
+"""The same-host data path: chunks are written and read in place in the host tier's shared-memory arena.
+
+gRPC carries control only (Attach, Reserve/Commit/Abort, Acquire/Release); the payload never crosses a socket.
+- `LeaseTable` (server): every reservation and every read pin is a lease with an expiry, so a client that crashes
+  cannot hold memory forever: an expired reservation is aborted, an expired read pin released. A chunk under a read
+  lease is never overwritten (the arena does not reuse pinned pages).
+- `SharedArena` (client): the arena file mapped into the client; it proves it is the server's file by its inode.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from tiercache.errors import InvalidArgument, NotFound
+
+DEFAULT_LEASE_TTL_S = 30.0
+
+
+@dataclass
+class _Lease:
+    handle: object
+    release: Callable[[object], None]  # abort a reservation / unpin a read
+    expires_at: float
+    writable: bool
+
+
+class LeaseTable:
+    def __init__(self, ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
+        self.ttl_s = ttl_s
+        self._leases: dict[int, _Lease] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="tiercache-leases", daemon=True)
+        self._reaper.start()
+
+    def grant(self, handle: object, release: Callable[[object], None], writable: bool) -> int:
+        lease_id = secrets.randbits(63) or 1  # unguessable: one client cannot commit or release another's lease
+        with self._lock:
+            self._leases[lease_id] = _Lease(handle, release, time.monotonic() + self.ttl_s, writable)
+        return lease_id
+
+    def take(self, lease_id: int, writable: bool) -> object:
+        """Remove a lease and hand back what it holds; the caller now owns releasing it."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.writable != writable:
+                raise NotFound(f"no {'reservation' if writable else 'read lease'} {lease_id} (expired?)")
+            del self._leases[lease_id]
+        return lease.handle
+
+    def release(self, lease_ids: Sequence[int], writable: bool) -> None:
+        for lease_id in lease_ids:
+            with self._lock:
+                lease = self._leases.pop(lease_id, None)
+            if lease is not None and lease.writable == writable:
+                lease.release(lease.handle)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    def expire(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = [(i, lease) for i, lease in self._leases.items() if lease.expires_at <= now]
+            for lease_id, _ in expired:
+                del self._leases[lease_id]
+        for _, lease in expired:  # outside the lock: releasing takes the tier's lock
+            lease.release(lease.handle)
+        return len(expired)
+
+    def close(self) -> None:
+        self._closed.set()
+        self.expire(now=float("inf"))
+
+    def _reap(self) -> None:
+        while not self._closed.wait(min(1.0, self.ttl_s / 4)):
+            self.expire()
+
+
+class SharedArena:
+    """The server's arena, mapped into a client. Raises OSError when this host cannot see that very file."""
+
+    def __init__(self, path: str, size: int, inode: int) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_ino != inode:
+                raise OSError(f"{path} is not the server's arena (another host or namespace)")
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        self._view = memoryview(self._map)
+        self.path = path
+        self.batch_bytes = max(size // 4, 1)  # reserve at most a quarter of the arena per round trip
+
+    def write(self, ranges: Sequence[tuple[int, int]], payload: memoryview) -> None:
+        done = 0
+        for offset, n in ranges:
+            self._view[offset:offset + n] = payload[done:done + n]
+            done += n
+        if done != len(payload):
+            raise InvalidArgument(f"ranges hold {done} bytes, the payload has {len(payload)}")
+
+    def read(self, ranges: Sequence[tuple[int, int]], size: int, out: memoryview | None = None):
+        """Copy a leased payload out: into `out` when given (returns the filled view), else into new bytes."""
+        if out is None:
+            if len(ranges) == 1:
+                offset, n = ranges[0]
+                return bytes(self._view[offset:offset + n])  # one copy, straight into the result
+            return b"".join(self._view[offset:offset + n] for offset, n in ranges)
+        if len(out) < size:
+            raise InvalidArgument(f"a {len(out)}-byte buffer cannot hold a {size}-byte chunk")
+        done = 0
+        for offset, n in ranges:
+            out[done:done + n] = self._view[offset:offset + n]
+            done += n
+        return out[:size]
+
+    def close(self) -> None:
+        self._view.release()
+        self._map.close()
