@@ -1,9 +1,11 @@
-"""Put/get throughput of 4 MiB chunks, client -> `tiercache serve` on loopback, next to a raw loopback socket.
+"""Put/get throughput of 4 MiB chunks, one call per chunk, client -> `tiercache serve`, next to a raw loopback socket.
 
-Starts its own server (host tier big enough for the working set, so this measures the RPC path, not eviction)
-unless --server is given. Prints medians of --repeat rounds and the ratio to the raw socket measured in the same run.
+Starts its own server (host tier big enough for the working set, so this measures the call path, not eviction)
+unless --server is given. `--path same-host` moves payloads through the shared-memory arena, `--path grpc` streams
+them over gRPC. Prints medians of --repeat rounds and the ratio to the raw socket measured in the same run. For
+batched calls and every other baseline see benchmarks/throughput.py.
 
-    .venv/bin/python benchmarks/put_get.py [--chunks 64] [--chunk-size 4MiB] [--repeat 3] [--server URL] [--json]
+    .venv/bin/python benchmarks/put_get.py [--path grpc|same-host] [--chunks 64] [--chunk-size 4MiB] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -54,10 +56,10 @@ def loopback_socket_gbps(size: int, count: int) -> float:
     return total / elapsed / 1e9
 
 
-def tiercache_gbps(url: str, size: int, count: int) -> tuple[float, float]:
+def tiercache_gbps(url: str, size: int, count: int, same_host: bool) -> tuple[float, float]:
     chunks = [os.urandom(size) for _ in range(min(count, 8))]
     keys = [b"bench-%06d" % i for i in range(count)]
-    with Client.from_url(url) as client:
+    with Client.from_url(url, same_host=same_host) as client:
         start = time.perf_counter()
         for i, key in enumerate(keys):
             client.put("bench", key, chunks[i % len(chunks)])
@@ -77,6 +79,7 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=parse_size, default=parse_size("4MiB"))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--server", help="use a running server instead of starting one")
+    parser.add_argument("--path", choices=["grpc", "same-host"], default="grpc")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -91,14 +94,14 @@ def main() -> None:
         rounds = {"socket": [], "put": [], "get": []}
         for _ in range(args.repeat):
             rounds["socket"].append(loopback_socket_gbps(args.chunk_size, args.chunks))
-            put, get = tiercache_gbps(url, args.chunk_size, args.chunks)
+            put, get = tiercache_gbps(url, args.chunk_size, args.chunks, args.path == "same-host")
             rounds["put"].append(put)
             rounds["get"].append(get)
     finally:
         if server is not None:
             server.kill()
     medians = {name: statistics.median(values) for name, values in rounds.items()}
-    result = {"chunk_bytes": args.chunk_size, "chunks": args.chunks, "repeat": args.repeat,
+    result = {"path": args.path, "chunk_bytes": args.chunk_size, "chunks": args.chunks, "repeat": args.repeat,
               "gbps": medians, "ratio_to_socket": {k: medians[k] / medians["socket"] for k in ("put", "get")}}
     if args.json:
         print(json.dumps(result, indent=2))
@@ -107,7 +110,7 @@ def main() -> None:
     print(f"{'path':<28}{'GB/s':>8}{'x socket':>10}")
     print(f"{'raw loopback socket':<28}{medians['socket']:>8.2f}{1:>10.2f}")
     for name in ("put", "get"):
-        label = f"tiercache {name} (grpc, host)"
+        label = f"tiercache {name} ({args.path})"
         print(f"{label:<28}{medians[name]:>8.2f}{medians[name] / medians['socket']:>10.2f}")
 
 

@@ -8,7 +8,10 @@ def __getattr__(name: str):
     if name == "Client":
         from tiercache.client import Client
         return Client
+    if name == "tune_allocator":
+        from tiercache.allocation import tune_allocator
+        return tune_allocator
     raise AttributeError(name)
 
 
-__all__ = ["Client", "__version__"]
+__all__ = ["Client", "__version__", "tune_allocator"]

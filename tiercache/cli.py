@@ -97,9 +97,11 @@ def serve(args: argparse.Namespace) -> int:
     # condition half-released when signals came in quick succession (tests/test_cli.py covers both).
     signals = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    from tiercache.allocation import tune_allocator
     from tiercache.server import CacheServer
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tune_allocator()
     config = config_from_args(args)
     server = CacheServer(config).start()
     tiers = ", ".join(f"{t.name}" for t in server.store.tiers)

@@ -1,0 +1,251 @@
+"""Throughput of every data path next to the baselines that bound it, measured in ONE run.
+
+For chunk sizes 1, 4 and 16 MiB (a working set of --set-mib per size), in GB/s (medians of --repeat rounds):
+  memcpy                 numpy copy into a preallocated, pre-faulted buffer
+  loopback socket        sendall / recv_into over 127.0.0.1
+  file write / +fsync    raw files in a temp dir; cold read after posix_fadvise(DONTNEED), warm read from page cache
+  redis-py SET / GET     against a redis-server this script starts
+  tiercache same-host    put_many through the shared-memory arena / get_into preallocated buffers
+  tiercache remote       put_many / get_many streamed over gRPC (same_host=False)
+  disk tier              DiskTier.put / get in-process (what the server does below the RPC layer)
+  redis tier             RedisTier.put / get in-process
+and the ratios the performance issue tracks. Writes JSON (--json-out) and a PNG chart (--plot).
+
+    .venv/bin/python benchmarks/throughput.py [--quick] [--sizes 1,4,16] [--set-mib 256] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import numpy as np  # noqa: E402
+import redis  # noqa: E402
+
+from tiercache import chunk  # noqa: E402
+from tiercache.allocation import tune_allocator  # noqa: E402
+from tiercache.client import Client  # noqa: E402
+from tiercache.config import DiskTierConfig, MiB, RedisTierConfig  # noqa: E402
+from tiercache.keys import ChunkKey  # noqa: E402
+from tiercache.process import RedisProcess, ServerProcess  # noqa: E402
+from tiercache.tiers.disk import DiskTier  # noqa: E402
+from tiercache.tiers.redis import RedisTier  # noqa: E402
+
+
+def rate(total_bytes: int, action: Callable[[], None], repeat: int) -> float:
+    samples = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - started)
+    return total_bytes / statistics.median(samples) / 1e9
+
+
+def memcpy(payloads, repeat):
+    outs = [np.empty_like(p) for p in payloads]
+    for out in outs:
+        out.fill(0)  # pre-fault
+
+    def run():
+        for src, dst in zip(payloads, outs):
+            np.copyto(dst, src)
+    return rate(sum(p.nbytes for p in payloads), run, repeat)
+
+
+def loopback_socket(payloads, repeat):
+    size, total = payloads[0].nbytes, sum(p.nbytes for p in payloads)
+
+    def run():
+        listener = socket.create_server(("127.0.0.1", 0))
+        buf = memoryview(bytearray(size))
+
+        def sink():
+            conn, _ = listener.accept()
+            received = 0
+            while received < total:
+                received += conn.recv_into(buf, min(size, total - received))
+            conn.sendall(b"k")
+            conn.close()
+
+        thread = threading.Thread(target=sink)
+        thread.start()
+        with socket.create_connection(listener.getsockname()) as s:
+            for p in payloads:
+                s.sendall(p)
+            s.recv(1)
+        thread.join()
+        listener.close()
+    return rate(total, run, repeat)
+
+
+def files(payloads, repeat, fsync: bool):
+    root = tempfile.mkdtemp(prefix="tiercache-bench-files-")
+    total = sum(p.nbytes for p in payloads)
+    paths = [os.path.join(root, f"f{i}") for i in range(len(payloads))]
+
+    def write():
+        for path, p in zip(paths, payloads):
+            with open(path, "wb", buffering=0) as f:
+                f.write(p)
+                if fsync:
+                    os.fsync(f.fileno())
+    write_gbps = rate(total, write, repeat)
+    out = bytearray(payloads[0].nbytes)
+
+    def read(cold: bool):
+        def run():
+            for path in paths:
+                with open(path, "rb", buffering=0) as f:
+                    if cold:
+                        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                    f.readinto(out)
+        return run
+    cold = rate(total, read(True), repeat)
+    warm = rate(total, read(False), repeat)
+    shutil.rmtree(root)
+    return write_gbps, cold, warm
+
+
+def redis_py(payloads, repeat, url):
+    r = redis.Redis.from_url(url)
+    total = sum(p.nbytes for p in payloads)
+    keys = [b"bench:%d" % i for i in range(len(payloads))]
+    set_gbps = rate(total, lambda: [r.set(k, memoryview(p)) for k, p in zip(keys, payloads)], repeat)
+    get_gbps = rate(total, lambda: [r.get(k) for k in keys], repeat)
+    r.flushall()
+    return set_gbps, get_gbps
+
+
+def tiercache_paths(payloads, repeat, url, same_host: bool):
+    total = sum(p.nbytes for p in payloads)
+    keys = [b"bench-%d" % i for i in range(len(payloads))]
+    with Client.from_url(url, same_host=same_host, timeout_s=300) as client:
+        assert client.same_host == same_host
+        put = rate(total, lambda: client.put_many("bench", list(zip(keys, payloads))), repeat)
+        if same_host:
+            outs = [bytearray(p.nbytes) for p in payloads]
+            get = rate(total, lambda: client.get_into("bench", keys, outs), repeat)
+        else:
+            get = rate(total, lambda: client.get_many("bench", keys), repeat)
+        client.delete("bench", keys)
+    return put, get
+
+
+def tier_in_process(tier, payloads, repeat):
+    keys = [ChunkKey("bench", b"t-%d" % i) for i in range(len(payloads))]
+    records = [chunk.encode(k, p) for k, p in zip(keys, payloads)]
+    total = sum(len(r) for r in records)
+    put = rate(total, lambda: [tier.put(k, r, return_evicted=False) for k, r in zip(keys, records)], repeat)
+    get = rate(total, lambda: [chunk.decode(tier.get(k), k) for k in keys], repeat)
+    tier.delete(keys)
+    return put, get
+
+
+def measure(size: int, set_bytes: int, repeat: int, shared_url: str, remote_url: str, redis_url: str) -> dict:
+    count = max(set_bytes // size, 2)
+    rng = np.random.default_rng(size)
+    payloads = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(count)]
+    row = {"chunk_bytes": size, "chunks": count}
+    row["memcpy"] = memcpy(payloads, repeat)
+    row["loopback_socket"] = loopback_socket(payloads, repeat)
+    row["file_write"], row["file_read_cold"], row["file_read_warm"] = files(payloads, repeat, fsync=False)
+    row["file_write_fsync"], _, _ = files(payloads, repeat, fsync=True)
+    row["redis_py_set"], row["redis_py_get"] = redis_py(payloads, repeat, redis_url)
+    row["same_host_put"], row["same_host_get"] = tiercache_paths(payloads, repeat, shared_url, True)
+    row["remote_put"], row["remote_get"] = tiercache_paths(payloads, repeat, remote_url, False)
+    disk_dir = tempfile.mkdtemp(prefix="tiercache-bench-disk-")
+    disk = DiskTier(DiskTierConfig(path=disk_dir, capacity_bytes=2 * set_bytes + 64 * MiB))
+    row["disk_tier_put"], row["disk_tier_get"] = tier_in_process(disk, payloads, repeat)
+    shutil.rmtree(disk_dir)
+    redis_tier = RedisTier(RedisTierConfig(url=redis_url))
+    row["redis_tier_put"], row["redis_tier_get"] = tier_in_process(redis_tier, payloads, repeat)
+    redis_tier.close()
+    row["ratios"] = {
+        "same_host_vs_memcpy": (row["same_host_put"] + row["same_host_get"]) / 2 / row["memcpy"],
+        "remote_vs_redis_py": (row["remote_put"] + row["remote_get"]) / (row["redis_py_set"] + row["redis_py_get"]),
+        "disk_tier_put_vs_file_write": row["disk_tier_put"] / row["file_write"],
+        "disk_tier_get_vs_file_read_warm": row["disk_tier_get"] / row["file_read_warm"],
+        "redis_tier_vs_redis_py": (row["redis_tier_put"] + row["redis_tier_get"]) / (row["redis_py_set"]
+                                                                                     + row["redis_py_get"]),
+    }
+    return row
+
+
+COLUMNS = ["memcpy", "loopback_socket", "file_write", "file_write_fsync", "file_read_cold", "file_read_warm",
+           "redis_py_set", "redis_py_get", "same_host_put", "same_host_get", "remote_put", "remote_get",
+           "disk_tier_put", "disk_tier_get", "redis_tier_put", "redis_tier_get"]
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'GB/s':<22}" + "".join(f"{r['chunk_bytes'] // MiB:>8} MiB" for r in rows))
+    for name in COLUMNS:
+        print(f"{name:<22}" + "".join(f"{r[name]:>12.2f}" for r in rows))
+    print()
+    for name in rows[0]["ratios"]:
+        print(f"{name:<34}" + "".join(f"{r['ratios'][name]:>8.2f}" for r in rows))
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 5))
+    width = 0.8 / len(rows)
+    for i, r in enumerate(rows):
+        ax.bar([x + i * width for x in range(len(COLUMNS))], [r[c] for c in COLUMNS], width,
+               label=f"{r['chunk_bytes'] // MiB} MiB")
+    ax.set_xticks([x + width for x in range(len(COLUMNS))], COLUMNS, rotation=45, ha="right")
+    ax.set_ylabel("GB/s")
+    ax.set_title("tiercache data paths and their baselines (one run)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1,4,16", help="chunk sizes in MiB")
+    parser.add_argument("--set-mib", type=int, default=256, help="bytes moved per size and round")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="64 MiB per size, 1 round: CI smoke, < 1 minute")
+    parser.add_argument("--json-out", default="throughput.json")
+    parser.add_argument("--plot", default="throughput.png")
+    args = parser.parse_args()
+    tune_allocator()  # this process hosts the in-process tiers and the clients: same settings as the server
+    set_bytes = (64 if args.quick else args.set_mib) * MiB
+    repeat = 1 if args.quick else args.repeat
+    host_mem = f"{4 * set_bytes // MiB + 256}MiB"
+    redis_proc = RedisProcess("--maxmemory", "0").start()
+    shared = ServerProcess("--host-mem", host_mem, "--disk-size", "0").start()
+    remote = ServerProcess("--host-mem", host_mem, "--disk-size", "0").start()
+    try:
+        rows = [measure(int(s) * MiB, set_bytes, repeat, shared.url, remote.url, redis_proc.url)
+                for s in args.sizes.split(",")]
+    finally:
+        shared.kill()
+        remote.kill()
+        redis_proc.stop()
+    print_table(rows)
+    with open(args.json_out, "w") as f:
+        json.dump({"set_bytes": set_bytes, "repeat": repeat, "rows": rows}, f, indent=2)
+    if args.plot:
+        plot(rows, args.plot)
+    print(f"\nwrote {args.json_out}" + (f" and {args.plot}" if args.plot else ""))
+
+
+if __name__ == "__main__":
+    main()
