@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import xxhash
 
+from tiercache import codec
 from tiercache.errors import ChunkCorrupt
 from tiercache.keys import ChunkKey
 
@@ -143,5 +144,20 @@ def decode(record, expected: ChunkKey, verify: bool = True) -> memoryview:
     if verify and _FIXED.unpack_from(header(expected, parsed.meta, [payload], parsed.codec), 0)[-1] != stored:
         raise ChunkCorrupt(f"checksum mismatch for {expected}")
     if parsed.codec != CODEC_RAW:
-        raise ChunkCorrupt(f"unknown codec {parsed.codec}")
+        return memoryview(codec.decompress(parsed.codec, payload))
     return payload
+
+
+def transcode(record, key: ChunkKey, target: int):
+    """The record as a tier with codec `target` stores it (the same object when nothing changes).
+
+    Records move between tiers with different codecs on demotion and promotion; the checksum is verified on the way.
+    """
+    parsed = read_header(record)
+    if parsed.codec == target:
+        return record
+    payload = decode(record, key, verify=parsed.codec != CODEC_RAW)
+    if target == CODEC_RAW:
+        return encode(key, payload, parsed.meta)
+    stored = codec.compress(target, payload)
+    return header(key, parsed.meta, [stored], target) + stored

@@ -65,6 +65,12 @@ def _check_state_budget(tier: str, capacity: int, budget: int | None, weight: fl
     _require(0.0 <= weight <= 1.0, f"{tier}.state_value_weight must be within 0..1")
 
 
+def _check_codec(tier: str, name: str) -> None:
+    from tiercache.codec import NAMES
+
+    _require(name in NAMES, f"{tier}.codec must be one of {', '.join(NAMES)}, got {name!r}")
+
+
 def state_budget(capacity: int, budget: int | None) -> int:
     """The state budget in force: the configured one, or half the tier's capacity."""
     return capacity // 2 if budget is None else budget
@@ -114,11 +120,13 @@ class DiskTierConfig:
     path: str = field(default_factory=default_disk_dir)
     capacity_bytes: int = 4 * GiB
     fsync: bool = False  # fsync each file before it becomes visible: survives power loss, costs write bandwidth
+    codec: str = "none"  # none | lz4 | lz4-shuffle2 | lz4-shuffle4 (see tiercache.codec: off unless it pays)
     state_budget_bytes: int | None = None  # most bytes of recurrent states held; default half the capacity
     state_value_weight: float = 0.5
 
     def __post_init__(self) -> None:
         _check_state_budget("disk", self.capacity_bytes, self.state_budget_bytes, self.state_value_weight)
+        _check_codec("disk", self.codec)
         _require(self.capacity_bytes >= 0, "disk.capacity_bytes must be >= 0 (0 disables the disk tier)")
         _require(bool(self.path), "disk.path must not be empty")
 
@@ -133,6 +141,7 @@ class RedisTierConfig:
     write_through: bool = False  # also write every put to Redis, so other nodes see new chunks at once
     socket_timeout_s: float = 2.0
     max_backoff_s: float = 2.0  # longest wait between reconnection attempts while Redis is down
+    codec: str = "none"  # none | lz4 | lz4-shuffle2 | lz4-shuffle4: buys Redis memory, costs CPU
 
     def __post_init__(self) -> None:
         if self.url is not None:
@@ -141,6 +150,7 @@ class RedisTierConfig:
         _require(self.ttl_s is None or self.ttl_s > 0, "redis.ttl_s must be positive when set")
         _require(self.socket_timeout_s > 0, "redis.socket_timeout_s must be positive")
         _require(self.max_backoff_s > 0, "redis.max_backoff_s must be positive")
+        _check_codec("redis", self.codec)
 
 
 @dataclass(frozen=True)

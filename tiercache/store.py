@@ -275,7 +275,7 @@ class TieredStore:
                 return level  # demoting into the shared tier: write-through put it there already
             wants_evicted = level + 1 < len(self.tiers)
             try:
-                evicted = tier.put(key, record, return_evicted=wants_evicted)
+                evicted = tier.put(key, chunk.transcode(record, key, tier.codec), return_evicted=wants_evicted)
             except TierFull as full:
                 self._demote(full.evicted, level)
                 continue
@@ -301,6 +301,9 @@ class TieredStore:
                 landed = self._place(item.key, item.record, level + 1)
             except (CapacityExceeded, Unavailable):
                 continue  # fell off the bottom: an eviction, already counted
+            except ChunkCorrupt:  # found bad while transcoding for the tier below: never passed on
+                self._count(self.tiers[level], checksum_failures=1)
+                continue
             self._count(self.tiers[landed], demotions=1)
 
     def _promote(self, key: ChunkKey, record, level: int) -> None:
@@ -315,8 +318,8 @@ class TieredStore:
 
     def _copy_to(self, tier: Tier, key: ChunkKey, record) -> None:
         try:
-            tier.put(key, record, return_evicted=False)
-        except (TierDown, TierFull):
+            tier.put(key, chunk.transcode(record, key, tier.codec), return_evicted=False)
+        except (TierDown, TierFull, ChunkCorrupt):
             self._count(tier, errors=1)
 
     # -- small helpers ----------------------------------------------------------------------------------------------

@@ -95,6 +95,7 @@ def payload_ranges(key: ChunkKey, ranges: Sequence[tuple[int, int]]) -> list[tup
 class ArenaTier:
     checksum_on_read = False  # the bytes never leave this process's memory
     shared = False
+    codec = 0  # memory tiers hold raw records: readers copy payloads straight out
 
     def __init__(self, name: str, memory: ArenaMemory, capacity_bytes: int, page_bytes: int,
                  state_budget_bytes: int | None, state_value_weight: float) -> None:

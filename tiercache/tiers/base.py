@@ -23,6 +23,7 @@ Two attributes tell the store how to treat a tier (data, not capability probes):
 - checksum_on_read: records that crossed a disk or network are verified on every read; records that never left
   this process's memory are trusted.
 - shared: other servers read this tier too (Redis), so a promotion copies rather than moves the record.
+- codec: how records are stored there (tiercache.codec; 0 = raw). The store transcodes records on their way in.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class Tier(Protocol):
     name: str
     checksum_on_read: bool
     shared: bool
+    codec: int
 
     def put(self, key: ChunkKey, record, *, return_evicted: bool) -> list[Evicted]: ...
 

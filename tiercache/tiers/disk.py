@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from tiercache import chunk
+from tiercache.codec import codec_id
 from tiercache.config import DiskTierConfig, state_budget
 from tiercache.errors import ChunkCorrupt, ConfigError, TierFull
 from tiercache.keys import ChunkKey
@@ -45,6 +46,7 @@ class DiskTier:
 
     def __init__(self, config: DiskTierConfig) -> None:
         self.root = Path(config.path).expanduser()
+        self.codec = codec_id(config.codec)
         self.capacity_bytes = config.capacity_bytes
         self.state_budget_bytes = state_budget(config.capacity_bytes, config.state_budget_bytes)
         self._fsync = config.fsync

@@ -17,6 +17,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from tiercache.codec import codec_id
 from tiercache.config import RedisTierConfig
 from tiercache.errors import TierDown
 from tiercache.keys import ChunkKey
@@ -34,6 +35,7 @@ class RedisTier:
     def __init__(self, config: RedisTierConfig, client: redis.Redis | None = None) -> None:
         assert config.url, "RedisTier needs redis.url"
         self._prefix = config.key_prefix.encode()
+        self.codec = codec_id(config.codec)
         self._ttl_ms = int(config.ttl_s * 1000) if config.ttl_s else None
         self._max_backoff_s = config.max_backoff_s
         # No retries inside redis-py: a dead Redis must cost one failed attempt, then the tier's own backoff.
