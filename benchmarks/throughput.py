@@ -9,9 +9,20 @@ For chunk sizes 1, 4 and 16 MiB (a working set of --set-mib per size), in GB/s (
   tiercache remote       put_many / get_many streamed over gRPC (same_host=False)
   disk tier              DiskTier.put / get in-process (what the server does below the RPC layer)
   redis tier             RedisTier.put / get in-process
+  LMCache store/retrieve  with --lmcache-venv: LMCache's multiprocess server (shared-memory transfer mode) started
+                         from that venv and driven by its own `lmcache bench server --mode cpu`, with a KV shape
+                         whose 256-token chunks have the same byte size
 and the ratios the performance issue tracks. Writes JSON (--json-out) and a PNG chart (--plot).
 
     .venv/bin/python benchmarks/throughput.py [--quick] [--sizes 1,4,16] [--set-mib 256] [--repeat 3]
+                                              [--lmcache-venv /path/to/venv]
+
+An LMCache venv that worked here (kept out of the project's dependencies; it pins other protobuf/torch builds):
+    python3 -m venv /tmp/lmvenv && /tmp/lmvenv/bin/pip install torch==2.13.0 && \
+    /tmp/lmvenv/bin/pip install lmcache==0.5.6 --no-deps && /tmp/lmvenv/bin/pip install requests aiofile aiofiles \
+      aiohttp blake3 cachetools cryptography fastapi httptools httpx msgspec numba nvtx prometheus_client psutil \
+      py-cpuinfo pyyaml pyzmq redis safetensors sortedcontainers uvicorn transformers setuptools_scm \
+      opentelemetry-api opentelemetry-sdk opentelemetry-exporter-prometheus opentelemetry-exporter-otlp
 """
 
 from __future__ import annotations
@@ -152,7 +163,8 @@ def tier_in_process(tier, payloads, repeat):
     return put, get
 
 
-def measure(size: int, set_bytes: int, repeat: int, shared_url: str, remote_url: str, redis_url: str) -> dict:
+def measure(size: int, set_bytes: int, repeat: int, shared_url: str, remote_url: str, redis_url: str,
+            lmcache_venv: str | None) -> dict:
     count = max(set_bytes // size, 2)
     rng = np.random.default_rng(size)
     payloads = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(count)]
@@ -171,6 +183,8 @@ def measure(size: int, set_bytes: int, repeat: int, shared_url: str, remote_url:
     redis_tier = RedisTier(RedisTierConfig(url=redis_url))
     row["redis_tier_put"], row["redis_tier_get"] = tier_in_process(redis_tier, payloads, repeat)
     redis_tier.close()
+    if lmcache_venv:
+        row["lmcache_store"], row["lmcache_retrieve"] = lmcache(lmcache_venv, size, repeat)
     row["ratios"] = {
         "same_host_vs_memcpy": (row["same_host_put"] + row["same_host_get"]) / 2 / row["memcpy"],
         "remote_vs_redis_py": (row["remote_put"] + row["remote_get"]) / (row["redis_py_set"] + row["redis_py_get"]),
@@ -179,7 +193,60 @@ def measure(size: int, set_bytes: int, repeat: int, shared_url: str, remote_url:
         "redis_tier_vs_redis_py": (row["redis_tier_put"] + row["redis_tier_get"]) / (row["redis_py_set"]
                                                                                      + row["redis_py_get"]),
     }
+    if lmcache_venv:
+        row["ratios"]["same_host_put_vs_lmcache_store"] = row["same_host_put"] / row["lmcache_store"]
+        row["ratios"]["same_host_get_vs_lmcache_retrieve"] = row["same_host_get"] / row["lmcache_retrieve"]
     return row
+
+
+def lmcache(venv: str, size: int, repeat: int) -> tuple[float, float]:
+    """LMCache's own server benchmark, 2048 tokens per request in 256-token chunks of `size` bytes (bf16, 8 heads x
+    128 dims: 1 MiB per chunk per layer). Returns (store, retrieve) GB/s from its p50 latencies."""
+    import subprocess
+
+    layers = max(size // MiB, 1)
+    rpc, http = free_ports(2)
+    env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1"}
+    lm = os.path.join(venv, "bin", "lmcache")
+    server = subprocess.Popen([lm, "server", "--host", "127.0.0.1", "--port", str(rpc), "--http-port", str(http),
+                               "--chunk-size", "256", "--l1-size-gb", "4", "--eviction-policy", "LRU",
+                               "--supported-transfer-mode", "auto"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    out = tempfile.mktemp(suffix=".json")
+    try:
+        _wait_http(f"http://127.0.0.1:{http}/", 120)
+        subprocess.run([lm, "bench", "server", "--mode", "cpu", "--transfer-mode", "lmcache_driven",
+                        "--rpc-url", f"tcp://127.0.0.1:{rpc}", "--url", f"http://127.0.0.1:{http}",
+                        "--num-tokens", "2048", "--kvcache-shape-spec", f"(2,1024,16,8,128):bfloat16:{layers}",
+                        "--start", "0", "--end", str(max(repeat, 3) * 3), "--interval", "0", "--format", "json",
+                        "--output", out, "-q"], env=env, check=True, timeout=600)
+        metrics = json.load(open(out))["metrics"]
+    finally:
+        server.kill()
+        server.wait()
+    request_bytes = 2048 * layers * MiB // 256
+    return (request_bytes / (metrics["cold_store"]["cold_store_p50"] / 1000) / 1e9,
+            request_bytes / (metrics["warm_retrieve"]["warm_retrieve_p50"] / 1000) / 1e9)
+
+
+def free_ports(n: int) -> list[int]:
+    from tiercache.process import free_port
+
+    return [free_port() for _ in range(n)]
+
+
+def _wait_http(url: str, timeout_s: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not answer in {timeout_s}s") from None
+            time.sleep(0.2)
 
 
 COLUMNS = ["memcpy", "loopback_socket", "file_write", "file_write_fsync", "file_read_cold", "file_read_warm",
@@ -189,7 +256,7 @@ COLUMNS = ["memcpy", "loopback_socket", "file_write", "file_write_fsync", "file_
 
 def print_table(rows: list[dict]) -> None:
     print(f"{'GB/s':<22}" + "".join(f"{r['chunk_bytes'] // MiB:>8} MiB" for r in rows))
-    for name in COLUMNS:
+    for name in COLUMNS + [c for c in ("lmcache_store", "lmcache_retrieve") if c in rows[0]]:
         print(f"{name:<22}" + "".join(f"{r[name]:>12.2f}" for r in rows))
     print()
     for name in rows[0]["ratios"]:
@@ -224,6 +291,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="64 MiB per size, 1 round: CI smoke, < 1 minute")
     parser.add_argument("--json-out", default="throughput.json")
     parser.add_argument("--plot", default="throughput.png")
+    parser.add_argument("--lmcache-venv", help="a venv with lmcache installed: compare with its server too")
     args = parser.parse_args()
     tune_allocator()  # this process hosts the in-process tiers and the clients: same settings as the server
     set_bytes = (64 if args.quick else args.set_mib) * MiB
@@ -233,7 +301,7 @@ def main() -> None:
     shared = ServerProcess("--host-mem", host_mem, "--disk-size", "0").start()
     remote = ServerProcess("--host-mem", host_mem, "--disk-size", "0").start()
     try:
-        rows = [measure(int(s) * MiB, set_bytes, repeat, shared.url, remote.url, redis_proc.url)
+        rows = [measure(int(s) * MiB, set_bytes, repeat, shared.url, remote.url, redis_proc.url, args.lmcache_venv)
                 for s in args.sizes.split(",")]
     finally:
         shared.kill()
