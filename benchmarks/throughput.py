@@ -157,10 +157,18 @@ def tier_in_process(tier, payloads, repeat):
     keys = [ChunkKey("bench", b"t-%d" % i) for i in range(len(payloads))]
     records = [chunk.encode(k, p) for k, p in zip(keys, payloads)]
     total = sum(len(r) for r in records)
-    put = rate(total, lambda: [tier.put(k, r, return_evicted=False) for k, r in zip(keys, records)], repeat)
-    get = rate(total, lambda: [chunk.decode(tier.get(k), k) for k in keys], repeat)
+
+    def put():
+        for k, r in zip(keys, records):
+            tier.put(k, r, return_evicted=False)
+
+    def get():  # each record is verified, then dropped, as the server does after sending it
+        for k in keys:
+            chunk.decode(tier.get(k), k)
+
+    put_gbps, get_gbps = rate(total, put, repeat), rate(total, get, repeat)
     tier.delete(keys)
-    return put, get
+    return put_gbps, get_gbps
 
 
 def measure(size: int, set_bytes: int, repeat: int, shared_url: str, remote_url: str, redis_url: str,
@@ -219,7 +227,8 @@ def lmcache(venv: str, size: int, repeat: int) -> tuple[float, float]:
                         "--rpc-url", f"tcp://127.0.0.1:{rpc}", "--url", f"http://127.0.0.1:{http}",
                         "--num-tokens", "2048", "--kvcache-shape-spec", f"(2,1024,16,8,128):bfloat16:{layers}",
                         "--start", "0", "--end", str(max(repeat, 3) * 3), "--interval", "0", "--format", "json",
-                        "--output", out, "-q"], env=env, check=True, timeout=600)
+                        "--output", out, "-q"], env=env, check=True, timeout=600, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
         metrics = json.load(open(out))["metrics"]
     finally:
         server.kill()

@@ -68,3 +68,17 @@ def test_digest_is_stable():
     assert ChunkKey("ns", b"key").digest == ChunkKey("ns", b"key").digest
     assert len(ChunkKey("ns", b"key").digest) == 32
     assert ChunkKey("ns", b"key").digest != ChunkKey("ns2", b"key").digest
+
+
+def test_unsealed_record_is_trusted_only_in_memory_and_sealed_on_the_way_out():
+    payload = os.urandom(5000)
+    head = chunk.header(KEY, chunk.ChunkMeta(), [payload], seal=False)
+    record = head + payload
+    assert bytes(chunk.decode(record, KEY, verify=False)) == payload
+    with pytest.raises(ChunkCorrupt):
+        chunk.decode(record, KEY)  # a verifying tier never accepts an unsealed record
+    assert chunk.sealed(record, KEY) is record
+    assert record == chunk.encode(KEY, payload) and bytes(chunk.decode(record, KEY)) == payload
+    assert chunk.sealed(bytes(record), KEY) == record  # already sealed: unchanged
+    readonly = bytes(head + payload)
+    assert chunk.sealed(readonly, KEY) == chunk.encode(KEY, payload)  # read-only input: a sealed copy

@@ -1,11 +1,16 @@
 """The record every tier stores: a small header, the chunk's own key, then the payload.
 
-    magic "TCHK" | version u8 | codec u8 | namespace_len u16 | key_len u8 | object_class u8 | 2 reserved
+    magic "TCHK" | version u8 | codec u8 | namespace_len u16 | key_len u8 | object_class u8 | flags u8 | 1 reserved
     | payload_len u64 | prefix_tokens u64 | checksum u64 | namespace (utf-8) | key | payload
 
 `object_class` says whether the chunk is KV (LRU-evicted) or a recurrent state (kept under its own byte budget and
 evicted by value), and `prefix_tokens` how many prefill tokens it saves (the state's value). The store learns both
 from the record, so they survive restarts with the disk tier.
+
+A record written in place into host memory by a same-host client may be *unsealed* (flag UNSEALED, checksum 0):
+memory records are never verified, so the checksum is computed only when the record leaves memory for the disk or
+Redis tier (`sealed`). That keeps a full pass over the payload off the same-host put path, where it was 79% of the
+server's time. A verifying read of an unsealed record fails like any corrupt one.
 
 The checksum (xxh3-64) covers the header fields, the namespace, the key and the payload, so a record that was
 truncated, bit-flipped, or written under another key's name is caught by `decode`. Carrying the key also lets the
@@ -30,7 +35,8 @@ CODEC_RAW = 0
 CLASS_KV = 0  # attention KV, tails, and anything else: LRU
 CLASS_STATE = 1  # recurrent-state checkpoints: own budget, evicted by value
 
-_FIXED = struct.Struct("<4sBBHBB2xQQQ")
+_FIXED = struct.Struct("<4sBBHBBBxQQQ")
+UNSEALED = 0x01
 FIXED_HEADER_BYTES = _FIXED.size
 # What the checksum covers from the fixed header: everything but the magic and the checksum itself.
 _SUMMED = struct.Struct("<BBHBBQQ")
@@ -59,26 +65,45 @@ def header_bytes(key: ChunkKey) -> int:
     return FIXED_HEADER_BYTES + len(key.namespace.encode()) + len(key.key)
 
 
-def header(key: ChunkKey, meta: ChunkMeta, payload_parts, codec: int = CODEC_RAW) -> bytearray:
+def header(key: ChunkKey, meta: ChunkMeta, payload_parts, codec: int = CODEC_RAW, seal: bool = True) -> bytearray:
     """The header of a record whose payload is the concatenation of `payload_parts` (bytes-like objects).
 
     Parts let a payload that lies in several arena extents be summed where it lies, without gathering it first.
+    `seal=False` leaves the checksum for later (see the module docstring): only lengths are needed then.
     """
     namespace = key.namespace.encode()
     parts = [memoryview(p).cast("B") for p in payload_parts]
     payload_len = sum(len(p) for p in parts)
-    h = xxhash.xxh3_64()
-    h.update(_SUMMED.pack(FORMAT_VERSION, codec, len(namespace), len(key.key), meta.object_class, payload_len,
-                          meta.prefix_tokens))
-    h.update(namespace)
-    h.update(key.key)
-    for part in parts:
-        h.update(part)
+    checksum = 0
+    if seal:
+        h = xxhash.xxh3_64()
+        h.update(_SUMMED.pack(FORMAT_VERSION, codec, len(namespace), len(key.key), meta.object_class, payload_len,
+                              meta.prefix_tokens))
+        h.update(namespace)
+        h.update(key.key)
+        for part in parts:
+            h.update(part)
+        checksum = h.intdigest()
     out = bytearray(header_bytes(key))
     _FIXED.pack_into(out, 0, MAGIC, FORMAT_VERSION, codec, len(namespace), len(key.key), meta.object_class,
-                     payload_len, meta.prefix_tokens, h.intdigest())
+                     0 if seal else UNSEALED, payload_len, meta.prefix_tokens, checksum)
     out[FIXED_HEADER_BYTES:] = namespace + key.key
     return out
+
+
+def sealed(record, key: ChunkKey):
+    """The record with its checksum computed (the same object, sealed in place when it is writable)."""
+    view = memoryview(record)
+    if not _FIXED.unpack_from(view, 0)[6] & UNSEALED:
+        return record
+    parsed = read_header(view)
+    if parsed.key != key:
+        raise ChunkCorrupt(f"record holds {parsed.key}, expected {key}")
+    head = header(key, parsed.meta, [view[parsed.header_bytes:]], parsed.codec)
+    if view.readonly:
+        return head + view[parsed.header_bytes:]
+    view[:len(head)] = head
+    return record
 
 
 def seal(record: bytearray | memoryview, key: ChunkKey, meta: ChunkMeta = ChunkMeta(), codec: int = CODEC_RAW) -> None:
@@ -104,7 +129,7 @@ def encode(key: ChunkKey, payload, meta: ChunkMeta = ChunkMeta(), codec: int = C
 def read_meta(record) -> ChunkMeta:
     """Class and value of a record, from the fixed header only (tiers call this on every put)."""
     fields = _FIXED.unpack_from(record, 0)
-    return ChunkMeta(fields[5], fields[7])
+    return ChunkMeta(fields[5], fields[8])
 
 
 def read_header(record) -> RecordHeader:
@@ -112,7 +137,7 @@ def read_header(record) -> RecordHeader:
     view = memoryview(record)
     if len(view) < FIXED_HEADER_BYTES:
         raise ChunkCorrupt(f"record of {len(view)} bytes is shorter than a header")
-    magic, version, codec, ns_len, key_len, object_class, payload_len, prefix_tokens, _ = _FIXED.unpack_from(view, 0)
+    magic, version, codec, ns_len, key_len, object_class, _, payload_len, prefix_tokens, _ = _FIXED.unpack_from(view, 0)
     if magic != MAGIC:
         raise ChunkCorrupt("bad magic")
     if version != FORMAT_VERSION:
@@ -140,8 +165,9 @@ def decode(record, expected: ChunkKey, verify: bool = True) -> memoryview:
     if len(view) != parsed.record_bytes:
         raise ChunkCorrupt(f"record is {len(view)} bytes, header says {parsed.record_bytes}")
     payload = view[parsed.header_bytes:]
-    stored = _FIXED.unpack_from(view, 0)[-1]
-    if verify and _FIXED.unpack_from(header(expected, parsed.meta, [payload], parsed.codec), 0)[-1] != stored:
+    fields = _FIXED.unpack_from(view, 0)
+    if verify and (fields[6] & UNSEALED
+                   or _FIXED.unpack_from(header(expected, parsed.meta, [payload], parsed.codec), 0)[-1] != fields[-1]):
         raise ChunkCorrupt(f"checksum mismatch for {expected}")
     if parsed.codec != CODEC_RAW:
         return memoryview(codec.decompress(parsed.codec, payload))

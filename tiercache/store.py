@@ -275,7 +275,7 @@ class TieredStore:
                 return level  # demoting into the shared tier: write-through put it there already
             wants_evicted = level + 1 < len(self.tiers)
             try:
-                evicted = tier.put(key, chunk.transcode(record, key, tier.codec), return_evicted=wants_evicted)
+                evicted = tier.put(key, self._for_tier(tier, key, record), return_evicted=wants_evicted)
             except TierFull as full:
                 self._demote(full.evicted, level)
                 continue
@@ -316,9 +316,15 @@ class TieredStore:
         if not source.shared:
             self._forget(source, key)
 
+    def _for_tier(self, tier: Tier, key: ChunkKey, record):
+        """The record as `tier` stores it: sealed before it leaves memory for a verifying tier, in its codec."""
+        if tier.checksum_on_read:
+            record = chunk.sealed(record, key)
+        return chunk.transcode(record, key, tier.codec)
+
     def _copy_to(self, tier: Tier, key: ChunkKey, record) -> None:
         try:
-            tier.put(key, chunk.transcode(record, key, tier.codec), return_evicted=False)
+            tier.put(key, self._for_tier(tier, key, record), return_evicted=False)
         except (TierDown, TierFull, ChunkCorrupt):
             self._count(tier, errors=1)
 

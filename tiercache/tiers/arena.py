@@ -142,10 +142,11 @@ class ArenaTier:
         return Reservation(key, size, meta, extents, self._ranges(extents, size)), evicted
 
     def commit(self, reservation: "Reservation") -> None:
-        """Seal the record (its header is written over the reserved front) and make it visible."""
+        """Write the record's header over the reserved front and make it visible. The header is left unsealed:
+        memory records are trusted, and the store seals a record when it leaves for a verifying tier."""
         start = chunk.header_bytes(reservation.key)
         payload = self._memory.views(_shift(reservation.ranges, start))
-        head = chunk.header(reservation.key, reservation.meta, payload)
+        head = chunk.header(reservation.key, reservation.meta, payload, seal=False)
         self._memory.write(_cut(reservation.ranges, start), memoryview(head))
         self._commit_entry(reservation.key, reservation.size, reservation.meta, reservation.extents)
 
