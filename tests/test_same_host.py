@@ -130,3 +130,55 @@ def test_unix_socket_urls(start_server, tmp_path):
         assert client.get(NS, b"k") == b"over a unix socket"
     with pytest.raises(InvalidArgument):
         Client.from_url("grpc+unix://relative/path")
+
+
+def test_a_copy_made_after_the_read_lease_lapsed_is_discarded_and_refetched(start_server, monkeypatch):
+    server = start_server(lease_ttl_s=0.2)
+    with Client.from_url(server.url) as client:
+        data = os.urandom(MiB)
+        client.put(NS, b"k", data)
+        real_read = SharedArena.read
+
+        def stalled_read(self, ranges, size, out=None):  # fault injection: the reader stalls past its lease
+            real_read(self, ranges, size, out)
+            wait_for(lambda: len(server.leases) == 0, timeout_s=5, what="the read lease to lapse")
+            return b"\0" * size  # what a reader of reused pages could have seen
+        monkeypatch.setattr(SharedArena, "read", stalled_read)
+        assert client.get(NS, b"k") == data  # Release reported the lapse: re-read over gRPC
+
+
+def test_a_reservation_that_lapsed_cannot_be_committed(start_server, monkeypatch):
+    server = start_server(lease_ttl_s=0.2)
+    with Client.from_url(server.url) as client:
+        real_write = SharedArena.write
+
+        def stalled_write(self, ranges, payload):  # fault injection: the writer stalls past its lease
+            real_write(self, ranges, payload)
+            wait_for(lambda: server.leases._leases and all(lease.quarantined for lease in
+                                                           server.leases._leases.values()),
+                     timeout_s=5, what="the reservation to lapse")
+        monkeypatch.setattr(SharedArena, "write", stalled_write)
+        data = os.urandom(MiB)
+        client.put(NS, b"late", data)  # Commit fails (NOT_FOUND), the client puts it again over gRPC
+        monkeypatch.undo()
+        assert client.get(NS, b"late") == data
+
+
+def test_lease_table_quarantines_expired_reservations_and_reports_lapsed_reads():
+    from tiercache.shm import LeaseTable
+
+    released = []
+    table = LeaseTable(ttl_s=60)
+    try:
+        write = table.grant("w", released.append, writable=True)
+        read = table.grant("r", released.append, writable=False)
+        now = __import__("time").monotonic() + 61
+        table.expire(now)
+        assert released == ["r"]  # the read pin is released; the reservation is only quarantined
+        with pytest.raises(Exception):
+            table.take(write, writable=True)
+        assert table.release([read], writable=False) == [read]  # reported as lapsed
+        table.expire(now + 61)
+        assert released == ["r", "w"]  # ...and its pages are freed one TTL later
+    finally:
+        table.close()

@@ -171,6 +171,7 @@ class Client:
         if arena is not None and keys:
             request = pb.KeysRequest(namespace=namespace, keys=checked)
             leases = self._call(lambda timeout: self._stub.Acquire(request, timeout=timeout)).leases
+            expired: set[int] = set()
             try:
                 remote = []
                 for index, lease in enumerate(leases):
@@ -182,7 +183,11 @@ class Client:
             finally:
                 ids = pb.LeaseIds(lease_ids=[lease.lease_id for lease in leases if lease.leased])
                 if ids.lease_ids:
-                    self._call(lambda timeout: self._stub.Release(ids, timeout=timeout))
+                    expired = set(self._call(lambda timeout: self._stub.Release(ids, timeout=timeout)).expired)
+            for index, lease in enumerate(leases):  # copied after the pin lapsed: the pages may have been reused
+                if lease.leased and lease.lease_id in expired:
+                    results[index] = None
+                    remote.append(index)
         if remote:
             request = pb.GetRequest(namespace=namespace, keys=[checked[i] for i in remote])
             streamed = self._call(lambda timeout: _collect(self._stub.Get(request, timeout=timeout), len(remote)))

@@ -230,8 +230,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     @_rpc
     def Release(self, request: pb.LeaseIds, context) -> pb.LeaseAck:
-        self.leases.release(request.lease_ids, writable=False)
-        return pb.LeaseAck()
+        return pb.LeaseAck(expired=self.leases.release(request.lease_ids, writable=False))
 
     @_rpc
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:

@@ -2,8 +2,12 @@
 
 gRPC carries control only (Attach, Reserve/Commit/Abort, Acquire/Release); the payload never crosses a socket.
 - `LeaseTable` (server): every reservation and every read pin is a lease with an expiry, so a client that crashes
-  cannot hold memory forever: an expired reservation is aborted, an expired read pin released. A chunk under a read
-  lease is never overwritten (the arena does not reuse pinned pages).
+  cannot hold memory forever: an expired read pin is released, an expired reservation is aborted. A chunk under a
+  read lease is never overwritten (the arena does not reuse pinned pages). Because a client cannot be unmapped, the
+  protocol also covers clients that are merely slow: Release reports leases that had already expired, and the client
+  then discards what it copied (the pages may have been reused) and reads the chunk again over gRPC; an expired
+  reservation is quarantined for one more TTL before its pages are reused, so a writer that stalls past its lease
+  writes into pages nobody else holds yet (its Commit then fails and it puts the chunk again over gRPC).
 - `SharedArena` (client): the arena file mapped into the client; it proves it is the server's file by its inode.
 """
 
@@ -28,6 +32,7 @@ class _Lease:
     release: Callable[[object], None]  # abort a reservation / unpin a read
     expires_at: float
     writable: bool
+    quarantined: bool = False  # an expired reservation whose pages are held one more TTL
 
 
 class LeaseTable:
@@ -49,35 +54,47 @@ class LeaseTable:
         """Remove a lease and hand back what it holds; the caller now owns releasing it."""
         with self._lock:
             lease = self._leases.get(lease_id)
-            if lease is None or lease.writable != writable:
+            if lease is None or lease.writable != writable or lease.quarantined:
                 raise NotFound(f"no {'reservation' if writable else 'read lease'} {lease_id} (expired?)")
             del self._leases[lease_id]
         return lease.handle
 
-    def release(self, lease_ids: Sequence[int], writable: bool) -> None:
+    def release(self, lease_ids: Sequence[int], writable: bool) -> list[int]:
+        """Release leases; returns the ids that were no longer held (expired): data read under them is suspect."""
+        gone = []
         for lease_id in lease_ids:
             with self._lock:
-                lease = self._leases.pop(lease_id, None)
-            if lease is not None and lease.writable == writable:
-                lease.release(lease.handle)
+                lease = self._leases.get(lease_id)
+                if lease is None or lease.writable != writable or lease.quarantined:
+                    gone.append(lease_id)
+                    continue
+                del self._leases[lease_id]
+            lease.release(lease.handle)
+        return gone
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._leases)
 
-    def expire(self, now: float | None = None) -> int:
+    def expire(self, now: float | None = None, quarantine: bool = True) -> int:
         now = time.monotonic() if now is None else now
         with self._lock:
-            expired = [(i, lease) for i, lease in self._leases.items() if lease.expires_at <= now]
-            for lease_id, _ in expired:
+            expired = []
+            for lease_id, lease in list(self._leases.items()):
+                if lease.expires_at > now:
+                    continue
+                if lease.writable and quarantine and not lease.quarantined:
+                    lease.quarantined, lease.expires_at = True, now + self.ttl_s
+                    continue
                 del self._leases[lease_id]
-        for _, lease in expired:  # outside the lock: releasing takes the tier's lock
+                expired.append(lease)
+        for lease in expired:  # outside the lock: releasing takes the tier's lock
             lease.release(lease.handle)
         return len(expired)
 
     def close(self) -> None:
         self._closed.set()
-        self.expire(now=float("inf"))
+        self.expire(now=float("inf"), quarantine=False)
 
     def _reap(self) -> None:
         while not self._closed.wait(min(1.0, self.ttl_s / 4)):
