@@ -29,12 +29,12 @@ def redis_url(shared_redis):
 
 
 def make_config(tmp_path, *, host_bytes=64 * MiB, disk_bytes=128 * MiB, redis_url=None, write_through=False,
-                shared_memory=True, **server) -> Config:
+                shared_memory=True, redis_cluster=False, **server) -> Config:
     return Config(
         server=ServerConfig(port=0, **server),
         host=HostTierConfig(capacity_bytes=host_bytes, shared_memory=shared_memory),
         disk=DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=disk_bytes),
-        redis=RedisTierConfig(url=redis_url, write_through=write_through, max_backoff_s=0.5),
+        redis=RedisTierConfig(url=redis_url, write_through=write_through, max_backoff_s=0.5, cluster=redis_cluster),
     )
 
 

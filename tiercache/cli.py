@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--disk-dir", metavar="DIR", help="disk tier directory")
     serve.add_argument("--disk-size", type=_size, metavar="SIZE", help="disk tier byte cap, e.g. 100GiB (0: off)")
     serve.add_argument("--redis-url", metavar="URL", help="Redis tier, e.g. redis://host:6379/0 (default: none)")
+    serve.add_argument("--redis-cluster", action="store_true", default=None,
+                       help="--redis-url names a node of a Redis Cluster")
     serve.add_argument("--write-through", action="store_true", default=None,
                        help="also write every chunk to Redis at once (cross-node sharing)")
     serve.add_argument("--max-chunk-size", type=_size, metavar="SIZE", help="largest chunk accepted (default 64MiB)")
@@ -85,7 +87,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "server.max_chunk_bytes": args.max_chunk_size,
         "server.metrics_port": args.metrics_port, "gpu.capacity_bytes": args.gpu_mem,
         "host.capacity_bytes": args.host_mem, "disk.path": args.disk_dir,
-        "disk.capacity_bytes": args.disk_size, "redis.url": args.redis_url, "redis.write_through": args.write_through,
+        "disk.capacity_bytes": args.disk_size, "redis.url": args.redis_url, "redis.cluster": args.redis_cluster,
+        "redis.write_through": args.write_through,
     })
 
 

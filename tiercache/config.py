@@ -136,6 +136,7 @@ class RedisTierConfig:
     """The shared tier. Disabled unless `url` is set (redis://, rediss://, with user:password@ when needed)."""
 
     url: str | None = None
+    cluster: bool = False  # the URL names one node of a Redis Cluster: use redis-py's cluster client
     key_prefix: str = "tiercache:"
     ttl_s: float | None = None
     write_through: bool = False  # also write every put to Redis, so other nodes see new chunks at once

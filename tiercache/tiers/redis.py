@@ -1,5 +1,8 @@
 """The Redis tier: one Redis string per chunk, the tier that several tiercache servers share.
 
+With `redis.cluster` the same tier runs over redis-py's cluster client (keys spread over the hash slots; multi-key
+calls are split per slot by the client); only the client object differs.
+
 Redis bounds itself (maxmemory and its eviction policy, optional TTL), so this tier evicts nothing on its own.
 When Redis cannot be reached the tier is *down*: every call raises TierDown at once, without touching the network,
 until a backoff delay passes (doubling from 0.1 s up to `max_backoff_s`); then the next call tries again, and a
@@ -15,6 +18,7 @@ from typing import Callable, Sequence, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import ClusterError
 from redis.retry import Retry
 
 from tiercache.codec import codec_id
@@ -25,6 +29,16 @@ from tiercache.tiers.base import Evicted, TierUsage
 
 T = TypeVar("T")
 _FIRST_BACKOFF_S = 0.1
+
+
+def _connect(config: RedisTierConfig):
+    """No retries inside redis-py: a dead Redis must cost one failed attempt, then the tier's own backoff."""
+    options = dict(socket_timeout=config.socket_timeout_s, socket_connect_timeout=config.socket_timeout_s)
+    if config.cluster:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(config.url, require_full_coverage=False, retry=Retry(NoBackoff(), 0), **options)
+    return redis.Redis.from_url(config.url, retry=Retry(NoBackoff(), 0), **options)
 
 
 class RedisTier:
@@ -38,10 +52,8 @@ class RedisTier:
         self.codec = codec_id(config.codec)
         self._ttl_ms = int(config.ttl_s * 1000) if config.ttl_s else None
         self._max_backoff_s = config.max_backoff_s
-        # No retries inside redis-py: a dead Redis must cost one failed attempt, then the tier's own backoff.
-        self._redis = client or redis.Redis.from_url(
-            config.url, socket_timeout=config.socket_timeout_s, socket_connect_timeout=config.socket_timeout_s,
-            retry=Retry(NoBackoff(), 0))
+        self._redis = client or _connect(config)
+        self._cluster = config.cluster
         self._lock = threading.Lock()
         self._up = True
         self._backoff_s = _FIRST_BACKOFF_S
@@ -69,12 +81,16 @@ class RedisTier:
         return self._call(lambda r: r.unlink(*(self._name(k) for k in keys))) if keys else 0
 
     def usage(self) -> TierUsage:
+        # A cluster client asks every primary (replicas would count data twice) and answers per node.
+        nodes = {"target_nodes": self._redis.PRIMARIES} if self._cluster else {}
         try:
-            info = self._call(lambda r: r.info("memory"))
-            keys = self._call(lambda r: r.dbsize())
+            info = self._call(lambda r: r.info("memory", **nodes))
+            keys = self._call(lambda r: r.dbsize(**nodes))
         except TierDown:
             return TierUsage(0, 0, 0, up=False)
-        return TierUsage(keys, info.get("used_memory", 0), info.get("maxmemory", 0))
+        per_node = list(info.values()) if self._cluster else [info]
+        return TierUsage(keys, sum(n.get("used_memory", 0) for n in per_node),
+                         sum(n.get("maxmemory", 0) for n in per_node))
 
     def close(self) -> None:
         self._redis.close()
@@ -92,9 +108,13 @@ class RedisTier:
         with self._lock:
             if not self._up and time.monotonic() < self._next_attempt:
                 raise TierDown("redis tier is down")
+            probing = not self._up
         try:
+            if probing and self._cluster:
+                # After a failover the cached slot map still points at the dead primary: ask the live nodes.
+                self._redis.nodes_manager.initialize()
             result = operation(self._redis)
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        except (redis.ConnectionError, redis.TimeoutError, ClusterError, OSError) as exc:
             self._mark_down()
             raise TierDown(f"redis unreachable: {exc}") from exc
         except redis.RedisError as exc:  # e.g. OOM under maxmemory: this call fails, the tier stays up

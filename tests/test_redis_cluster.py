@@ -1,0 +1,87 @@
+"""The Redis tier over a real Redis Cluster (3 masters + 3 replicas on loopback), and nodes sharing through it."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import pytest
+
+from tests.helpers import wait_for
+from tiercache import chunk
+from tiercache.client import Client
+from tiercache.config import Config, DiskTierConfig, HostTierConfig, KiB, MiB, RedisTierConfig
+from tiercache.keys import ChunkKey
+from tiercache.process import RedisClusterProcess
+from tiercache.store import TieredStore
+from tiercache.tiers.redis import RedisTier
+
+
+@pytest.fixture
+def cluster():
+    c = RedisClusterProcess().start()
+    yield c
+    c.stop()
+
+
+def test_chunks_spread_over_the_slots(cluster):
+    tier = RedisTier(RedisTierConfig(url=cluster.url, cluster=True))
+    keys = [ChunkKey("ns", b"k%d" % i) for i in range(60)]
+    for k in keys:
+        tier.put(k, chunk.encode(k, os.urandom(2000)), return_evicted=False)
+    per_master = [m.client().dbsize() for m in cluster.masters()]
+    assert sum(per_master) == 60 and min(per_master) > 0
+    assert tier.contains(keys + [ChunkKey("ns", b"missing")]) == [True] * 60 + [False]
+    assert tier.usage().chunks == 60 and tier.usage().up
+    assert all(bytes(chunk.decode(tier.get(k), k)) for k in keys[:5])
+    assert tier.delete(keys[:10]) == 10  # split per slot by the client
+
+
+@pytest.mark.slow
+def test_master_killed_mid_load_no_errors_no_wrong_bytes(cluster, tmp_path):
+    store = TieredStore.from_config(Config(
+        host=HostTierConfig(capacity_bytes=2 * MiB, shared_memory=False),
+        disk=DiskTierConfig(path=str(tmp_path / "d"), capacity_bytes=0),
+        redis=RedisTierConfig(url=cluster.url, cluster=True, max_backoff_s=0.5, socket_timeout_s=0.5)))
+    payloads = {i: random.Random(i).randbytes(64 * KiB) for i in range(200)}
+    errors, wrong, stop = [], [], threading.Event()
+
+    def load():
+        rng = random.Random(7)
+        while not stop.is_set():
+            i = rng.randrange(200)
+            key = ChunkKey("ns", b"c%d" % i)
+            try:
+                if rng.random() < 0.5:
+                    store.put(key, payloads[i])
+                else:
+                    found = store.get(key)
+                    if found is not None and bytes(found.payload) != payloads[i]:
+                        wrong.append(i)
+            except Exception as exc:  # noqa: BLE001 - the point is that there are none
+                errors.append(exc)
+
+    workers = [threading.Thread(target=load) for _ in range(4)]
+    for w in workers:
+        w.start()
+    wait_for(lambda: store.stats().tiers[1].chunks > 20, timeout_s=20, what="chunks in the cluster")
+    cluster.kill_master()  # returns once a replica serves the victim's slots
+    wait_for(lambda: store.stats().tiers[1].up, timeout_s=10, what="the redis tier to come back")
+    stop.set()
+    for w in workers:
+        w.join()
+    assert errors == [] and wrong == []
+    key = ChunkKey("ns", b"after-failover")
+    store.tiers[1].put(key, chunk.encode(key, b"written after the failover"), return_evicted=False)
+    assert bytes(chunk.decode(store.tiers[1].get(key), key)) == b"written after the failover"
+
+
+def test_two_nodes_share_chunks_through_the_cluster(cluster, start_server):
+    node_a = start_server(redis_url=cluster.url, write_through=True, redis_cluster=True)
+    node_b = start_server(redis_url=cluster.url, redis_cluster=True)
+    data = os.urandom(MiB)
+    with Client.from_url(node_a.url) as a, Client.from_url(node_b.url) as b:
+        a.put("shared", b"k", data)
+        assert b.fetch_many("shared", [b"k"])[0] == (data, "redis")
+        assert b.locate("shared", [b"k"]) == ["host"]  # promoted on node B, still in the cluster for others
