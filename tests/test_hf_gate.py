@@ -196,3 +196,16 @@ def test_token_ids_may_be_lists_or_arrays(connect):
     assert cached.prefill(np.asarray(ids[0])).hit_tokens == 19
     with pytest.raises(ValueError):
         cached.prefill(torch.zeros((2, 5), dtype=torch.long))
+
+
+def test_prefix_computed_through_node_a_is_a_hit_through_node_b(start_server, redis_url):
+    """Cross-node sharing: node A writes through to the shared Redis; node B, with empty local tiers, hits it."""
+    model = tiny_model("qwen3_5")
+    node_a = start_server(redis_url=redis_url, write_through=True)
+    node_b = start_server(redis_url=redis_url)
+    ids = prompt(70)
+    with Client.from_url(node_a.url) as a, Client.from_url(node_b.url) as b:
+        assert CachedPrefill(model, a).prefill(ids).hit_tokens == 0
+        result = CachedPrefill(model, b).prefill(ids)
+    assert result.hit_tokens == 69
+    assert_close(result.logits, reference_logits(model, ids))
