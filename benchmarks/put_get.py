@@ -13,47 +13,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import numpy as np  # noqa: E402
+
+from benchmarks.throughput import loopback_socket  # noqa: E402
 from tiercache.client import Client  # noqa: E402
 from tiercache.config import format_size, parse_size  # noqa: E402
 from tiercache.process import ServerProcess  # noqa: E402
 
 
 def loopback_socket_gbps(size: int, count: int) -> float:
-    """Raw TCP over loopback: sendall from one buffer, recv_into a preallocated one."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    total = size * count
-
-    def sink() -> None:
-        conn, _ = listener.accept()
-        buf = memoryview(bytearray(size))
-        received = 0
-        while received < total:
-            received += conn.recv_into(buf, min(size, total - received))
-        conn.sendall(b"k")
-        conn.close()
-
-    thread = threading.Thread(target=sink)
-    thread.start()
-    payload = os.urandom(size)
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        start = time.perf_counter()
-        for _ in range(count):
-            s.sendall(payload)
-        s.recv(1)
-        elapsed = time.perf_counter() - start
-    thread.join()
-    listener.close()
-    return total / elapsed / 1e9
+    """Raw TCP over loopback: sendall from one buffer, recv_into a preallocated one (benchmarks/throughput.py)."""
+    payload = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    return loopback_socket([payload] * count, repeat=1)
 
 
 def tiercache_gbps(url: str, size: int, count: int, same_host: bool) -> tuple[float, float]:
