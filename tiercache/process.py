@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 REDIS_SERVER = shutil.which("redis-server")
+REDIS_MALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 
 
 def free_port() -> int:
@@ -108,10 +109,13 @@ class RedisProcess:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> "RedisProcess":
+        # jemalloc decay off: large values no longer fall off a cliff (16 MiB GETs went from ~0.7-1.0 to ~1.4-2.3
+        # GB/s in our measurements); the deployment sets the same for its Redis servers.
+        env = {**os.environ, "MALLOC_CONF": REDIS_MALLOC_CONF}
         self.process = subprocess.Popen(
             [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir, *self.extra_args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + 10
         while not self.ready():
             if time.monotonic() > deadline:
