@@ -150,7 +150,7 @@ class Client:
 
     def fetch_many(self, namespace: str, keys: Sequence[bytes]) -> list[Fetched | None]:
         """Like get_many, with the tier each chunk was read from."""
-        return self._read(namespace, keys, lambda size: None)
+        return self._read(namespace, keys, lambda index: None)
 
     def get_into(self, namespace: str, keys: Sequence[bytes], buffers: Sequence) -> list[str | None]:
         """Copy chunks into caller-owned buffers (e.g. pinned staging buffers, reused across calls: no allocation,

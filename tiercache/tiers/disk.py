@@ -80,7 +80,8 @@ class DiskTier:
             if not victims:  # the rest of the room is reserved by writes in flight
                 raise TierFull(f"disk tier has no room for {size} bytes right now", evicted)
             evicted += self._discard(victims, read=return_evicted)
-        entry = _Entry(self._path_for(key, next(self._sequence)), size, 0, meta)
+        sequence = next(self._sequence)
+        entry = _Entry(self._path_for(key, sequence), size, sequence, meta)
         try:
             self._write_file(entry.path, record)
         finally:
