@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Installs everything tiercache needs to run and be tested, on a fresh Debian/Ubuntu machine:
 # a virtual environment with the package and its dev extras, the generated protobuf stubs, and redis-server.
-# Idempotent: re-running skips what is already there. Usage: scripts/install.sh [extras]   (default: dev)
+# Idempotent: re-running skips what is already there. Usage: scripts/install.sh [extras]   (default: dev,hf)
+# The container image (Dockerfile) runs this same script with INSTALL_REDIS=0, VENV=/opt/tiercache/venv and the
+# extras it needs (proto, or proto,gpu), so CI exercises the image's install steps too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 EXTRAS=${1:-dev,hf}
+INSTALL_REDIS=${INSTALL_REDIS:-1}
 
-if ! command -v redis-server >/dev/null 2>&1; then
+if [ "$INSTALL_REDIS" = 1 ] && ! command -v redis-server >/dev/null 2>&1; then
     echo "installing redis-server (the tests start their own on free ports)"
     if [ "$(id -u)" = 0 ]; then SUDO=""; elif command -v sudo >/dev/null 2>&1; then SUDO="sudo"; else
         echo "redis-server is missing and this user cannot install it: apt-get install redis-server" >&2; exit 1

@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import RedisProcess
-from tiercache.config import Config, DiskTierConfig, HostTierConfig, MiB, RedisTierConfig, ServerConfig
+from tiercache.config import (Config, DiskTierConfig, HostTierConfig, MiB, RedisTierConfig, SecurityConfig,
+                              ServerConfig)
 from tiercache.server import CacheServer
 
 
@@ -29,12 +30,15 @@ def redis_url(shared_redis):
 
 
 def make_config(tmp_path, *, host_bytes=64 * MiB, disk_bytes=128 * MiB, redis_url=None, write_through=False,
-                shared_memory=True, redis_cluster=False, **server) -> Config:
+                shared_memory=True, redis_cluster=False, security=SecurityConfig(), redis_options=None,
+                disk_options=None, **server) -> Config:
     return Config(
         server=ServerConfig(port=0, **server),
         host=HostTierConfig(capacity_bytes=host_bytes, shared_memory=shared_memory),
-        disk=DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=disk_bytes),
-        redis=RedisTierConfig(url=redis_url, write_through=write_through, max_backoff_s=0.5, cluster=redis_cluster),
+        disk=DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=disk_bytes, **(disk_options or {})),
+        redis=RedisTierConfig(url=redis_url, write_through=write_through, max_backoff_s=0.5, cluster=redis_cluster,
+                              **(redis_options or {})),
+        security=security,
     )
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tiercache.client import Client
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "monitoring" / "grafana-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "base" / "grafana-dashboard.json"
 
 
 def test_dashboard_metrics_exist(start_server):

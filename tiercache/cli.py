@@ -48,6 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also write every chunk to Redis at once (cross-node sharing)")
     serve.add_argument("--max-chunk-size", type=_size, metavar="SIZE", help="largest chunk accepted (default 64MiB)")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: off)")
+    serve.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
+    serve.add_argument("--disk-fsync", action="store_true", default=None,
+                       help="fsync each disk chunk before acknowledging its put (durable across crashes)")
+    serve.add_argument("--redis-user", metavar="NAME", help="Redis ACL user")
+    serve.add_argument("--redis-password-file", metavar="FILE", help="file holding the Redis password")
+    serve.add_argument("--redis-tls-ca", metavar="FILE", help="CA of the Redis server's certificate (rediss://)")
+    serve.add_argument("--tls-cert", metavar="FILE", help="serve gRPC over TLS with this certificate chain (PEM)")
+    serve.add_argument("--tls-key", metavar="FILE", help="private key of --tls-cert (PEM)")
+    serve.add_argument("--tls-client-ca", metavar="FILE", help="require client certificates from this CA (mTLS)")
+    serve.add_argument("--tenants-file", metavar="FILE", help="bearer tokens -> tenants (YAML); turns on auth")
+    serve.add_argument("--health-port", type=int, help="plaintext grpc.health.v1 port for probes (default: off)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     bench = commands.add_parser("bench", help="benchmarks against a real server")
@@ -75,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress", action="store_true")
 
     stats = commands.add_parser("stats", help="show a running server's tiers and namespaces")
-    stats.add_argument("--server", default="grpc://127.0.0.1:50051", metavar="URL")
+    stats.add_argument("--server", default="grpc://127.0.0.1:50051", metavar="URL",
+                       help="grpc://, grpcs:// or grpc+unix:// URL; token and TLS files from $TIERCACHE_TOKEN(_FILE), "
+                            "$TIERCACHE_TLS_CA_FILE, ...")
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
@@ -88,7 +101,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "server.metrics_port": args.metrics_port, "gpu.capacity_bytes": args.gpu_mem,
         "host.capacity_bytes": args.host_mem, "disk.path": args.disk_dir,
         "disk.capacity_bytes": args.disk_size, "redis.url": args.redis_url, "redis.cluster": args.redis_cluster,
-        "redis.write_through": args.write_through,
+        "redis.write_through": args.write_through, "server.metrics_host": args.metrics_host,
+        "disk.fsync": args.disk_fsync, "redis.username": args.redis_user,
+        "redis.password_file": args.redis_password_file, "redis.tls_ca_file": args.redis_tls_ca,
+        "security.tls_cert_file": args.tls_cert, "security.tls_key_file": args.tls_key,
+        "security.tls_client_ca_file": args.tls_client_ca, "security.tenants_file": args.tenants_file,
+        "security.health_port": args.health_port,
     })
 
 
@@ -110,7 +128,9 @@ def serve(args: argparse.Namespace) -> int:
     tiers = ", ".join(f"{t.name}" for t in server.store.tiers)
     logging.getLogger("tiercache").info(
         "serving on %s (tiers: %s; max chunk %s)%s", server.url, tiers, format_size(config.server.max_chunk_bytes),
-        f"; metrics on :{server.metrics_port}" if server.metrics_port is not None else "")
+        (f"; metrics on :{server.metrics_port}" if server.metrics_port is not None else "")
+        + (f"; health on :{server.health_port}" if server.health_port is not None else "")
+        + (f"; {len(server.tenants.tenants)} tenants" if server.tenants.enabled else ""))
     received = signal.sigwait(signals)
     logging.getLogger("tiercache").info("%s: stopping (running RPCs get 5 s)", signal.Signals(received).name)
     server.stop()  # further signals stay blocked and pending: they cannot cut the graceful stop short

@@ -14,10 +14,10 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, NamedTuple, Sequence, TypeVar
-from urllib.parse import urlparse
 
 import grpc
 
+from tiercache.channel import Security, open_channel, parse_url
 from tiercache.chunk import ChunkMeta
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound, TierCacheError, Unavailable
 from tiercache.keys import validate_key, validate_namespace
@@ -60,9 +60,10 @@ class Retry:
 class Client:
     def __init__(self, target: str, *, timeout_s: float = 30.0, retry: Retry = Retry(),
                  frame_bytes: int = DEFAULT_FRAME_BYTES, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-                 same_host: bool | None = None) -> None:
+                 same_host: bool | None = None, tls: bool = False, security: Security | None = None) -> None:
+        """`target` is a gRPC target (host:port, unix:/path); most callers want `Client.from_url`."""
         limit = max_chunk_bytes + (1 << 20)
-        self._channel = grpc.insecure_channel(target, options=[
+        self._channel = open_channel(target, tls=tls, security=security or Security.from_env(), options=[
             ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
         self._stub = pb_grpc.TierCacheStub(self._channel)
         self.target = target
@@ -74,18 +75,17 @@ class Client:
         self._attach_lock = threading.Lock()
 
     @classmethod
-    def from_url(cls, url: str, **options) -> "Client":
-        """`grpc://host:port` (or plain `host:port`), or `grpc+unix:///path/to/socket`."""
-        if url.startswith("grpc+unix://"):
-            path = url.removeprefix("grpc+unix://")
-            if not path.startswith("/"):
-                raise InvalidArgument(f"expected grpc+unix:///absolute/path, got {url!r}")
-            return cls(f"unix:{path}", **options)
-        parsed = urlparse(url if "://" in url else f"grpc://{url}")
-        if parsed.scheme != "grpc" or not parsed.hostname or not parsed.port:
-            raise InvalidArgument(f"expected a URL like grpc://host:port or grpc+unix:///path, got {url!r}")
-        host = f"[{parsed.hostname}]" if ":" in parsed.hostname else parsed.hostname
-        return cls(f"{host}:{parsed.port}", **options)
+    def from_url(cls, url: str, *, token: str | None = None, tls_ca_file: str | None = None,
+                 tls_cert_file: str | None = None, tls_key_file: str | None = None,
+                 tls_server_name: str | None = None, **options) -> "Client":
+        """`grpc://host:port` (or plain `host:port`), `grpcs://host:port` (TLS), or `grpc+unix:///path/to/socket`.
+
+        Token and TLS files not given here come from the environment (see tiercache.channel).
+        """
+        target, tls = parse_url(url)
+        security = Security.from_env(token=token, tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file,
+                                     tls_key_file=tls_key_file, tls_server_name=tls_server_name)
+        return cls(target, tls=tls, security=security, **options)
 
     @property
     def same_host(self) -> bool:

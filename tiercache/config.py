@@ -135,7 +135,7 @@ class DiskTierConfig:
 class RedisTierConfig:
     """The shared tier. Disabled unless `url` is set (redis://, rediss://, with user:password@ when needed)."""
 
-    url: str | None = None
+    url: str | None = field(default=None, repr=False)  # may carry user:password@: kept out of reprs and logs
     cluster: bool = False  # the URL names one node of a Redis Cluster: use redis-py's cluster client
     key_prefix: str = "tiercache:"
     ttl_s: float | None = None
@@ -143,9 +143,18 @@ class RedisTierConfig:
     socket_timeout_s: float = 2.0
     max_backoff_s: float = 2.0  # longest wait between reconnection attempts while Redis is down
     codec: str = "none"  # none | lz4 | lz4-shuffle2 | lz4-shuffle4: buys Redis memory, costs CPU
+    username: str | None = None  # Redis ACL user (AUTH username password); default user when unset
+    password_file: str | None = None  # file holding the password (a mounted Secret), never the password itself
+    tls_ca_file: str | None = None  # rediss:// only: CA that signed the Redis server's certificate
+    tls_cert_file: str | None = None  # rediss:// only: client certificate, when Redis requires one
+    tls_key_file: str | None = None
 
     def __post_init__(self) -> None:
+        _require((self.tls_cert_file is None) == (self.tls_key_file is None),
+                 "redis.tls_cert_file and redis.tls_key_file must be given together")
         if self.url is not None:
+            _require(not (self.tls_ca_file or self.tls_cert_file) or self.url.startswith("rediss://"),
+                     "redis.tls_* files need a rediss:// URL")
             _require(self.url.startswith(("redis://", "rediss://", "unix://")),
                      f"redis.url must start with redis://, rediss:// or unix://, got {self.url!r}")
         _require(self.ttl_s is None or self.ttl_s > 0, "redis.ttl_s must be positive when set")
@@ -177,12 +186,36 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    """TLS for the gRPC port, and the tenants file that turns on bearer-token authentication (tiercache.auth)."""
+
+    tls_cert_file: str | None = None  # PEM certificate chain; with tls_key_file, the gRPC port speaks TLS only
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None  # also require client certificates signed by this CA (mutual TLS)
+    tenants_file: str | None = None  # YAML of tokens -> tenants; unset means every caller is trusted
+    health_port: int | None = None  # plaintext grpc.health.v1 only (kubelet probes cannot speak TLS or send tokens)
+
+    def __post_init__(self) -> None:
+        _require((self.tls_cert_file is None) == (self.tls_key_file is None),
+                 "security.tls_cert_file and security.tls_key_file must be given together")
+        _require(self.tls_client_ca_file is None or self.tls_cert_file is not None,
+                 "security.tls_client_ca_file (mutual TLS) needs security.tls_cert_file and tls_key_file")
+        _require(self.health_port is None or 0 <= self.health_port <= 65535,
+                 f"security.health_port must be 0..65535, got {self.health_port}")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
     host: HostTierConfig = field(default_factory=HostTierConfig)
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
 
 def _coerce(name: str, hint: Any, value: Any) -> Any:

@@ -21,6 +21,14 @@ class Unavailable(TierCacheError):
     """A backend (or the server) cannot be reached right now; retrying later may succeed."""
 
 
+class Unauthenticated(TierCacheError):
+    """The call carries no bearer token, or one no tenant owns."""
+
+
+class PermissionDenied(TierCacheError):
+    """The caller's tenant may not do this: another tenant's namespace, or a path its tenant entry does not allow."""
+
+
 class ConfigError(InvalidArgument):
     """A configuration value is unusable. The CLI prints its message on one line and exits non-zero."""
 

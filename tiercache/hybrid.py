@@ -24,10 +24,8 @@ import functools
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
 
-import xxhash
-
 from tiercache.errors import InvalidArgument
-from tiercache.keys import PrefixHashes, validate_namespace
+from tiercache.keys import PrefixHashes, salt_suffix, validate_namespace
 from tiercache.layout import GroupKind, ModelLayout, unified_block_size
 
 
@@ -72,7 +70,7 @@ class CacheSpec:
         fingerprint = self.layout.fingerprint(self.chunk_tokens, self.match_unit)
         text = f"{self.layout.model}@{self.layout.revision}#{fingerprint}"
         if self.salt:
-            text += "~" + xxhash.xxh3_64_hexdigest(self.salt.encode())
+            text += salt_suffix(self.salt)
         return text
 
     def hashes(self, tokens) -> PrefixHashes:

@@ -36,6 +36,14 @@ class ChunkKey(NamedTuple):
         return f"ChunkKey({self.namespace!r}, {self.key.hex()})"
 
 
+def salt_suffix(salt: str) -> str:
+    """What a tenant salt adds to a namespace: '~' and a digest, so the salt itself never travels or gets logged.
+
+    The server's tenant table (tiercache.auth) checks namespaces against the same suffix.
+    """
+    return "~" + xxhash.xxh3_64_hexdigest(salt.encode())
+
+
 def validate_namespace(namespace: object) -> str:
     if not isinstance(namespace, str):
         raise InvalidArgument(f"namespace must be a string, got {type(namespace).__name__}")

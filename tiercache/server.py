@@ -6,19 +6,22 @@ becomes INTERNAL with a log line, never a dead server.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tiercache import __version__, chunk
-from tiercache.config import Config
+from tiercache.auth import Tenant, TenantTable
+from tiercache.config import Config, SecurityConfig
 from tiercache.errors import ConfigError, InvalidArgument
 from tiercache.keys import ChunkKey, validate_key, validate_namespace
 from tiercache.metrics import Metrics
@@ -31,7 +34,10 @@ log = logging.getLogger(__name__)
 
 
 def _rpc(method):
-    """Time the RPC, and map every error it raises to a status code in one place."""
+    """Authenticate the caller, time the RPC, and map every error it raises to a status code in one place.
+
+    The wrapped method receives the caller's Tenant as a third argument.
+    """
     name = method.__name__
     streaming = inspect.isgeneratorfunction(method)
 
@@ -50,7 +56,7 @@ def _rpc(method):
         def stream_handler(self, request, context):
             started = time.perf_counter()
             try:
-                yield from method(self, request, context)
+                yield from method(self, request, context, self.tenants.authenticate(context.invocation_metadata()))
             except Exception as exc:  # noqa: BLE001 - every error becomes a status code
                 finish(self, context, started, exc)
             else:
@@ -61,7 +67,7 @@ def _rpc(method):
     def unary_handler(self, request, context):
         started = time.perf_counter()
         try:
-            response = method(self, request, context)
+            response = method(self, request, context, self.tenants.authenticate(context.invocation_metadata()))
         except Exception as exc:  # noqa: BLE001 - every error becomes a status code
             finish(self, context, started, exc)
         finish(self, context, started, None)
@@ -72,10 +78,11 @@ def _rpc(method):
 class _ChunkAssembler:
     """Collects one Put chunk's frames directly into the record buffer the store will keep (no join copy)."""
 
-    def __init__(self, header: pb.ChunkHeader, max_chunk_bytes: int) -> None:
+    def __init__(self, header: pb.ChunkHeader, max_chunk_bytes: int, tenant: Tenant) -> None:
         if header.size_bytes > max_chunk_bytes:
             raise InvalidArgument(f"chunk of {header.size_bytes} bytes exceeds the maximum of {max_chunk_bytes}")
         self.key = ChunkKey.checked(header.namespace, header.key)
+        tenant.check_namespace(self.key.namespace)
         self.meta = chunk_meta(header)
         self.start = chunk.header_bytes(self.key)
         self.record = bytearray(self.start + header.size_bytes)
@@ -97,22 +104,35 @@ class _ChunkAssembler:
         return self.record
 
 
-def _chunk_keys(namespace: str, keys: Iterable[bytes]) -> list[ChunkKey]:
-    validate_namespace(namespace)  # once per request, not per key
+def _chunk_keys(tenant: Tenant, namespace: str, keys: Iterable[bytes]) -> list[ChunkKey]:
+    _namespace(tenant, namespace)  # once per request, not per key
     return [ChunkKey(namespace, validate_key(k)) for k in keys]
 
 
+def _namespace(tenant: Tenant, namespace: str) -> str:
+    validate_namespace(namespace)
+    tenant.check_namespace(namespace)
+    return namespace
+
+
 class TierCacheServicer(pb_grpc.TierCacheServicer):
-    def __init__(self, store: TieredStore, config: Config, metrics: Metrics, leases: LeaseTable) -> None:
+    def __init__(self, store: TieredStore, config: Config, metrics: Metrics, leases: LeaseTable,
+                 tenants: TenantTable) -> None:
         self.store = store
+        self.tenants = tenants
         self.metrics = metrics
         self.leases = leases
         self._max_chunk_bytes = config.server.max_chunk_bytes
         self._frame_bytes = config.server.frame_bytes
         self._started = time.monotonic()
 
+    def _check_quota(self, tenant: Tenant, size_bytes: int) -> None:
+        """Checked per chunk before it is stored; concurrent puts of one tenant may overshoot by their own sizes."""
+        if tenant.quota_bytes is not None:
+            tenant.check_quota(self.store.held_bytes(tenant.owns), size_bytes)
+
     @_rpc
-    def Put(self, request_iterator: Iterator[pb.PutFrame], context) -> pb.PutResponse:
+    def Put(self, request_iterator: Iterator[pb.PutFrame], context, tenant: Tenant) -> pb.PutResponse:
         stored_in = []
         current: _ChunkAssembler | None = None
         for frame in request_iterator:
@@ -120,7 +140,8 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             if part == "header":
                 if current is not None:
                     raise InvalidArgument("a chunk header arrived before the previous chunk's data was complete")
-                current = _ChunkAssembler(frame.header, self._max_chunk_bytes)
+                current = _ChunkAssembler(frame.header, self._max_chunk_bytes, tenant)
+                self._check_quota(tenant, frame.header.size_bytes)
             elif part == "data":
                 if current is None:
                     raise InvalidArgument("a data frame arrived before any chunk header")
@@ -136,8 +157,8 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         return pb.PutResponse(stored_in=stored_in)
 
     @_rpc
-    def Get(self, request: pb.GetRequest, context) -> Iterator[pb.GetFrame]:
-        keys = _chunk_keys(request.namespace, request.keys)
+    def Get(self, request: pb.GetRequest, context, tenant: Tenant) -> Iterator[pb.GetFrame]:
+        keys = _chunk_keys(tenant, request.namespace, request.keys)
         for index, key in enumerate(keys):
             found = self.store.get(key)
             if found is None:
@@ -149,17 +170,17 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                 yield pb.GetFrame(data=data)
 
     @_rpc
-    def Exists(self, request: pb.KeysRequest, context) -> pb.ExistsResponse:
-        where = self.store.locate(_chunk_keys(request.namespace, request.keys))
+    def Exists(self, request: pb.KeysRequest, context, tenant: Tenant) -> pb.ExistsResponse:
+        where = self.store.locate(_chunk_keys(tenant, request.namespace, request.keys))
         return pb.ExistsResponse(tier=[w or "" for w in where])
 
     @_rpc
-    def Delete(self, request: pb.KeysRequest, context) -> pb.DeleteResponse:
-        return pb.DeleteResponse(deleted=self.store.delete(_chunk_keys(request.namespace, request.keys)))
+    def Delete(self, request: pb.KeysRequest, context, tenant: Tenant) -> pb.DeleteResponse:
+        return pb.DeleteResponse(deleted=self.store.delete(_chunk_keys(tenant, request.namespace, request.keys)))
 
     @_rpc
-    def ReportLookup(self, request: pb.LookupReport, context) -> pb.LookupReportAck:
-        validate_namespace(request.namespace)
+    def ReportLookup(self, request: pb.LookupReport, context, tenant: Tenant) -> pb.LookupReportAck:
+        _namespace(tenant, request.namespace)
         hit = dict(request.hit_tokens_by_tier)
         if sum(hit.values()) > request.requested_tokens:
             raise InvalidArgument("a lookup cannot hit more tokens than it requested")
@@ -169,17 +190,18 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
     # -- the same-host path (tiercache.shm) ------------------------------------------------------------------------
 
     @_rpc
-    def Attach(self, request: pb.AttachRequest, context) -> pb.AttachResponse:
+    def Attach(self, request: pb.AttachRequest, context, tenant: Tenant) -> pb.AttachResponse:
         tier = self.store.shared_tier
-        if tier is None:
+        if tier is None or not tenant.same_host:  # not an error: the client falls back to streaming over gRPC
             return pb.AttachResponse(available=False)
         return pb.AttachResponse(available=True, path=tier.shared_path, size_bytes=tier.shared_bytes,
                                  inode=tier.shared_inode, lease_ttl_s=self.leases.ttl_s)
 
     @_rpc
-    def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
+    def Reserve(self, request: pb.ReserveRequest, context, tenant: Tenant) -> pb.ReserveResponse:
         if self.store.shared_tier is None:
             raise InvalidArgument("this server has no shared-memory arena: use Put")
+        tenant.check_same_host()
         granted = []  # (lease id, reservation)
         try:
             for header in request.chunks:
@@ -187,6 +209,8 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                     raise InvalidArgument(f"chunk of {header.size_bytes} bytes exceeds the maximum of "
                                           f"{self._max_chunk_bytes}")
                 key = ChunkKey.checked(request.namespace, header.key)
+                tenant.check_namespace(key.namespace)
+                self._check_quota(tenant, header.size_bytes)
                 reservation = self.store.reserve(key, chunk.header_bytes(key) + header.size_bytes,
                                                  chunk_meta(header))
                 granted.append((self.leases.grant(reservation, self.store.abort, writable=True), reservation))
@@ -198,22 +222,25 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             for lease_id, r in granted])
 
     @_rpc
-    def Commit(self, request: pb.LeaseIds, context) -> pb.PutResponse:
+    def Commit(self, request: pb.LeaseIds, context, tenant: Tenant) -> pb.PutResponse:
+        tenant.check_same_host()
         return pb.PutResponse(stored_in=[self.store.commit(self.leases.take(i, writable=True))
                                          for i in request.lease_ids])
 
     @_rpc
-    def Abort(self, request: pb.LeaseIds, context) -> pb.LeaseAck:
+    def Abort(self, request: pb.LeaseIds, context, tenant: Tenant) -> pb.LeaseAck:
+        tenant.check_same_host()
         self.leases.release(request.lease_ids, writable=True)
         return pb.LeaseAck()
 
     @_rpc
-    def Acquire(self, request: pb.KeysRequest, context) -> pb.AcquireResponse:
+    def Acquire(self, request: pb.KeysRequest, context, tenant: Tenant) -> pb.AcquireResponse:
         tier = self.store.shared_tier
         if tier is None:
             raise InvalidArgument("this server has no shared-memory arena: use Get")
+        tenant.check_same_host()
         leases = []
-        for key in _chunk_keys(request.namespace, request.keys):
+        for key in _chunk_keys(tenant, request.namespace, request.keys):
             found = self.store.lease(key)
             if found is None:
                 leases.append(pb.Lease(found=False))
@@ -229,12 +256,17 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         return pb.AcquireResponse(leases=leases)
 
     @_rpc
-    def Release(self, request: pb.LeaseIds, context) -> pb.LeaseAck:
+    def Release(self, request: pb.LeaseIds, context, tenant: Tenant) -> pb.LeaseAck:
+        tenant.check_same_host()
         return pb.LeaseAck(expired=self.leases.release(request.lease_ids, writable=False))
 
     @_rpc
-    def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        return stats_message(self.store.stats(), version=__version__, uptime_s=time.monotonic() - self._started,
+    def Stats(self, request: pb.StatsRequest, context, tenant: Tenant) -> pb.StatsResponse:
+        stats = self.store.stats()
+        if not tenant.admin:  # namespaces name models: a tenant sees its own only
+            own = tuple(n for n in stats.namespaces if tenant.owns(n.namespace))
+            stats = dataclasses.replace(stats, namespaces=own)
+        return stats_message(stats, version=__version__, uptime_s=time.monotonic() - self._started,
                              max_chunk_bytes=self._max_chunk_bytes)
 
 
@@ -250,6 +282,39 @@ def _grpc_options(max_chunk_bytes: int) -> list[tuple[str, int]]:
             ("grpc.so_reuseport", 0)]
 
 
+def server_credentials(security: SecurityConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials for the gRPC port (None: plaintext); with a client CA, clients must present certificates."""
+    if not security.tls:
+        return None
+    cert, key = _read_pem(security.tls_cert_file), _read_pem(security.tls_key_file)
+    client_ca = _read_pem(security.tls_client_ca_file) if security.tls_client_ca_file else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
+def _read_pem(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _listen(server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Bind one address; the bound port (a unix socket gives 1), or a ConfigError saying why not."""
+    try:
+        port = (server.add_insecure_port(address) if credentials is None
+                else server.add_secure_port(address, credentials))
+    except RuntimeError:
+        port = 0
+    if not port:
+        raise ConfigError(f"cannot listen on {address.removeprefix('unix:')} (address in use or not available)")
+    return port
+
+
 class CacheServer:
     """A running tiercache server: the store, the gRPC service with health checking, and the metrics endpoint."""
 
@@ -258,33 +323,33 @@ class CacheServer:
         self.store = store or TieredStore.from_config(config)
         self.metrics = Metrics(self.store)
         self.leases = LeaseTable(config.server.lease_ttl_s)
+        self.tenants = TenantTable.load(config.security.tenants_file)
         self._server: grpc.Server | None = None
+        self._health_server: grpc.Server | None = None
         self._health = health.HealthServicer()
         self._stopped = threading.Event()
         self.port = 0
+        self.health_port: int | None = None
         self.metrics_port: int | None = None
 
     def start(self) -> "CacheServer":
         cfg = self.config.server
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="tiercache-rpc"),
                              options=_grpc_options(cfg.max_chunk_bytes))
-        servicer = TierCacheServicer(self.store, self.config, self.metrics, self.leases)
+        servicer = TierCacheServicer(self.store, self.config, self.metrics, self.leases, self.tenants)
         pb_grpc.add_TierCacheServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-        try:
-            self.port = server.add_insecure_port(f"{host}:{cfg.port}")
-        except RuntimeError:
-            self.port = 0
-        if not self.port:
-            raise ConfigError(f"cannot listen on {cfg.host}:{cfg.port} (address in use or not available)")
+        credentials = server_credentials(self.config.security)
+        self.port = _listen(server, _address(cfg.host, cfg.port), credentials)
         if cfg.unix_socket:
-            try:
-                bound = server.add_insecure_port(f"unix:{cfg.unix_socket}")
-            except RuntimeError:
-                bound = 0
-            if not bound:
-                raise ConfigError(f"cannot listen on unix socket {cfg.unix_socket}")
+            # Only local processes reach a unix socket (file permissions guard it); tokens are still checked.
+            _listen(server, f"unix:{cfg.unix_socket}", None)
+        health_port = self.config.security.health_port
+        if health_port is not None:
+            self._health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
+                                              options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+            self.health_port = _listen(self._health_server, _address(cfg.host, health_port), None)
         if cfg.metrics_port is not None:
             try:
                 self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
@@ -293,6 +358,8 @@ class CacheServer:
                                   f"{exc.strerror}") from None
         server.start()
         self._server = server
+        if self._health_server is not None:
+            self._health_server.start()
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return self
@@ -301,7 +368,7 @@ class CacheServer:
     def url(self) -> str:
         host = self.config.server.host
         host = "127.0.0.1" if host in ("0.0.0.0", "") else ("localhost" if host == "::" else host)
-        return f"grpc://{host}:{self.port}"
+        return f"{'grpcs' if self.config.security.tls else 'grpc'}://{host}:{self.port}"
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stop accepting RPCs, let running ones finish within `grace_s`, then close the tiers."""
@@ -311,6 +378,8 @@ class CacheServer:
         self._health.enter_graceful_shutdown()
         if self._server is not None:
             self._server.stop(grace_s).wait()
+        if self._health_server is not None:
+            self._health_server.stop(0).wait()
         self.metrics.close()
         self.leases.close()  # takes back every reservation and read pin before the arena goes away
         self.store.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tiercache import chunk
 from tiercache.config import Config
@@ -254,6 +254,11 @@ class TieredStore:
                 namespace_chunks[ns] = namespace_chunks.get(ns, 0) + n
         namespaces = tuple(NamespaceUsage(ns, n, namespace_chunks[ns]) for ns, n in sorted(namespace_bytes.items()))
         return StoreStats(tiers, namespaces, lookups)
+
+    def held_bytes(self, owns: Callable[[str], bool]) -> int:
+        """Bytes this server's local tiers hold for the namespaces `owns` accepts (a tenant's quota counts these)."""
+        return sum(n for tier in self.tiers if not tier.shared
+                   for ns, n in tier.usage().bytes_by_namespace.items() if owns(ns))
 
     def close(self) -> None:
         for tier in self.tiers:

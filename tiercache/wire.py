@@ -10,7 +10,8 @@ from typing import Iterator
 
 import grpc
 
-from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound, TierCacheError, Unavailable
+from tiercache.errors import (CapacityExceeded, InvalidArgument, NotFound, PermissionDenied, TierCacheError,
+                              Unauthenticated, Unavailable)
 from tiercache.chunk import CLASS_KV, CLASS_STATE, ChunkMeta
 from tiercache.store import StoreStats
 
@@ -27,6 +28,8 @@ _STATUS_BY_ERROR: tuple[tuple[type[TierCacheError], grpc.StatusCode], ...] = (
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (CapacityExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
 )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
 import redis
@@ -23,7 +24,7 @@ from redis.retry import Retry
 
 from tiercache.codec import codec_id
 from tiercache.config import RedisTierConfig
-from tiercache.errors import TierDown
+from tiercache.errors import ConfigError, TierDown
 from tiercache.keys import ChunkKey
 from tiercache.tiers.base import Evicted, TierUsage
 
@@ -33,12 +34,30 @@ _FIRST_BACKOFF_S = 0.1
 
 def _connect(config: RedisTierConfig):
     """No retries inside redis-py: a dead Redis must cost one failed attempt, then the tier's own backoff."""
-    options = dict(socket_timeout=config.socket_timeout_s, socket_connect_timeout=config.socket_timeout_s)
+    options = dict(socket_timeout=config.socket_timeout_s, socket_connect_timeout=config.socket_timeout_s,
+                   **_credentials(config))
     if config.cluster:
         from redis.cluster import RedisCluster
 
         return RedisCluster.from_url(config.url, require_full_coverage=False, retry=Retry(NoBackoff(), 0), **options)
     return redis.Redis.from_url(config.url, retry=Retry(NoBackoff(), 0), **options)
+
+
+def _credentials(config: RedisTierConfig) -> dict:
+    """AUTH and TLS options for redis-py. The password is read from its file here and kept nowhere else."""
+    options: dict = {}
+    if config.username:
+        options["username"] = config.username
+    if config.password_file:
+        try:
+            options["password"] = Path(config.password_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read redis.password_file {config.password_file}: {exc.strerror}") from None
+    if config.tls_ca_file:
+        options["ssl_ca_certs"] = config.tls_ca_file
+    if config.tls_cert_file:
+        options.update(ssl_certfile=config.tls_cert_file, ssl_keyfile=config.tls_key_file)
+    return options
 
 
 class RedisTier:

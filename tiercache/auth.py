@@ -1,0 +1,153 @@
+"""Tenants: bearer tokens mapped to the namespaces a caller may touch, and the bytes it may hold.
+
+KV bytes reveal the prompt that produced them, so one tenant must never read another's chunks. Every namespace a
+salted connector builds ends with `keys.salt_suffix(salt)`; the server knows each tenant's salt and accepts a
+namespace only when it carries the suffix of the tenant the call's token belongs to. A client therefore cannot forge
+another tenant's keys: knowing the other namespace is not enough, it would need the other tenant's token.
+
+The tenants file (YAML, mounted from a Secret) is the only place tokens live; the server never logs them:
+
+    tenants:
+      team-a:
+        token_sha256: 9f86d0...     # or `token: <plain text>`; the digest keeps the file free of the secret
+        salt: a-long-random-string  # the same salt team-a's connectors are configured with
+        quota_bytes: 20GiB          # optional: most bytes team-a may hold in this server's local tiers
+        same_host: false            # optional: may map the shared-memory arena (it holds every tenant's chunks)
+      ops:
+        token_sha256: 2c26b4...
+        admin: true                 # every namespace, every stat: for operators and the cache's own tools
+
+Without a tenants file the server is open: every caller is the built-in `open` tenant (no checks, no quota).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import yaml
+
+from tiercache.config import parse_size
+from tiercache.errors import CapacityExceeded, ConfigError, PermissionDenied, Unauthenticated
+from tiercache.keys import salt_suffix
+
+AUTHORIZATION = "authorization"  # gRPC metadata key (lower case, as HTTP/2 requires)
+_BEARER = "bearer "
+_TENANT_KEYS = {"token", "token_sha256", "salt", "quota_bytes", "same_host", "admin"}
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    suffix: str | None = None  # the namespace suffix its salt gives; None only for admin and open tenants
+    quota_bytes: int | None = None
+    same_host: bool = False
+    admin: bool = False
+
+    def owns(self, namespace: str) -> bool:
+        return self.admin or (self.suffix is not None and namespace.endswith(self.suffix))
+
+    def check_namespace(self, namespace: str) -> None:
+        if not self.owns(namespace):
+            # The namespace is the caller's own input, but the message stays vague about whose it might be.
+            raise PermissionDenied(f"tenant {self.name!r} may not use this namespace: it must carry the tenant's "
+                                   "salt (configure the connector with the tenant's salt)")
+
+    def check_same_host(self) -> None:
+        if not self.same_host:
+            raise PermissionDenied(f"tenant {self.name!r} may not use the shared-memory path (same_host: false)")
+
+    def check_quota(self, held_bytes: int, adding_bytes: int) -> None:
+        """Raise when storing `adding_bytes` more would take the tenant past its quota."""
+        if self.quota_bytes is not None and held_bytes + adding_bytes > self.quota_bytes:
+            raise CapacityExceeded(f"tenant {self.name!r} holds {held_bytes} bytes; {adding_bytes} more would "
+                                   f"exceed its quota of {self.quota_bytes} (delete chunks or wait for eviction)")
+
+
+OPEN = Tenant("open", admin=True, same_host=True)
+
+
+def token_digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class TenantTable:
+    """Token digest -> tenant. Empty means authentication is off and every caller is the OPEN tenant."""
+
+    def __init__(self, tenants: Mapping[bytes, Tenant] | None = None) -> None:
+        self._by_digest = dict(tenants or {})
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._by_digest)
+
+    @property
+    def tenants(self) -> list[Tenant]:
+        return list(self._by_digest.values())
+
+    @classmethod
+    def load(cls, path: str | None) -> "TenantTable":
+        if not path:
+            return cls()
+        try:
+            values = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read tenants file {path}: {exc.strerror}") from None
+        except yaml.YAMLError:
+            # Not the parser's message: it quotes the offending line, which may hold a token.
+            raise ConfigError(f"tenants file {path} is not valid YAML") from None
+        tenants = values.get("tenants") if isinstance(values, dict) else None
+        if not isinstance(tenants, dict) or not tenants:
+            raise ConfigError(f"tenants file {path} must hold a non-empty mapping under 'tenants:'")
+        table: dict[bytes, Tenant] = {}
+        for name, entry in tenants.items():
+            digest, tenant = _tenant(str(name), entry)
+            if digest in table:
+                raise ConfigError(f"tenants {table[digest].name!r} and {name!r} share a token")
+            table[digest] = tenant
+        return cls(table)
+
+    def authenticate(self, metadata: Sequence[tuple[str, str | bytes]]) -> Tenant:
+        """The tenant whose token the call carries (`authorization: Bearer <token>`)."""
+        if not self._by_digest:
+            return OPEN
+        token = next((v for k, v in metadata if k == AUTHORIZATION), None)
+        if not isinstance(token, str) or not token.lower().startswith(_BEARER):
+            raise Unauthenticated("this server requires a bearer token (authorization: Bearer <token>)")
+        digest = token_digest(token[len(_BEARER):].strip())
+        for known, tenant in self._by_digest.items():  # constant-time compare; tenants are few
+            if hmac.compare_digest(known, digest):
+                return tenant
+        raise Unauthenticated("unknown bearer token")
+
+
+def _tenant(name: str, entry: object) -> tuple[bytes, Tenant]:
+    if not isinstance(entry, dict):
+        raise ConfigError(f"tenant {name!r}: expected a mapping")
+    unknown = sorted(set(entry) - _TENANT_KEYS)
+    if unknown:
+        raise ConfigError(f"tenant {name!r}: unknown key {unknown[0]} (known: {', '.join(sorted(_TENANT_KEYS))})")
+    if ("token" in entry) == ("token_sha256" in entry):
+        raise ConfigError(f"tenant {name!r}: give exactly one of token or token_sha256")
+    if "token" in entry:
+        if not isinstance(entry["token"], str) or len(entry["token"]) < 16:
+            raise ConfigError(f"tenant {name!r}: token must be a string of at least 16 characters")
+        digest = token_digest(entry["token"])
+    else:
+        try:
+            digest = bytes.fromhex(str(entry["token_sha256"]))
+        except ValueError:
+            digest = b""
+        if len(digest) != 32:
+            raise ConfigError(f"tenant {name!r}: token_sha256 must be 64 hex digits (sha256 of the token)")
+    admin = entry.get("admin", False) is True
+    salt = entry.get("salt")
+    if not admin and (not isinstance(salt, str) or not salt):
+        raise ConfigError(f"tenant {name!r}: a salt is required unless admin: true")
+    quota = entry.get("quota_bytes")
+    return digest, Tenant(name, salt_suffix(salt) if salt else None,
+                          None if quota is None else parse_size(quota),
+                          same_host=entry.get("same_host", False) is True, admin=admin)
