@@ -127,3 +127,35 @@ def test_object_sizes_follow_the_layout():
     assert s.object_bytes(object_ref(s, hashes, ObjectKind.KV, 16, 0)) == 16 * 2 * 32  # 2 attention layers
     assert s.object_bytes(object_ref(s, hashes, ObjectKind.TAIL, 37, 0)) == 5 * 2 * 32
     assert s.object_bytes(object_ref(s, hashes, ObjectKind.STATE, 37, 1)) == 2 * 224
+
+
+def test_a_cache_outage_is_a_miss_never_a_failed_request(start_server, caplog):
+    """The server going away mid-traffic: lookups miss, loads recompute, saves are skipped, nothing raises."""
+    from tiercache.client import Retry
+
+    server = start_server()
+    with Client.from_url(server.url, timeout_s=1, retry=Retry(attempts=1)) as client:
+        cache = PrefixCache(client, spec())
+        prompt = tokens(100)
+        assert prefill(cache, prompt) == 0
+        hit = cache.lookup(prompt).hit
+        assert hit.tokens == 99
+        server.stop(grace_s=0)
+        assert cache.lookup(prompt).hit.tokens == 0
+        assert cache.load(hit) is None
+        _, plan = cache.plan_finish(prompt, 100)
+        assert cache.save({ref: bytes(cache.spec.object_bytes(ref)) for ref in plan.objects}).objects == 0
+    assert "treating it as a miss" in caplog.text and "skipped" in caplog.text
+
+
+def test_a_save_past_the_tenant_quota_is_skipped(start_server, tmp_path):
+    from tiercache.config import SecurityConfig
+
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text("tenants: {a: {token: token-of-tenant-a-0123, salt: salt-a, quota_bytes: 1KiB}}")
+    server = start_server(security=SecurityConfig(tenants_file=str(tenants)))
+    with Client.from_url(server.url, token="token-of-tenant-a-0123") as client:
+        cache = PrefixCache(client, spec(salt="salt-a"))
+        lookup = cache.lookup(tokens(100))
+        plan = cache.plan_prompt(lookup)
+        assert cache.save({ref: bytes(cache.spec.object_bytes(ref)) for ref in plan.objects}).objects == 0

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tiercache import __version__, chunk
@@ -28,7 +29,8 @@ from tiercache.metrics import Metrics
 from tiercache.shm import LeaseTable
 from tiercache.store import TieredStore
 from tiercache.tiers.arena import payload_ranges
-from tiercache.wire import SERVICE_NAME, chunk_meta, frames, pb, pb_grpc, stats_message, status_for
+from tiercache.wire import (SERVICE_NAME, Malformed, chunk_meta, frames, pb, pb_grpc, service_handler, stats_message,
+                            status_for)
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,8 @@ def _rpc(method):
         def stream_handler(self, request, context):
             started = time.perf_counter()
             try:
-                yield from method(self, request, context, self.tenants.authenticate(context.invocation_metadata()))
+                tenant = self.tenants.authenticate(context.invocation_metadata())
+                yield from method(self, _well_formed(request), context, tenant)
             except Exception as exc:  # noqa: BLE001 - every error becomes a status code
                 finish(self, context, started, exc)
             else:
@@ -67,12 +70,22 @@ def _rpc(method):
     def unary_handler(self, request, context):
         started = time.perf_counter()
         try:
-            response = method(self, request, context, self.tenants.authenticate(context.invocation_metadata()))
+            tenant = self.tenants.authenticate(context.invocation_metadata())
+            response = method(self, _well_formed(request), context, tenant)
         except Exception as exc:  # noqa: BLE001 - every error becomes a status code
             finish(self, context, started, exc)
         finish(self, context, started, None)
         return response
     return unary_handler
+
+
+def _well_formed(request):
+    """The request, or InvalidArgument when its bytes did not decode; a request stream is checked frame by frame."""
+    if isinstance(request, Malformed):
+        request.reject()
+    if isinstance(request, Message):
+        return request
+    return (frame.reject() if isinstance(frame, Malformed) else frame for frame in request)
 
 
 class _ChunkAssembler:
@@ -337,7 +350,7 @@ class CacheServer:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="tiercache-rpc"),
                              options=_grpc_options(cfg.max_chunk_bytes))
         servicer = TierCacheServicer(self.store, self.config, self.metrics, self.leases, self.tenants)
-        pb_grpc.add_TierCacheServicer_to_server(servicer, server)
+        server.add_generic_rpc_handlers((service_handler(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         credentials = server_credentials(self.config.security)
         self.port = _listen(server, _address(cfg.host, cfg.port), credentials)

@@ -84,3 +84,47 @@ def chunk_meta(header: pb.ChunkHeader) -> ChunkMeta:
     if header.object_class not in (CLASS_KV, CLASS_STATE):
         raise InvalidArgument(f"unknown object class {header.object_class}")
     return ChunkMeta(header.object_class, header.prefix_tokens)
+
+
+class Malformed:
+    """A request whose bytes are not a valid message. The handler turns it into INVALID_ARGUMENT.
+
+    (grpcio answers an exception in a deserializer with INTERNAL before any of our code runs; deserializing leniently
+    and failing in the handler gives malformed input the status code it deserves, counted like any other error.)
+    """
+
+    def __init__(self, message_type: str, error: Exception) -> None:
+        self.message_type = message_type
+        self.error = error
+
+    def reject(self) -> None:
+        raise InvalidArgument(f"request is not a valid {self.message_type} message: {self.error}")
+
+
+def _lenient(message_class):
+    def deserialize(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, RuntimeWarning-as-error, ...: all malformed input
+            return Malformed(message_class.DESCRIPTOR.name, exc)
+    return deserialize
+
+
+_HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def service_handler(servicer) -> grpc.GenericRpcHandler:
+    """The TierCache service's handlers, built from the proto descriptor like the generated code, but with lenient
+    request deserializers (see Malformed)."""
+    service = pb.DESCRIPTOR.services_by_name["TierCache"]
+    handlers = {}
+    for method in service.methods:
+        request_class = getattr(pb, method.input_type.name)
+        response_class = getattr(pb, method.output_type.name)
+        kind = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = kind(getattr(servicer, method.name), request_deserializer=_lenient(request_class),
+                                     response_serializer=response_class.SerializeToString)
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
