@@ -49,5 +49,12 @@ class TierFull(TierCacheError):
         self.evicted = evicted or []
 
 
+class TierWriteFailed(TierFull):
+    """The tier's medium refused a write it had room for on paper (ENOSPC from a shared filesystem, EIO).
+
+    Internal: handled like TierFull (the record goes to the next tier), and counted as an error of the tier.
+    """
+
+
 class TierDown(TierCacheError):
     """A tier's backend is unreachable. Internal: reads become misses, writes fall through to other tiers."""

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 from tiercache import chunk
 from tiercache.config import Config
-from tiercache.errors import CapacityExceeded, ChunkCorrupt, TierDown, TierFull, Unavailable
+from tiercache.errors import CapacityExceeded, ChunkCorrupt, TierDown, TierFull, TierWriteFailed, Unavailable
 from tiercache.keys import ChunkKey
 from tiercache.tiers.base import Evicted, Tier
 
@@ -274,6 +274,7 @@ class TieredStore:
         """
         last = len(self.tiers) if last is None else last
         down = False
+        write_failure = ""
         for level in range(first, last):
             tier = self.tiers[level]
             if self.write_through and tier.shared and first > 0:
@@ -282,6 +283,9 @@ class TieredStore:
             try:
                 evicted = tier.put(key, self._for_tier(tier, key, record), return_evicted=wants_evicted)
             except TierFull as full:
+                if isinstance(full, TierWriteFailed):
+                    self._count(tier, errors=1)
+                    write_failure = f" ({full})"
                 self._demote(full.evicted, level)
                 continue
             except TierDown:
@@ -293,7 +297,7 @@ class TieredStore:
         size = len(record)
         if down:
             raise Unavailable(f"no tier could store {size} bytes: the tier that could is down")
-        raise CapacityExceeded(f"{size} bytes are more than any tier can hold")
+        raise CapacityExceeded(f"{size} bytes are more than any tier can hold{write_failure}")
 
     def _demote(self, evicted: list[Evicted], level: int) -> None:
         if not evicted:

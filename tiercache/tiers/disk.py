@@ -4,6 +4,8 @@ Files are named `<key digest>-<sequence>.chunk` in 256 fan-out folders. The sequ
 file, so an eviction that unlinks the old file can never remove a newer copy written concurrently under the same key.
 Writes go to a temporary file that is renamed into place (atomic on POSIX), optionally after fsync, so a crash leaves
 either the old state or the new record, never a torn one; leftovers of interrupted writes are removed at start.
+With `disk.fsync` the file and its folder are fsynced before the put returns: a put acknowledged as stored in the
+disk tier then survives a crash or power loss (a put acknowledged in a memory tier never does).
 
 The byte cap counts record bytes (what `stats` shows), and space is reserved before a write starts, so concurrent
 writers together never exceed it. File I/O runs outside the metadata lock.
@@ -21,7 +23,7 @@ from typing import Sequence
 from tiercache import chunk
 from tiercache.codec import codec_id
 from tiercache.config import DiskTierConfig, state_budget
-from tiercache.errors import ChunkCorrupt, ConfigError, TierFull
+from tiercache.errors import ChunkCorrupt, ConfigError, TierFull, TierWriteFailed
 from tiercache.keys import ChunkKey
 from tiercache.lru import ChunkIndex
 from tiercache.tiers.base import Evicted, TierUsage, index_usage
@@ -84,6 +86,8 @@ class DiskTier:
         entry = _Entry(self._path_for(key, sequence), size, sequence, meta)
         try:
             self._write_file(entry.path, record)
+        except OSError as exc:  # e.g. ENOSPC: the filesystem is fuller than our cap says (other writers share it)
+            raise TierWriteFailed(f"disk tier write failed: {exc.strerror or exc}", evicted) from None
         finally:
             with self._lock:
                 self._reserved_bytes -= size
@@ -183,7 +187,9 @@ class DiskTier:
 
     def _write_file(self, path: str, record) -> None:
         temp = path + _TEMP_SUFFIX
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        folder = os.path.dirname(path)
+        created = not os.path.isdir(folder)
+        os.makedirs(folder, exist_ok=True)
         try:
             with open(temp, "wb", buffering=0) as f:
                 f.write(record)
@@ -193,6 +199,10 @@ class DiskTier:
         except BaseException:
             _unlink(temp)
             raise
+        if self._fsync:  # the rename (and a new fan-out folder) must reach the disk too, or the file may vanish
+            _fsync_dir(folder)
+            if created:
+                _fsync_dir(str(self.root))
 
     @staticmethod
     def _read_file(path: str) -> bytes | None:
@@ -268,6 +278,14 @@ class DiskTier:
             assert self._index.state_bytes <= self.state_budget_bytes
             for _, entry in self._index.items():
                 assert os.path.getsize(entry.path) == entry.record_bytes, entry.path
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: str) -> None:
