@@ -1,0 +1,183 @@
+"""Soak: N clients x T seconds of mixed put / get / exists against one server process at capacity pressure.
+
+The working set is several times the host and disk tiers, so evictions and demotions run the whole time. Every value
+is derived from its key, so a reader can tell wrong bytes from right ones: a get returns the right bytes or a miss.
+Reports ops/s, p50/p99 latency per operation, errors, wrong bytes, evictions, and the server's RSS sampled every
+few seconds next to the configured tier capacity (plus a PNG of RSS over time).
+
+    .venv/bin/python benchmarks/soak.py [--clients 8] [--seconds 600] [--host-mem 256MiB] [--disk-size 512MiB]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from tiercache.client import Client, Retry  # noqa: E402
+from tiercache.config import parse_size  # noqa: E402
+from tiercache.errors import TierCacheError  # noqa: E402
+from tiercache.process import ServerProcess  # noqa: E402
+
+NS = "soak"
+SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)
+
+
+def payload(key: bytes, size: int) -> bytes:
+    seed = hashlib.blake2b(key, digest_size=64).digest()
+    return (seed * (size // 64 + 1))[:size]
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.latency: dict[str, list[float]] = {"put": [], "get": [], "exists": []}
+        self.errors: list[str] = []
+        self.wrong = 0
+        self.hits = self.misses = 0
+
+
+def client_loop(url: str, n: int, keys: int, deadline: float, tally: Tally) -> None:
+    rng = random.Random(n)
+    with Client.from_url(url, timeout_s=30, retry=Retry(attempts=2)) as client:
+        while time.monotonic() < deadline:
+            # A hot set (5% of the keys get half the traffic) and a long tail that cycles through the tiers.
+            index = rng.randrange(keys // 20) if rng.random() < 0.5 else rng.randrange(keys)
+            key = b"k%d" % index
+            size = SIZES[index % len(SIZES)]
+            op = rng.choices(("put", "get", "exists"), (0.3, 0.5, 0.2))[0]
+            started = time.perf_counter()
+            try:
+                if op == "put":
+                    client.put(NS, key, payload(key, size))
+                elif op == "get":
+                    data = client.get(NS, key)
+                    with tally.lock:
+                        if data is None:
+                            tally.misses += 1
+                        elif data != payload(key, size):
+                            tally.wrong += 1
+                        else:
+                            tally.hits += 1
+                else:
+                    client.exists(NS, [key, b"k%d" % (index + 1)])
+            except TierCacheError as exc:
+                with tally.lock:
+                    tally.errors.append(f"{op}: {exc}")
+                continue
+            elapsed = time.perf_counter() - started
+            with tally.lock:
+                tally.latency[op].append(elapsed)
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[q - 1] if len(values) >= 100 else max(values, default=0.0)
+
+
+def run_load(args, host_mem: str, seconds: float):
+    """One server process under the load for `seconds`: (peak RSS, RSS samples, tally, final stats, elapsed)."""
+    tally = Tally()
+    with ServerProcess("--host-mem", host_mem, "--disk-size", args.disk_size,
+                       "--disk-dir", tempfile.mkdtemp(prefix="tiercache-soak-")) as server:
+        pid = server.process.pid
+        deadline = time.monotonic() + seconds
+        threads = [threading.Thread(target=client_loop, args=(server.url, n, args.keys, deadline, tally))
+                   for n in range(args.clients)]
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+        samples = [(0.0, rss_bytes(pid), 0)]  # (seconds, rss bytes, ops so far)
+        while any(t.is_alive() for t in threads):
+            time.sleep(args.sample_s)
+            with tally.lock:
+                ops = sum(len(v) for v in tally.latency.values())
+            samples.append((time.monotonic() - started, rss_bytes(pid), ops))
+        for t in threads:
+            t.join()
+        elapsed = time.monotonic() - started
+        with Client.from_url(server.url) as client:
+            stats = client.stats()
+    return max(r for _, r, _ in samples), samples, tally, stats, elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=600)
+    parser.add_argument("--host-mem", default="256MiB")
+    parser.add_argument("--disk-size", default="512MiB")
+    parser.add_argument("--keys", type=int, default=4000, help="distinct keys (working set ~ keys x 1.3 MiB)")
+    parser.add_argument("--sample-s", type=float, default=5.0)
+    parser.add_argument("--baseline-seconds", type=float, default=60, help="load run without a host tier")
+    parser.add_argument("--plot", default="soak-rss.png", help="RSS over time ('' = none)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    host_bytes, disk_bytes = parse_size(args.host_mem), parse_size(args.disk_size)
+    # The fixed overhead, same run: peak RSS of the same server and load with the host tier off (Python, grpc,
+    # the index, chunks in flight). The goal is peak RSS within 10% of host tier capacity + that overhead.
+    overhead, _, _, _, _ = run_load(args, "0", args.baseline_seconds)
+    peak_rss, samples, tally, stats, elapsed = run_load(args, args.host_mem, args.seconds)
+    tiers = {t["name"]: t for t in stats["tiers"]}
+    ops = sum(len(v) for v in tally.latency.values())
+    report = {
+        "clients": args.clients, "seconds": round(elapsed, 1), "ops": ops, "ops_per_s": round(ops / elapsed, 1),
+        "latency_ms": {op: {"p50": round(1000 * percentile(v, 50), 2), "p99": round(1000 * percentile(v, 99), 2),
+                            "count": len(v)} for op, v in tally.latency.items()},
+        "errors": len(tally.errors), "first_errors": tally.errors[:5], "wrong_bytes": tally.wrong,
+        "get_hits": tally.hits, "get_misses": tally.misses,
+        "evictions": {name: t["evictions"] for name, t in tiers.items()},
+        "checksum_failures": sum(t["checksum_failures"] for t in tiers.values()),
+        "host_capacity_bytes": host_bytes, "disk_capacity_bytes": disk_bytes,
+        "overhead_rss_bytes": overhead, "idle_rss_bytes": samples[0][1], "peak_rss_bytes": peak_rss,
+        "final_rss_bytes": samples[-1][1] if samples else 0,
+        "peak_rss_over_capacity_plus_overhead": round(peak_rss / (host_bytes + overhead), 3),
+        "rss_samples": [(round(t, 1), r) for t, r, _ in samples],
+    }
+    if args.plot and samples:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.plot([t for t, _, _ in samples], [r / 2**20 for _, r, _ in samples], label="server RSS")
+        ax.axhline((host_bytes + overhead) / 2**20, color="grey", linestyle="--", label="host tier + fixed overhead")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("MiB")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=100)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"{args.clients} clients x {elapsed:.0f} s, host tier {args.host_mem}, disk tier {args.disk_size}, "
+          f"{args.keys} keys of 16 KiB..4 MiB")
+    print(f"ops {ops} ({ops / elapsed:.0f}/s); errors {len(tally.errors)}; wrong bytes {tally.wrong}; "
+          f"get hits {tally.hits} misses {tally.misses}; checksum failures {report['checksum_failures']}")
+    for op, lat in report["latency_ms"].items():
+        print(f"  {op:<7} p50 {lat['p50']:>8.2f} ms   p99 {lat['p99']:>8.2f} ms   ({lat['count']} calls)")
+    print(f"evictions per tier: {report['evictions']}")
+    print(f"RSS: fixed overhead {overhead / 2**20:.0f} MiB (same load, no host tier), idle {samples[0][1] / 2**20:.0f} "
+          f"MiB, peak {peak_rss / 2**20:.0f} MiB, final {report['final_rss_bytes'] / 2**20:.0f} MiB; "
+          f"peak / (host tier + overhead) = {report['peak_rss_over_capacity_plus_overhead']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
