@@ -58,10 +58,14 @@ def test_redis_killed_and_restarted_under_eight_client_threads(start_server, red
     threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
     for t in threads:
         t.start()
+    def traffic(more: int) -> None:  # let the clients make `more` calls before the next step
+        target = calls[0] + more
+        wait_for(lambda: calls[0] >= target, timeout_s=60, what=f"{more} more client calls")
+
     try:
-        time.sleep(0.5)
+        traffic(100)
         redis_proc.kill()
-        time.sleep(1.5)
+        traffic(300)  # under load while Redis is gone
         redis_proc.start()
         back = time.monotonic()
         with Client.from_url(server.url) as client:
@@ -71,7 +75,7 @@ def test_redis_killed_and_restarted_under_eight_client_threads(start_server, red
                 return next(t for t in client.stats()["tiers"] if t["name"] == "redis")["up"]
             wait_for(redis_up, timeout_s=10, what="redis tier up")
             rejoined = time.monotonic() - back
-        time.sleep(0.5)
+        traffic(100)
     finally:
         stop.set()
         for t in threads:
@@ -203,13 +207,14 @@ def test_a_crashed_same_host_client_leaks_nothing(tmp_path):
     """A client process killed while holding reservations: the pages come back once its leases expire."""
     with ServerProcess("--host-mem", "8MiB", "--disk-size", "0", "--disk-dir", str(tmp_path / "d"),
                        "--config", str(_lease_config(tmp_path))) as server:
-        script = ("import sys, time\nfrom tiercache.client import Client\n"
+        script = ("import sys\nfrom tiercache.client import Client\n"
                   f"c = Client.from_url({server.url!r}, same_host=True)\n"
                   "from tiercache.wire import pb\n"
                   "r = c._stub.Reserve(pb.ReserveRequest(namespace='ns', chunks=[pb.ChunkHeader(key=b'k%d' % i, "
                   "size_bytes=1 << 20) for i in range(6)]))\n"
-                  "print('reserved', flush=True)\ntime.sleep(60)\n")
-        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+                  "print('reserved', flush=True)\nsys.stdin.read()\n")  # holds the leases until killed
+        child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True)
         assert child.stdout.readline().strip() == "reserved"
         with Client.from_url(server.url, same_host=False, retry=Retry(attempts=1)) as client:
             child.kill()

@@ -240,3 +240,27 @@ def test_redis_over_tls(start_server, pki):
         assert len(node.client().keys("tiercache:*")) == 1
     finally:
         node.stop()
+
+
+def test_nothing_deserializes_client_data_with_pickle_or_eval():
+    """Requests are protobuf and raw bytes; a pickle or eval anywhere in the package would be a remote-code hole."""
+    import ast
+    from pathlib import Path
+
+    import tiercache
+
+    offenders = []
+    for path in Path(tiercache.__file__).parent.rglob("*.py"):
+        if "_proto" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                names = [node.func.id]
+            offenders += [f"{path.name}:{node.lineno} {n}" for n in names
+                          if n in ("pickle", "cPickle", "dill", "marshal", "eval", "exec", "shelve")]
+    assert offenders == []
