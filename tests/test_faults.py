@@ -253,3 +253,25 @@ def test_a_slow_reader_does_not_block_others(start_server):
             client.put(NS, b"small-%d" % i, b"x" * 1000)
             assert client.get(NS, b"small-%d" % i) == b"x" * 1000
         stalled.cancel()
+
+
+def test_a_disk_read_error_is_a_counted_miss(start_server, monkeypatch):
+    import builtins
+
+    import tiercache.tiers.disk as disk_module
+
+    server = start_server(host_bytes=0, disk_bytes=16 * MiB)
+    with Client.from_url(server.url) as client:
+        client.put(NS, b"k", b"on disk")
+
+        def failing_open(path, mode="r", *args, **kwargs):
+            if str(path).endswith(".chunk") and "r" in mode:
+                raise OSError(errno.EIO, "Input/output error")
+            return builtins.open(path, mode, *args, **kwargs)
+
+        monkeypatch.setattr(disk_module, "open", failing_open, raising=False)
+        assert client.get(NS, b"k") is None  # a miss, not INTERNAL
+        disk = next(t for t in client.stats()["tiers"] if t["name"] == "disk")
+        assert disk["errors"] == 1
+        monkeypatch.undo()
+        assert client.get(NS, b"k") == b"on disk"

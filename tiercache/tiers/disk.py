@@ -23,7 +23,7 @@ from typing import Sequence
 from tiercache import chunk
 from tiercache.codec import codec_id
 from tiercache.config import DiskTierConfig, state_budget
-from tiercache.errors import ChunkCorrupt, ConfigError, TierFull, TierWriteFailed
+from tiercache.errors import ChunkCorrupt, ConfigError, TierDown, TierFull, TierWriteFailed
 from tiercache.keys import ChunkKey
 from tiercache.lru import ChunkIndex
 from tiercache.tiers.base import Evicted, TierUsage, index_usage
@@ -109,6 +109,8 @@ class DiskTier:
                 n = f.readinto(record)
         except FileNotFoundError:  # evicted or replaced between the lookup and the open
             return None
+        except OSError as exc:  # EIO and the like: the store counts a miss and an error of the tier
+            raise TierDown(f"disk tier read failed: {exc.strerror or exc}") from None
         return record if n == entry.record_bytes else record[:n]  # short: decode reports it corrupt
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
