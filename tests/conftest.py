@@ -35,7 +35,7 @@ def make_config(tmp_path, *, host_bytes=64 * MiB, disk_bytes=128 * MiB, redis_ur
     return Config(
         server=ServerConfig(port=0, **server),
         host=HostTierConfig(capacity_bytes=host_bytes, shared_memory=shared_memory),
-        disk=DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=disk_bytes, **(disk_options or {})),
+        disk=DiskTierConfig(**{"path": str(tmp_path / "disk"), "capacity_bytes": disk_bytes, **(disk_options or {})}),
         redis=RedisTierConfig(url=redis_url, write_through=write_through, max_backoff_s=0.5, cluster=redis_cluster,
                               **(redis_options or {})),
         security=security,

@@ -275,3 +275,35 @@ def test_a_disk_read_error_is_a_counted_miss(start_server, monkeypatch):
         assert disk["errors"] == 1
         monkeypatch.undo()
         assert client.get(NS, b"k") == b"on disk"
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+    """A real 4 MiB tmpfs, so the disk tier meets a real ENOSPC (needs mount rights: root, as on our CI machines)."""
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_a_really_full_filesystem_under_a_larger_cap(start_server, tiny_filesystem):
+    # The disk tier's cap (64 MiB) is 16x what its filesystem can hold: other writers, or a wrong cap.
+    server = start_server(host_bytes=1 * MiB, disk_bytes=64 * MiB, disk_options=dict(path=str(tiny_filesystem)))
+    with Client.from_url(server.url) as client:
+        stored = {}
+        for i in range(40):  # 40 x 256 KiB = 10 MiB: overflows host (1 MiB) and the filesystem (4 MiB)
+            key = b"f%d" % i
+            try:
+                stored[key] = client.put(NS, key, _payload(key, 256 * KiB))
+            except CapacityExceeded as exc:
+                assert "No space left on device" in str(exc)
+        for key in stored:
+            data = client.get(NS, key)
+            assert data is None or data == _payload(key, 256 * KiB)
+        disk_stats = next(t for t in client.stats()["tiers"] if t["name"] == "disk")
+        assert disk_stats["errors"] > 0 and disk_stats["used_bytes"] <= 4 * MiB
+        assert client.get(NS, b"f39") == _payload(b"f39", 256 * KiB)  # the newest is in the host tier
