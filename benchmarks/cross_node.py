@@ -28,7 +28,7 @@ from tiercache.demo import qwen35_model  # noqa: E402
 from tiercache.process import RedisClusterProcess, RedisProcess, ServerProcess  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from hf_ttft import baseline_ms  # noqa: E402
+from hf_ttft import add_model_arguments, baseline_ms, describe_model  # noqa: E402
 
 STEPS = ("A cold", "A warm (same node)", "B first (from Redis)", "B again (B's host tier)")
 
@@ -64,10 +64,7 @@ def measure(model, redis_url: str, cluster: bool, prefixes: list[np.ndarray], su
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--prefix", type=int, default=2048)
-    parser.add_argument("--suffix", type=int, default=32)
+    add_model_arguments(parser)
     parser.add_argument("--prefixes", type=int, default=4, help="shared prefixes, each requested 4 times")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -88,8 +85,8 @@ def main() -> None:
         results.append(measure(model, cluster.url, True, prefixes, suffixes))
     finally:
         cluster.stop()
-    report = {"model": f"Qwen3.5 architecture, hidden {args.hidden}, {args.layers} layers, random weights, fp32, CPU",
-              "prompt_tokens": args.prefix + args.suffix, "baseline_ttft_ms": baseline, "results": results}
+    report = {"model": describe_model(args), "prompt_tokens": args.prefix + args.suffix, "baseline_ttft_ms": baseline,
+              "results": results}
     if args.json:
         print(json.dumps(report, indent=2))
         return

@@ -43,6 +43,18 @@ def baseline_ms(model, tokens: np.ndarray) -> float:
     return 1000 * (time.perf_counter() - started)
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and prompt shape options the transformers benchmarks share."""
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--prefix", type=int, default=2048)
+    parser.add_argument("--suffix", type=int, default=32)
+
+
+def describe_model(args: argparse.Namespace) -> str:
+    return f"Qwen3.5 architecture, hidden {args.hidden}, {args.layers} layers, random weights, fp32, CPU"
+
+
 def measure_tier(model, tier: str, prefix: np.ndarray, suffixes: list[np.ndarray], redis_url: str | None) -> dict:
     args = TIERS[tier] + ["--disk-dir", tempfile.mkdtemp(prefix="tiercache-ttft-")]
     if tier == "redis":
@@ -63,10 +75,7 @@ def measure_tier(model, tier: str, prefix: np.ndarray, suffixes: list[np.ndarray
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--prefix", type=int, default=2048)
-    parser.add_argument("--suffix", type=int, default=32)
+    add_model_arguments(parser)
     parser.add_argument("--warm", type=int, default=5, help="warm requests per tier")
     parser.add_argument("--tiers", default="host,disk,redis")
     parser.add_argument("--json", action="store_true")
@@ -84,8 +93,8 @@ def main() -> None:
     finally:
         if redis is not None:
             redis.stop()
-    report = {"model": f"Qwen3.5 architecture, hidden {args.hidden}, {args.layers} layers, random weights, fp32, CPU",
-              "prompt_tokens": args.prefix + args.suffix, "baseline_ttft_ms": baseline, "tiers": results}
+    report = {"model": describe_model(args), "prompt_tokens": args.prefix + args.suffix, "baseline_ttft_ms": baseline,
+              "tiers": results}
     if args.json:
         print(json.dumps(report, indent=2))
         return

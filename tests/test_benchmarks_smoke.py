@@ -33,3 +33,30 @@ def test_grpc_modes_and_kernels_scripts_run():
                                 text=True, env=python_env(), timeout=300)
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip()
+
+
+def _run_json(script: str, *args: str) -> dict:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args, "--json"], capture_output=True,
+                            text=True, env=python_env(), timeout=600)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_soak_short_run(tmp_path):
+    report = _run_json("soak.py", "--seconds", "8", "--baseline-seconds", "3", "--sample-s", "1", "--keys", "400",
+                       "--host-mem", "32MiB", "--disk-size", "64MiB", "--plot", str(tmp_path / "rss.png"))
+    assert report["ops"] > 0 and report["errors"] == 0 and report["wrong_bytes"] == 0
+    assert (tmp_path / "rss.png").stat().st_size > 5_000
+
+
+def test_restart_small():
+    report = _run_json("restart.py", "--chunks", "2000", "--chunk-bytes", "1024")
+    assert report["indexed"] == 2000 and report["server_start_to_serving_s"] > 0
+
+
+def test_cross_node_tiny():
+    report = _run_json("cross_node.py", "--hidden", "64", "--layers", "4", "--prefix", "300", "--suffix", "8",
+                       "--prefixes", "1")
+    for result in report["results"]:
+        b_first = result["steps"]["B first (from Redis)"]
+        assert b_first["hit_tokens"] > 0 and result["node_b_hit_tokens_from_redis"] >= b_first["hit_tokens"]
