@@ -82,3 +82,19 @@ def test_unsealed_record_is_trusted_only_in_memory_and_sealed_on_the_way_out():
     assert chunk.sealed(bytes(record), KEY) == record  # already sealed: unchanged
     readonly = bytes(head + payload)
     assert chunk.sealed(readonly, KEY) == chunk.encode(KEY, payload)  # read-only input: a sealed copy
+
+
+def test_every_single_bit_flip_of_a_record_is_detected():
+    """Header (magic, lengths, flags, the reserved byte, meta, checksum), key and payload: no flip decodes."""
+    key = ChunkKey("model@rev#fp", b"k" * 18)
+    record = chunk.encode(key, bytes(range(100)), chunk.ChunkMeta(chunk.CLASS_STATE, 544))
+    undetected = []
+    for bit in range(len(record) * 8):
+        flipped = bytearray(record)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        try:
+            chunk.decode(flipped, key)
+        except ChunkCorrupt:
+            continue
+        undetected.append((bit // 8, bit % 8))
+    assert undetected == []

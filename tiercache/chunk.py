@@ -37,6 +37,7 @@ CLASS_STATE = 1  # recurrent-state checkpoints: own budget, evicted by value
 
 _FIXED = struct.Struct("<4sBBHBBBxQQQ")
 UNSEALED = 0x01
+_RESERVED_OFFSET = 11  # the pad byte after flags
 FIXED_HEADER_BYTES = _FIXED.size
 # What the checksum covers from the fixed header: everything but the magic and the checksum itself.
 _SUMMED = struct.Struct("<BBHBBQQ")
@@ -137,9 +138,14 @@ def read_header(record) -> RecordHeader:
     view = memoryview(record)
     if len(view) < FIXED_HEADER_BYTES:
         raise ChunkCorrupt(f"record of {len(view)} bytes is shorter than a header")
-    magic, version, codec, ns_len, key_len, object_class, _, payload_len, prefix_tokens, _ = _FIXED.unpack_from(view, 0)
+    magic, version, codec, ns_len, key_len, object_class, flags, payload_len, prefix_tokens, _ = \
+        _FIXED.unpack_from(view, 0)
     if magic != MAGIC:
         raise ChunkCorrupt("bad magic")
+    # The flags byte stays outside the checksum (sealing clears UNSEALED in place), so it and the reserved byte after
+    # it are checked here: a flipped bit in them is caught like any other.
+    if flags & ~UNSEALED or view[_RESERVED_OFFSET]:
+        raise ChunkCorrupt(f"unknown header flags {flags:#x} / reserved byte {view[_RESERVED_OFFSET]:#x}")
     if version != FORMAT_VERSION:
         raise ChunkCorrupt(f"unknown record format version {version}")
     start = FIXED_HEADER_BYTES + ns_len + key_len
