@@ -147,7 +147,7 @@ def test_full_disk_fails_the_disk_write_and_keeps_serving(start_server, monkeypa
             key = b"k%d" % i
             stored[key] = client.put(NS, key, _payload(key, 64 * KiB))
         assert set(stored.values()) == {"host"}
-        for key, where in stored.items():
+        for key in stored:
             data = client.get(NS, key)
             assert data is None or data == _payload(key, 64 * KiB)
         disk_stats = next(t for t in client.stats()["tiers"] if t["name"] == "disk")
