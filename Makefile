@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: install proto serve lint test test-slow test-all bench clean
+.PHONY: install install-vllm proto serve lint test test-slow test-vllm test-all bench clean
 
 install:
 	scripts/install.sh
@@ -22,10 +22,17 @@ test: install lint
 test-slow: install
 	$(PYTEST) -q -m "slow and not gpu"
 
-test-all: test test-slow
+# The vLLM connector against vLLM's real scheduler, in its own venv (vLLM pins an older transformers than the hf extra).
+install-vllm: install
+	scripts/install_vllm.sh
+
+test-vllm: install-vllm
+	VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm
+
+test-all: test test-slow test-vllm
 
 bench: install
 	$(PY) benchmarks/put_get.py
 
 clean:
-	rm -rf $(VENV) tiercache/_proto/*_pb2*.py .pytest_cache
+	rm -rf $(VENV) .venv-vllm tiercache/_proto/*_pb2*.py .pytest_cache

@@ -100,18 +100,23 @@ class PrefixCache:
         return hashes, plan_finish_admission(self.spec, hashes, prompt_tokens, present)
 
     def save(self, payloads: Mapping[ObjectRef, object]) -> SaveResult:
-        """Put the objects' bytes in one stream; states carry their prefix length as their value."""
-        refs: Sequence[ObjectRef] = sorted(payloads)
-        chunks = [Chunk(ref.key, payloads[ref], _meta(ref)) for ref in refs]
-        try:
-            tiers = self.client.put_many(self.namespace, chunks)
-        except (Unavailable, CapacityExceeded) as exc:
-            log.warning("tiercache save of %d objects skipped: %s", len(chunks), exc)
-            return SaveResult(0, {})
-        by_tier: dict[str, int] = {}
-        for ref, tier in zip(refs, tiers):
-            by_tier[tier] = by_tier.get(tier, 0) + len(memoryview(payloads[ref]).cast("B"))
-        return SaveResult(len(refs), by_tier)
+        return save_objects(self.client, self.namespace, payloads)
+
+
+def save_objects(client: Client, namespace: str, payloads: Mapping[ObjectRef, object]) -> SaveResult:
+    """Put the objects' bytes in one stream; states carry their prefix length as their value. Skipped, with a
+    warning, when the server is unreachable or refuses the bytes for capacity (a cache must not fail a request)."""
+    refs: Sequence[ObjectRef] = sorted(payloads)
+    chunks = [Chunk(ref.key, payloads[ref], _meta(ref)) for ref in refs]
+    try:
+        tiers = client.put_many(namespace, chunks)
+    except (Unavailable, CapacityExceeded) as exc:
+        log.warning("tiercache save of %d objects skipped: %s", len(chunks), exc)
+        return SaveResult(0, {})
+    by_tier: dict[str, int] = {}
+    for ref, tier in zip(refs, tiers):
+        by_tier[tier] = by_tier.get(tier, 0) + len(memoryview(payloads[ref]).cast("B"))
+    return SaveResult(len(refs), by_tier)
 
 
 def _meta(ref: ObjectRef) -> ChunkMeta:

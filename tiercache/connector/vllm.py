@@ -1,0 +1,196 @@
+"""tiercache as a vLLM KV connector (vLLM 0.33, V1 engine, hybrid memory allocator):
+
+    vllm serve Qwen/Qwen3.5-0.8B --enable-prefix-caching --mamba-cache-mode align \\
+        --kv-transfer-config '{"kv_connector": "TierCacheConnector",
+                               "kv_connector_module_path": "tiercache.connector.vllm",
+                               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                               "kv_connector_extra_config": {"url": "grpc://127.0.0.1:50051"}}'
+
+`kv_connector_extra_config` keys (all optional): `url` (default $TIERCACHE_URL, else grpc://127.0.0.1:50051),
+`token`, `tls_ca_file`, `model_name` (default: the served model), `revision`, `match_unit` (u, default 16 when it
+divides the block size, else the block size), `salt`, `timeout_s`, `max_pending_save_bytes`. The rules (what is
+loaded, what is saved, when) are in tiercache.connector.vllm_plan; the copies in tiercache.connector.vllm_transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                                KVConnectorRole, KVConnectorTransferResults,
+                                                                SupportsHMA)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tiercache.client import Client
+from tiercache.connector.prefix_cache import PrefixCache
+from tiercache.connector.vllm_layout import engine_groups, model_layout, paged_views
+from tiercache.connector.vllm_plan import Planner, StepPlan
+from tiercache.connector.vllm_transfer import Transfers
+from tiercache.errors import InvalidArgument
+from tiercache.hybrid import CacheSpec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_URL = "grpc://127.0.0.1:50051"
+
+
+@dataclass(frozen=True)
+class Settings:
+    url: str = ""
+    token: str | None = None
+    tls_ca_file: str | None = None
+    model_name: str | None = None
+    revision: str | None = None
+    match_unit: int | None = None
+    salt: str = ""
+    timeout_s: float = 30.0
+    max_pending_save_bytes: int = 1 << 30
+
+    @classmethod
+    def from_extra_config(cls, extra: dict | None) -> "Settings":
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise InvalidArgument(f"unknown kv_connector_extra_config keys for TierCacheConnector: {unknown} "
+                                  f"(known: {sorted(known)})")
+        settings = cls(**extra)
+        if not settings.url:
+            settings = cls(**{**extra, "url": os.environ.get("TIERCACHE_URL", DEFAULT_URL)})
+        return settings
+
+
+class TierCacheMetadata(KVConnectorMetadata):
+    """One step's loads and saves, from the scheduler to the workers."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class TierCacheStats(KVConnectorStats):
+    """Counters since the last report (lookups and planned saves from the scheduler, transfers from workers)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "TierCacheStats":
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
+    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is None:
+            raise InvalidArgument("TierCacheConnector needs vLLM's KVCacheConfig (vLLM 0.33 or newer)")
+        settings = Settings.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        self.settings = settings
+        self.groups = engine_groups(kv_cache_config)
+        parallel = vllm_config.parallel_config
+        model = vllm_config.model_config
+        self.layout = model_layout(self.groups, kv_cache_config, settings.model_name or model.served_model_name
+                                   or model.model, settings.revision or model.revision or "main",
+                                   tp_rank=getattr(parallel, "rank", 0) % parallel.tensor_parallel_size,
+                                   tp_size=parallel.tensor_parallel_size)
+        block = self.groups.block_size
+        unit = settings.match_unit or (16 if block % 16 == 0 else block)
+        self.spec = CacheSpec(self.layout, block, unit, salt=settings.salt)
+        self.client = Client.from_url(settings.url, token=settings.token, tls_ca_file=settings.tls_ca_file,
+                                      timeout_s=settings.timeout_s)
+        self._planner: Planner | None = None
+        self._transfers: Transfers | None = None
+        self._reported: dict[str, int] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            self._planner = Planner(PrefixCache(self.client, self.spec), self.groups)
+        else:
+            self._transfers = Transfers(self.client, self.groups, settings.max_pending_save_bytes)
+        log.info("TierCacheConnector (%s) on %s: namespace %s, N=%d, u=%d", role.name, settings.url,
+                 self.spec.namespace, block, unit)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a later miss, never a wrong answer
+
+    # -- scheduler side ------------------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._planner.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._planner.allocated(request, blocks.get_block_ids(), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return TierCacheMetadata(self._planner.plan_step(scheduler_output))
+
+    def update_connector_output(self, connector_output) -> None:
+        for req_id in connector_output.failed_recving or ():
+            self._planner.load_failed(req_id)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._planner.finished(request, block_ids), None
+
+    # -- worker side ---------------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        self._transfers.register(paged_views(self.groups, self._kv_cache_config, kv_caches))
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self._transfers.start_loads(self._get_connector_metadata().plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: loads are asynchronous and finish before vLLM schedules the request."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        """Nothing per layer: wait_for_save gathers every layer of a chunk in one kernel launch."""
+
+    def wait_for_save(self) -> None:
+        if self.has_connector_metadata():
+            self._transfers.save(self._get_connector_metadata().plan.saves)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        loaded, failed, saved = self._transfers.results()
+        return KVConnectorTransferResults(finished_sending=saved, finished_recving=loaded, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Always empty: a failed load is reported for its whole request (failed_recving), which vLLM 0.33 requires
+        for hybrid layouts (block ids are per group there) and treats alike for one group: recompute the request."""
+        return set()
+
+    def get_kv_connector_stats(self) -> TierCacheStats | None:
+        """What changed since the last report (the counters themselves stay cumulative, for logs and tests)."""
+        source = self._planner.stats if self._planner is not None else self._transfers.stats
+        totals = asdict(source)
+        changed = {name: value - self._reported.get(name, 0) for name, value in totals.items()}
+        self._reported = totals
+        stats = TierCacheStats(data=changed)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierCacheStats:
+        return TierCacheStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self._transfers is not None:
+            self._transfers.shutdown()
+        self.client.close()

@@ -1,0 +1,157 @@
+"""How vLLM's paged KV cache maps onto tiercache objects (the vLLM connector's geometry; no I/O).
+
+vLLM (0.33) groups layers into KV cache groups, each with its own block table: full-attention groups and, for hybrid
+models, Mamba groups (Gated DeltaNet, Mamba2) in "align" mode. All groups share one block size B, which is our chunk
+size N: one `kv` object is one attention block of one group, for all its layers. All Mamba groups together make our
+one recurrent group, so one `state` object holds every recurrent layer (group by group, layer by layer).
+
+Per-layer tensors (`register_kv_caches`) are views of one backing buffer:
+- attention: [blocks, kv_heads, B, head_size + head_size_v] in the KV dtype, keys then values in the last dimension;
+  we view it as [2, blocks, B, kv_heads, head_size] (a strided view, no copy) for `tiercache.kernels.gather_kv`;
+- Mamba: [blocks, 1, 1, state bytes] int8; slot b holds the layer's state tensors (conv, then SSM) back to back.
+In align mode the state after p tokens lives in the Mamba block at index (p-1) // B of the request's block table.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from tiercache.errors import InvalidArgument
+from tiercache.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class EngineGroups:
+    """vLLM's KV cache groups, in the order tiercache's layout uses them."""
+
+    block_size: int
+    attention: tuple[int, ...]  # vLLM group ids of full-attention groups; our layout group i is attention[i]
+    mamba: tuple[int, ...]  # vLLM group ids of Mamba groups, merged into our recurrent group (last in the layout)
+    layer_names: tuple[tuple[str, ...], ...]  # per vLLM group id
+
+    @property
+    def recurrent_group(self) -> int | None:
+        """Our layout's index of the recurrent group."""
+        return len(self.attention) if self.mamba else None
+
+    def state_block(self, block_ids: tuple[list[int], ...], tokens: int) -> tuple[int, ...]:
+        """The block of each Mamba group that holds the state after `tokens` tokens (align mode)."""
+        index = (tokens - 1) // self.block_size
+        return tuple(block_ids[g][index] for g in self.mamba)
+
+    def blocks_of(self, block_ids: tuple[list[int], ...], layout_group: int, start: int, end: int) -> tuple[int, ...]:
+        """The blocks of one attention group holding tokens [start, end) (start block-aligned)."""
+        table = block_ids[self.attention[layout_group]]
+        return tuple(table[start // self.block_size:(end - 1) // self.block_size + 1])
+
+
+def engine_groups(kv_cache_config) -> EngineGroups:
+    """Read vLLM's KVCacheConfig; refuse what the connector cannot restore exactly (a clear error at startup)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    attention, mamba, sizes = [], [], set()
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            if spec.mamba_cache_mode != "align":
+                raise InvalidArgument(f"TierCacheConnector needs Mamba cache mode 'align' (--mamba-cache-mode align), "
+                                      f"got {spec.mamba_cache_mode!r}: other modes keep no state per block")
+            if spec.num_speculative_blocks:
+                raise InvalidArgument("TierCacheConnector does not support speculative decoding on Mamba groups yet")
+            mamba.append(index)
+        elif type(spec) is FullAttentionSpec:
+            if spec.head_size_v != spec.head_size or spec.num_head_slots is not None \
+                    or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
+                raise InvalidArgument(f"TierCacheConnector supports plain K/V attention pages, not {spec}")
+            attention.append(index)
+        else:
+            raise InvalidArgument(f"TierCacheConnector supports full-attention and Mamba groups, not "
+                                  f"{type(spec).__name__}")
+        sizes.add(spec.block_size)
+    if len(sizes) != 1 or not attention:
+        raise InvalidArgument(f"TierCacheConnector needs attention and one block size for all groups, got "
+                              f"{sorted(sizes)}")
+    names = tuple(tuple(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+    return EngineGroups(sizes.pop(), tuple(attention), tuple(mamba), names)
+
+
+def model_layout(groups: EngineGroups, kv_cache_config, model: str, revision: str, tp_rank: int = 0,
+                 tp_size: int = 1) -> ModelLayout:
+    """tiercache's layout of this engine rank: what the namespace fingerprint covers."""
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    layer_groups = []
+    for vllm_group in groups.attention:
+        spec = specs[vllm_group]
+        layer_groups.append(LayerGroup(GroupKind.FULL_ATTENTION, _layer_indices(groups.layer_names[vllm_group]),
+                                       kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
+                                       kv_dtype=dtype_name(spec.dtype)))
+    if groups.mamba:
+        spec = specs[groups.mamba[0]]
+        if any(specs[g].shapes != spec.shapes or specs[g].dtypes != spec.dtypes for g in groups.mamba):
+            raise InvalidArgument("all Mamba groups must share state shapes and dtypes")
+        layers = tuple(i for g in groups.mamba for i in _layer_indices(groups.layer_names[g]))
+        tensors = tuple(StateTensor(f"vllm{i}", tuple(shape), dtype_name(dtype))
+                        for i, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes)))
+        layer_groups.append(LayerGroup(GroupKind.RECURRENT, layers, state=tensors))
+    # The engine's name is part of the model name: vLLM's state layout is not transformers' (same model, other bytes).
+    return ModelLayout(f"vllm:{model}", tuple(layer_groups), revision=revision, tp_rank=tp_rank, tp_size=tp_size)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _layer_indices(names) -> tuple[int, ...]:
+    indices = []
+    for name in names:
+        match = _LAYER_INDEX.search(name)
+        if match is None:
+            raise InvalidArgument(f"cannot tell the layer index of {name!r}")
+        indices.append(int(match.group(1)))
+    return tuple(indices)
+
+
+# -- worker-side views ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PagedViews:
+    """The registered caches, shaped for tiercache.kernels."""
+
+    attention: tuple[tuple[torch.Tensor, ...], ...]  # per layout attention group: [2, blocks, B, heads, head_dim] views
+    states: tuple[tuple[torch.Tensor, ...], ...]  # per Mamba group: per layer [blocks, state bytes] uint8 pools
+
+    @property
+    def device(self) -> torch.device:
+        return self.attention[0][0].device
+
+
+def paged_views(groups: EngineGroups, kv_cache_config, kv_caches: dict) -> PagedViews:
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    attention = tuple(tuple(_kv_view(kv_caches[name], specs[g]) for name in groups.layer_names[g])
+                      for g in groups.attention)
+    states = tuple(tuple(_state_pool(kv_caches[name], specs[g]) for name in groups.layer_names[g])
+                   for g in groups.mamba)
+    return PagedViews(attention, states)
+
+
+def _kv_view(layer: torch.Tensor, spec) -> torch.Tensor:
+    if layer.dim() != 4 or layer.shape[1] != spec.num_kv_heads or layer.shape[2] != spec.block_size \
+            or layer.shape[3] != 2 * spec.head_size or layer.dtype != spec.dtype or layer.stride(3) != 1:
+        raise InvalidArgument(f"attention cache {tuple(layer.shape)} {layer.dtype} is not [blocks, "
+                              f"{spec.num_kv_heads}, {spec.block_size}, {2 * spec.head_size}] {spec.dtype}")
+    blocks, heads, block_size, _ = layer.shape
+    s_block, s_head, s_token, _ = layer.stride()
+    return layer.as_strided((2, blocks, block_size, heads, spec.head_size),
+                            (spec.head_size, s_block, s_token, s_head, 1), layer.storage_offset())
+
+
+def _state_pool(layer: torch.Tensor, spec) -> torch.Tensor:
+    size = spec.state_content_size_bytes
+    if layer.dim() != 4 or layer.shape[1:3] != (1, 1) or layer.shape[3] != size or layer.element_size() != 1:
+        raise InvalidArgument(f"Mamba cache {tuple(layer.shape)} is not [blocks, 1, 1, {size}] bytes")
+    return layer[:, 0, 0, :].view(torch.uint8)

@@ -1,0 +1,250 @@
+"""The scheduler half of the vLLM connector: which objects to load into which blocks, and which to save from where.
+
+vLLM calls it from its scheduler process; everything it decides travels to the workers in `StepPlan` (plain
+picklable data). The rules:
+- a hit is tiercache's hybrid hit (tiercache.hybrid): KV chunks, a tail when it ends between blocks, and the
+  recurrent state at exactly that position. vLLM copies a request's Mamba state out of block (p-1)//B before the
+  connector's per-step hooks run, so every load is asynchronous: the request waits (WAITING_FOR_REMOTE_KVS) until the
+  worker reports it, and a failed load is reported as failed (vLLM then recomputes, with
+  kv_load_failure_policy=recompute). Blocks vLLM already holds (its own prefix cache) are never written;
+- saves follow the computation: a `kv` object as soon as its block is computed, a `state` (and the `tail` beside it
+  when it is not block-aligned) when vLLM hands over an align-mode boundary state, and tail + state where a request
+  ends (the next chat turn's prefix) — vLLM keeps those blocks until the worker has copied them.
+Keys are tiercache's own chain hashes of the token ids (deterministic across processes and engines; vLLM's block
+hashes are seeded per process unless PYTHONHASHSEED is set). A request's LoRA adapter and cache_salt become part of
+its namespace; requests with multimodal inputs are neither looked up nor saved (token ids alone do not name their KV).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tiercache.connector.prefix_cache import Lookup, PrefixCache
+from tiercache.connector.vllm_layout import EngineGroups
+from tiercache.hybrid import ObjectKind, ObjectRef, object_ref
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One object and where its bytes live in the paged cache."""
+
+    ref: ObjectRef
+    blocks: tuple[int, ...]  # kv/tail: the attention group's blocks from ref.start on; state: one per Mamba group
+    first: int  # first token to copy (a load skips tokens vLLM already holds); states: ref.position
+
+
+@dataclass(frozen=True)
+class Job:
+    req_id: str
+    namespace: str
+    transfers: tuple[Transfer, ...]
+    finish: bool = False  # a save at a request's end: vLLM frees the blocks once the worker reports it
+
+
+@dataclass
+class StepPlan:
+    """What the workers do this step (vLLM's KVConnectorMetadata)."""
+
+    loads: list[Job] = field(default_factory=list)
+    saves: list[Job] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    request: object  # vllm.v1.request.Request (same process)
+    cache: PrefixCache
+    lookup: Lookup | None = None
+    saved: set = field(default_factory=set)  # keys known to be in tiercache (found or written)
+    load_failed: bool = False  # then the request is recomputed, never offered the same hit again
+
+
+@dataclass
+class SchedulerStats:
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    loads: int = 0
+    saves_planned: int = 0
+
+
+class Planner:
+    def __init__(self, cache: PrefixCache, groups: EngineGroups) -> None:
+        self.cache = cache
+        self.groups = groups
+        self.stats = SchedulerStats()
+        self._caches: dict[str, PrefixCache] = {"": cache}  # by the request's own salt (LoRA, cache_salt)
+        self._requests: dict[str, _Tracked] = {}
+        self._loads: list[Job] = []
+        self._finishes: list[Job] = []
+
+    # -- loads ---------------------------------------------------------------------------------------------------
+
+    def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        tracked = self._track(request)
+        if tracked is None or tracked.load_failed:
+            return 0, False
+        tokens = _tokens(request)
+        if tracked.lookup is None or tracked.lookup.hashes.length != len(tokens):
+            tracked.lookup = tracked.cache.lookup(tokens)
+            tracked.saved |= set(tracked.lookup.present)
+            self.stats.lookups += 1
+            self.stats.lookup_tokens += len(tokens)
+        hit = tracked.lookup.hit.tokens
+        if hit <= num_computed_tokens:
+            return 0, False
+        return hit - num_computed_tokens, True
+
+    def allocated(self, request, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        tracked = self._requests[request.request_id]
+        hit = tracked.lookup.hit
+        first = hit.tokens - num_external_tokens  # vLLM holds [0, first) already
+        transfers = [self._transfer(o.ref, block_ids, max(first, o.ref.start)) for o in hit.objects
+                     if o.ref.kind is ObjectKind.STATE or o.ref.position > first]
+        self._loads.append(Job(request.request_id, tracked.cache.namespace, tuple(transfers)))
+        self.stats.loads += 1
+        self.stats.hit_tokens += num_external_tokens
+
+    def load_failed(self, req_id: str) -> None:
+        tracked = self._requests.get(req_id)
+        if tracked is not None:
+            tracked.load_failed = True
+            tracked.lookup = None
+
+    # -- saves ---------------------------------------------------------------------------------------------------
+
+    def plan_step(self, scheduler_output) -> StepPlan:
+        plan = StepPlan(loads=self._loads, saves=self._finishes)
+        self._loads, self._finishes = [], []
+        block_state = scheduler_output.kv_connector_block_state
+        gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+        offloads = block_state.boundary_state_offloads if block_state is not None else {}
+        for req_id in set(scheduler_output.num_scheduled_tokens) | set(offloads):
+            tracked = self._requests.get(req_id)
+            if tracked is None or req_id in gone or block_state is None:
+                continue
+            block_ids = block_state.get_block_ids(req_id)
+            if block_ids is None:
+                continue
+            request = tracked.request
+            start = request.num_computed_tokens  # the plan is built before vLLM advances it
+            end = min(start + scheduler_output.num_scheduled_tokens.get(req_id, 0), len(request.all_token_ids))
+            refs = self._computed_chunks(tracked, start, end)
+            transfers = [self._transfer(r, block_ids, r.start) for r in refs]
+            transfers += self._boundary_states(tracked, block_ids, offloads.get(req_id, ()))
+            if transfers:
+                plan.saves.append(Job(req_id, tracked.cache.namespace, tuple(transfers)))
+                self.stats.saves_planned += len(transfers)
+        for req_id in set(scheduler_output.preempted_req_ids or ()) & set(self._requests):
+            self._requests[req_id].lookup = None  # it starts over; its next lookup sees what it saved
+        return plan
+
+    def finished(self, request, block_ids: tuple[list[int], ...]) -> bool:
+        """Plan the save of a request's end; True when vLLM must keep its blocks until the worker copied them."""
+        tracked = self._requests.pop(request.request_id, None)
+        end = request.num_computed_tokens
+        if tracked is None or end <= 0 or getattr(request, "num_in_flight_tokens", 0):
+            return False
+        refs = self._computed_chunks(tracked, 0, end)
+        hashes = tracked.cache.spec.hashes(_tokens(request)[:end])
+        spec = tracked.cache.spec
+        if end % spec.chunk_tokens:
+            refs += [object_ref(spec, hashes, ObjectKind.TAIL, end, g) for g in range(len(self.groups.attention))]
+        if self.groups.mamba:
+            refs.append(object_ref(spec, hashes, ObjectKind.STATE, end, self.groups.recurrent_group))
+        refs = [r for r in refs if r.key not in tracked.saved]
+        if not refs:
+            return False
+        transfers = [self._transfer(r, block_ids, r.start) for r in refs]
+        self._finishes.append(Job(request.request_id, tracked.cache.namespace, tuple(transfers), finish=True))
+        self.stats.saves_planned += len(transfers)
+        return True
+
+    def _computed_chunks(self, tracked: _Tracked, start: int, end: int) -> list[ObjectRef]:
+        """kv objects of every block that [start, end) completes, not yet in tiercache."""
+        spec = tracked.cache.spec
+        n = spec.chunk_tokens
+        positions = range((start // n + 1) * n, end + 1, n)
+        if not positions:
+            return []
+        hashes = spec.hashes(_tokens(tracked.request)[:positions[-1]])
+        refs = [object_ref(spec, hashes, ObjectKind.KV, p, g) for p in positions
+                for g in range(len(self.groups.attention))]
+        wanted = [r for r in refs if r.key not in tracked.saved]
+        tracked.saved.update(r.key for r in wanted)
+        return wanted
+
+    def _boundary_states(self, tracked: _Tracked, block_ids, offered) -> list[Transfer]:
+        """State (and tail) objects for the align-mode boundary states vLLM committed this step."""
+        if not self.groups.mamba:
+            return []
+        by_position: dict[int, dict[int, int]] = {}
+        for group_id, block_id, tokens in offered:
+            by_position.setdefault(tokens, {})[group_id] = block_id
+        spec = tracked.cache.spec
+        transfers = []
+        for position, blocks in sorted(by_position.items()):
+            if set(blocks) != set(self.groups.mamba) or position > len(tracked.request.all_token_ids):
+                continue  # a state of some Mamba groups only cannot be restored
+            hashes = spec.hashes(_tokens(tracked.request)[:position])
+            state = object_ref(spec, hashes, ObjectKind.STATE, position, self.groups.recurrent_group)
+            if state.key in tracked.saved:
+                continue
+            tracked.saved.add(state.key)
+            transfers.append(Transfer(state, tuple(blocks[g] for g in self.groups.mamba), position))
+            if position % spec.chunk_tokens:
+                for g in range(len(self.groups.attention)):
+                    tail = object_ref(spec, hashes, ObjectKind.TAIL, position, g)
+                    if tail.key not in tracked.saved:
+                        tracked.saved.add(tail.key)
+                        transfers.append(self._transfer(tail, block_ids, tail.start))
+        return transfers
+
+    def _transfer(self, ref: ObjectRef, block_ids, first: int) -> Transfer:
+        if ref.kind is ObjectKind.STATE:
+            return Transfer(ref, self.groups.state_block(block_ids, ref.position), ref.position)
+        return Transfer(ref, self.groups.blocks_of(block_ids, ref.group, ref.start, ref.position), first)
+
+    # -- requests ------------------------------------------------------------------------------------------------
+
+    def _track(self, request) -> _Tracked | None:
+        tracked = self._requests.get(request.request_id)
+        if tracked is not None:
+            return tracked
+        if getattr(request, "mm_features", None):
+            return None  # token ids alone do not name multimodal KV
+        salt = _request_salt(request)
+        cache = self._caches.get(salt)
+        if cache is None:
+            spec = dataclasses.replace(self.cache.spec, salt=_joined_salt(self.cache.spec.salt, salt))
+            cache = self._caches[salt] = PrefixCache(self.cache.client, spec)
+        tracked = self._requests[request.request_id] = _Tracked(request, cache)
+        return tracked
+
+    def forget(self, req_id: str) -> None:
+        self._requests.pop(req_id, None)
+
+
+def _tokens(request) -> np.ndarray:
+    return np.asarray(request.all_token_ids, dtype=np.int64)
+
+
+def _request_salt(request) -> str:
+    parts = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora:{lora.lora_name}")
+    if getattr(request, "cache_salt", None):
+        parts.append(f"salt:{request.cache_salt}")
+    return "|".join(parts)
+
+
+def _joined_salt(base: str, extra: str) -> str:
+    return f"{base}|{extra}" if base and extra else base or extra

@@ -1,0 +1,243 @@
+"""The worker half of the vLLM connector: bytes between vLLM's paged cache and tiercache, with tiercache.kernels.
+
+Loads run on a background thread (fetch, check sizes, scatter into the request's blocks) and are reported when done;
+any missing, corrupt (the server never returns a chunk that fails its checksum) or mis-sized object fails the whole
+load, and vLLM recomputes the request: a partial load is never reported as a hit. Saves are gathered when the step's
+forward pass is over (`wait_for_save`: the blocks still hold what the plan names) into host memory, and put on a
+second background thread, so the engine waits for copies, not for the network. Saves beyond `max_pending_save_bytes`
+are dropped with a warning: a cache may forget, an engine must not stall.
+
+On CUDA tensors the copies are the CUDA kernels, staged through pinned host memory, loads on their own stream; on
+CPU tensors they are the kernels' torch reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tiercache import kernels
+from tiercache.client import Client
+from tiercache.connector.prefix_cache import save_objects
+from tiercache.connector.vllm_layout import EngineGroups, PagedViews
+from tiercache.connector.vllm_plan import Job, Transfer
+from tiercache.errors import TierCacheError
+from tiercache.hybrid import ObjectKind
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerStats:
+    loads_done: int = 0
+    loads_failed: int = 0
+    bytes_loaded: int = 0
+    bytes_saved: int = 0
+    objects_saved: int = 0
+    saves_dropped: int = 0
+
+
+class Transfers:
+    def __init__(self, client: Client, groups: EngineGroups, max_pending_save_bytes: int = 1 << 30) -> None:
+        self.client = client
+        self.groups = groups
+        self.max_pending_save_bytes = max_pending_save_bytes
+        self.stats = WorkerStats()
+        self.views: PagedViews | None = None
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="tiercache-load")
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="tiercache-save")
+        self._lock = threading.Lock()
+        self._loaded: set[str] = set()
+        self._failed: set[str] = set()
+        self._saved_finished: set[str] = set()
+        self._pending_save_bytes = 0
+        self._load_stream = None
+
+    def register(self, views: PagedViews) -> None:
+        self.views = views
+        if views.device.type == "cuda":
+            self._load_stream = torch.cuda.Stream(views.device)
+
+    # -- loads ---------------------------------------------------------------------------------------------------
+
+    def start_loads(self, jobs: list[Job]) -> None:
+        ready = None
+        if self._load_stream is not None and jobs:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.views.device))  # after this step's block zeroing
+        for job in jobs:
+            self._loader.submit(self._load, job, ready)
+
+    def _load(self, job: Job, ready) -> None:
+        ok = False
+        try:
+            ok = self._fetch_and_scatter(job, ready)
+        except Exception:  # a load must end reported, whatever went wrong; vLLM then recomputes
+            log.exception("tiercache load for request %s failed", job.req_id)
+        with self._lock:
+            (self._loaded if ok else self._failed).add(job.req_id)
+            if ok:
+                self.stats.loads_done += 1
+            else:
+                self.stats.loads_failed += 1
+
+    def _fetch_and_scatter(self, job: Job, ready) -> bool:
+        try:
+            fetched = self.client.fetch_many(job.namespace, [t.ref.key for t in job.transfers])
+        except TierCacheError as exc:
+            log.warning("tiercache load for request %s failed, recomputing: %s", job.req_id, exc)
+            return False
+        for transfer, item in zip(job.transfers, fetched):
+            if item is None or len(item.data) != self.object_bytes(transfer):
+                log.warning("tiercache load for request %s: object at %d (%s) is %s; recomputing", job.req_id,
+                            transfer.ref.position, transfer.ref.kind.name,
+                            "gone" if item is None else f"{len(item.data)} bytes, not {self.object_bytes(transfer)}")
+                return False
+        stream = self._load_stream
+        if stream is not None:
+            stream.wait_event(ready)
+        with torch.cuda.stream(stream) if stream is not None else _nothing():
+            for transfer, item in zip(job.transfers, fetched):
+                self._scatter(transfer, item.data)
+            if stream is not None:
+                stream.synchronize()
+        with self._lock:
+            self.stats.bytes_loaded += sum(len(item.data) for item in fetched)
+        return True
+
+    def _scatter(self, transfer: Transfer, data: bytes) -> None:
+        payload = self._staged(_readonly_bytes(data))
+        if transfer.ref.kind is ObjectKind.STATE:
+            for pools, block, buffer in zip(self.views.states, transfer.blocks, self._state_parts(payload)):
+                kernels.states_from_buffer(pools, self._slots([block]), buffer)
+            return
+        layers = self.views.attention[transfer.ref.group]
+        chunk = self._chunk_view(payload, layers, transfer.ref.tokens)
+        slots, offset = self._token_slots(transfer)
+        kernels.scatter_kv(layers, slots, chunk, offset)
+
+    # -- saves ---------------------------------------------------------------------------------------------------
+
+    def save(self, jobs: list[Job]) -> None:
+        """Gather every job's objects now (the blocks hold them until this step ends), put them in the background."""
+        for job in jobs:
+            payloads = {t.ref: self._gather(t) for t in job.transfers}
+            if self.views.device.type == "cuda":
+                torch.cuda.current_stream(self.views.device).synchronize()
+            if job.finish:
+                with self._lock:
+                    self._saved_finished.add(job.req_id)  # vLLM may free the blocks now: the bytes are ours
+            size = sum(len(p) for p in payloads.values())
+            with self._lock:
+                if self._pending_save_bytes + size > self.max_pending_save_bytes:
+                    self.stats.saves_dropped += len(payloads)
+                    log.warning("tiercache: %d bytes of saves pending, dropping %d objects of request %s",
+                                self._pending_save_bytes, len(payloads), job.req_id)
+                    continue
+                self._pending_save_bytes += size
+            self._saver.submit(self._put, job.namespace, payloads, size)
+
+    def _put(self, namespace: str, payloads: dict, size: int) -> None:
+        try:
+            result = save_objects(self.client, namespace, {ref: memoryview(p) for ref, p in payloads.items()})
+        except Exception:  # a save must never take the engine down
+            log.exception("tiercache save of %d objects failed", len(payloads))
+            result = None
+        with self._lock:
+            self._pending_save_bytes -= size
+            if result is not None:
+                self.stats.objects_saved += result.objects
+                self.stats.bytes_saved += sum(result.bytes_by_tier.values())
+
+    def _gather(self, transfer: Transfer) -> np.ndarray:
+        payload = self._host_buffer(self.object_bytes(transfer))
+        if transfer.ref.kind is ObjectKind.STATE:
+            for pools, block, buffer in zip(self.views.states, transfer.blocks, self._state_parts(payload)):
+                kernels.states_to_buffer(pools, self._slots([block]), buffer)
+        else:
+            layers = self.views.attention[transfer.ref.group]
+            chunk = self._chunk_view(payload, layers, transfer.ref.tokens)
+            slots, offset = self._token_slots(transfer)
+            kernels.gather_kv(layers, slots, chunk, offset)
+        return payload.numpy()
+
+    # -- results -------------------------------------------------------------------------------------------------
+
+    def results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished loads, failed loads, finished end-of-request saves) since the last call."""
+        with self._lock:
+            loaded, failed, saved = self._loaded, self._failed, self._saved_finished
+            self._loaded, self._failed, self._saved_finished = set(), set(), set()
+        return loaded | failed, failed, saved
+
+    def drain(self) -> None:
+        """Wait for every started load and put (shutdown, tests)."""
+        self._loader.submit(lambda: None).result()
+        self._saver.submit(lambda: None).result()
+
+    def shutdown(self) -> None:
+        self._loader.shutdown(wait=True)
+        self._saver.shutdown(wait=True)
+
+    # -- geometry ------------------------------------------------------------------------------------------------
+
+    def object_bytes(self, transfer: Transfer) -> int:
+        if transfer.ref.kind is ObjectKind.STATE:
+            return sum(kernels.state_record_bytes(pools) for pools in self.views.states)
+        layers = self.views.attention[transfer.ref.group]
+        _, _, _, heads, head_dim = layers[0].shape
+        return len(layers) * 2 * transfer.ref.tokens * heads * head_dim * layers[0].element_size()
+
+    def _token_slots(self, transfer: Transfer) -> tuple[torch.Tensor, int]:
+        """Slots of the tokens to copy, [first, position), and their offset in the object."""
+        block_size = self.groups.block_size
+        base = transfer.ref.start - transfer.ref.start % block_size  # the first block's first token
+        count = transfer.ref.position - transfer.first
+        slots = kernels.slots_for_blocks(transfer.blocks, block_size, transfer.first - base, count,
+                                         device=self.views.device)
+        return slots, transfer.first - transfer.ref.start
+
+    def _slots(self, blocks: list[int]) -> torch.Tensor:
+        return torch.tensor(blocks, dtype=torch.int64, device=self.views.device)
+
+    def _chunk_view(self, payload: torch.Tensor, layers, tokens: int) -> torch.Tensor:
+        _, _, _, heads, head_dim = layers[0].shape
+        return payload.view(layers[0].dtype).view(len(layers), 2, tokens, heads * head_dim)
+
+    def _state_parts(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        parts, offset = [], 0
+        for pools in self.views.states:
+            size = kernels.state_record_bytes(pools)
+            parts.append(payload[offset:offset + size].view(1, size))
+            offset += size
+        return parts
+
+    def _host_buffer(self, size: int) -> torch.Tensor:
+        pinned = self.views.device.type == "cuda"
+        return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+
+    def _staged(self, payload: torch.Tensor) -> torch.Tensor:
+        """Host bytes where the copy kernels can read them: pinned memory for CUDA caches."""
+        if self.views.device.type == "cuda":
+            return payload.pin_memory()
+        return payload
+
+
+def _readonly_bytes(data) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch warns that the buffer is read-only; the copies only read it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
