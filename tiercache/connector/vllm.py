@@ -101,10 +101,12 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.groups = engine_groups(kv_cache_config)
         parallel = vllm_config.parallel_config
         model = vllm_config.model_config
+        # The scheduler looks up rank 0's objects; each worker loads and saves its own rank's shard (a shard
+        # missing on some rank fails that rank's load, and vLLM recomputes: never a mix of prefixes).
+        tp_rank = _tensor_parallel_rank() if role == KVConnectorRole.WORKER else 0
         self.layout = model_layout(self.groups, kv_cache_config, settings.model_name or model.served_model_name
                                    or model.model, settings.revision or model.revision or "main",
-                                   tp_rank=getattr(parallel, "rank", 0) % parallel.tensor_parallel_size,
-                                   tp_size=parallel.tensor_parallel_size)
+                                   tp_rank=tp_rank, tp_size=parallel.tensor_parallel_size)
         block = self.groups.block_size
         unit = settings.match_unit or (16 if block % 16 == 0 else block)
         self.spec = CacheSpec(self.layout, block, unit, salt=settings.salt)
@@ -116,7 +118,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self._planner = Planner(PrefixCache(self.client, self.spec), self.groups)
         else:
-            self._transfers = Transfers(self.client, self.groups, settings.max_pending_save_bytes)
+            self._transfers = Transfers(self.client, self.groups, self.spec, settings.max_pending_save_bytes)
         log.info("TierCacheConnector (%s) on %s: namespace %s, N=%d, u=%d", role.name, settings.url,
                  self.spec.namespace, block, unit)
 
@@ -194,3 +196,12 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._transfers is not None:
             self._transfers.shutdown()
         self.client.close()
+
+
+def _tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank (0 when vLLM's process groups are not set up: one rank)."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank()
+    return 0

@@ -42,7 +42,7 @@ class Transfer:
 @dataclass(frozen=True)
 class Job:
     req_id: str
-    namespace: str
+    salt: str  # the request's namespace salt; each tensor-parallel rank adds its own rank to the namespace
     transfers: tuple[Transfer, ...]
     finish: bool = False  # a save at a request's end: vLLM frees the blocks once the worker reports it
 
@@ -108,7 +108,7 @@ class Planner:
         first = hit.tokens - num_external_tokens  # vLLM holds [0, first) already
         transfers = [self._transfer(o.ref, block_ids, max(first, o.ref.start)) for o in hit.objects
                      if o.ref.kind is ObjectKind.STATE or o.ref.position > first]
-        self._loads.append(Job(request.request_id, tracked.cache.namespace, tuple(transfers)))
+        self._loads.append(Job(request.request_id, tracked.cache.spec.salt, tuple(transfers)))
         self.stats.loads += 1
         self.stats.hit_tokens += num_external_tokens
 
@@ -140,7 +140,7 @@ class Planner:
             transfers = [self._transfer(r, block_ids, r.start) for r in refs]
             transfers += self._boundary_states(tracked, block_ids, offloads.get(req_id, ()))
             if transfers:
-                plan.saves.append(Job(req_id, tracked.cache.namespace, tuple(transfers)))
+                plan.saves.append(Job(req_id, tracked.cache.spec.salt, tuple(transfers)))
                 self.stats.saves_planned += len(transfers)
         for req_id in set(scheduler_output.preempted_req_ids or ()) & set(self._requests):
             self._requests[req_id].lookup = None  # it starts over; its next lookup sees what it saved
@@ -163,7 +163,7 @@ class Planner:
         if not refs:
             return False
         transfers = [self._transfer(r, block_ids, r.start) for r in refs]
-        self._finishes.append(Job(request.request_id, tracked.cache.namespace, tuple(transfers), finish=True))
+        self._finishes.append(Job(request.request_id, tracked.cache.spec.salt, tuple(transfers), finish=True))
         self.stats.saves_planned += len(transfers)
         return True
 

@@ -13,6 +13,8 @@ CPU tensors they are the kernels' torch reference.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import threading
 import warnings
@@ -28,7 +30,7 @@ from tiercache.connector.prefix_cache import save_objects
 from tiercache.connector.vllm_layout import EngineGroups, PagedViews
 from tiercache.connector.vllm_plan import Job, Transfer
 from tiercache.errors import TierCacheError
-from tiercache.hybrid import ObjectKind
+from tiercache.hybrid import CacheSpec, ObjectKind
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +46,11 @@ class WorkerStats:
 
 
 class Transfers:
-    def __init__(self, client: Client, groups: EngineGroups, max_pending_save_bytes: int = 1 << 30) -> None:
+    def __init__(self, client: Client, groups: EngineGroups, spec: CacheSpec,
+                 max_pending_save_bytes: int = 1 << 30) -> None:
         self.client = client
         self.groups = groups
+        self.spec = spec  # this rank's: its namespace names this rank's shard of every object
         self.max_pending_save_bytes = max_pending_save_bytes
         self.stats = WorkerStats()
         self.views: PagedViews | None = None
@@ -58,6 +62,7 @@ class Transfers:
         self._saved_finished: set[str] = set()
         self._pending_save_bytes = 0
         self._load_stream = None
+        self._namespaces: dict[str, str] = {}
 
     def register(self, views: PagedViews) -> None:
         self.views = views
@@ -89,7 +94,7 @@ class Transfers:
 
     def _fetch_and_scatter(self, job: Job, ready) -> bool:
         try:
-            fetched = self.client.fetch_many(job.namespace, [t.ref.key for t in job.transfers])
+            fetched = self.client.fetch_many(self.namespace(job.salt), [t.ref.key for t in job.transfers])
         except TierCacheError as exc:
             log.warning("tiercache load for request %s failed, recomputing: %s", job.req_id, exc)
             return False
@@ -102,7 +107,7 @@ class Transfers:
         stream = self._load_stream
         if stream is not None:
             stream.wait_event(ready)
-        with torch.cuda.stream(stream) if stream is not None else _nothing():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for transfer, item in zip(job.transfers, fetched):
                 self._scatter(transfer, item.data)
             if stream is not None:
@@ -141,7 +146,7 @@ class Transfers:
                                 self._pending_save_bytes, len(payloads), job.req_id)
                     continue
                 self._pending_save_bytes += size
-            self._saver.submit(self._put, job.namespace, payloads, size)
+            self._saver.submit(self._put, self.namespace(job.salt), payloads, size)
 
     def _put(self, namespace: str, payloads: dict, size: int) -> None:
         try:
@@ -184,6 +189,12 @@ class Transfers:
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
+
+    def namespace(self, salt: str) -> str:
+        namespace = self._namespaces.get(salt)
+        if namespace is None:
+            namespace = self._namespaces[salt] = dataclasses.replace(self.spec, salt=salt).namespace
+        return namespace
 
     # -- geometry ------------------------------------------------------------------------------------------------
 
@@ -234,10 +245,3 @@ def _readonly_bytes(data) -> torch.Tensor:
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(data, dtype=torch.uint8)
 
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
