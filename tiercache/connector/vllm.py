@@ -58,10 +58,8 @@ class Settings:
         if unknown:
             raise InvalidArgument(f"unknown kv_connector_extra_config keys for TierCacheConnector: {unknown} "
                                   f"(known: {sorted(known)})")
-        settings = cls(**extra)
-        if not settings.url:
-            settings = cls(**{**extra, "url": os.environ.get("TIERCACHE_URL", DEFAULT_URL)})
-        return settings
+        extra["url"] = extra.get("url") or os.environ.get("TIERCACHE_URL", DEFAULT_URL)
+        return cls(**extra)
 
 
 class TierCacheMetadata(KVConnectorMetadata):

@@ -228,9 +228,6 @@ class Planner:
         tracked = self._requests[request.request_id] = _Tracked(request, cache)
         return tracked
 
-    def forget(self, req_id: str) -> None:
-        self._requests.pop(req_id, None)
-
 
 def _tokens(request) -> np.ndarray:
     return np.asarray(request.all_token_ids, dtype=np.int64)
