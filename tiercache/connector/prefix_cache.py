@@ -13,8 +13,10 @@ way. Errors that mean a misconfiguration (bad token, another tenant's namespace,
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from tiercache.chunk import CLASS_KV, CLASS_STATE, ChunkMeta
 from tiercache.client import Chunk, Client
@@ -33,6 +35,7 @@ class Lookup:
     hashes: PrefixHashes
     hit: Hit
     present: Mapping[bytes, str]
+    reached: bool = True  # False when the server could not be asked (then the hit is 0)
 
 
 @dataclass(frozen=True)
@@ -42,28 +45,43 @@ class SaveResult:
 
 
 class PrefixCache:
-    def __init__(self, client: Client, spec: CacheSpec, *, report: bool = True) -> None:
+    def __init__(self, client: Client, spec: CacheSpec, *, report: bool = True,
+                 reporter: Callable[[str, int, dict], None] | None = None) -> None:
+        """`reporter(namespace, requested_tokens, hit_tokens_by_tier)` replaces the blocking ReportLookup call (an
+        engine's scheduler hands it to a background thread: statistics must not cost a request a round trip)."""
         self.client = client
         self.spec = spec
         self.namespace = spec.namespace
         self._report = report
+        self._reporter = reporter
+
+    def with_spec(self, spec: CacheSpec) -> "PrefixCache":
+        """The same client and reporting for another spec (a request's own salt)."""
+        return PrefixCache(self.client, spec, report=self._report, reporter=self._reporter)
 
     def lookup(self, tokens) -> Lookup:
         hashes = self.spec.hashes(tokens)
         probe = plan_probe(self.spec, hashes)
+        reached = True
         try:
             where = self.client.locate(self.namespace, probe.keys) if probe.objects else []
         except Unavailable as exc:
             log.warning("tiercache lookup failed, treating it as a miss: %s", exc)
-            where = [None] * len(probe.objects)
+            where, reached = [None] * len(probe.objects), False
         hit = resolve_hit(self.spec, hashes, probe, where)
-        if self._report and hashes.length:
-            try:
-                self.client.report_lookup(self.namespace, hashes.length, hit.tokens_by_tier())
-            except Unavailable:
-                pass  # statistics only
+        if self._report and reached and hashes.length:
+            self._report_lookup(hashes.length, hit.tokens_by_tier())
         present = {ref.key: tier for ref, tier in zip(probe.objects, where) if tier is not None}
-        return Lookup(hashes, hit, present)
+        return Lookup(hashes, hit, present, reached)
+
+    def _report_lookup(self, requested_tokens: int, hit_tokens_by_tier: dict) -> None:
+        if self._reporter is not None:
+            self._reporter(self.namespace, requested_tokens, hit_tokens_by_tier)
+            return
+        try:
+            self.client.report_lookup(self.namespace, requested_tokens, hit_tokens_by_tier)
+        except Unavailable:
+            pass  # statistics only
 
     def load(self, hit: Hit) -> dict[ObjectRef, bytes] | None:
         """The bytes of every object of the hit, or None when any is gone or failed its checksum (then recompute)."""
@@ -101,6 +119,39 @@ class PrefixCache:
 
     def save(self, payloads: Mapping[ObjectRef, object]) -> SaveResult:
         return save_objects(self.client, self.namespace, payloads)
+
+
+class BackgroundReporter:
+    """Sends lookup reports on one background thread, so an engine's scheduler never waits on statistics. When the
+    server is slow, reports beyond `max_pending` are dropped (they are counters, not data)."""
+
+    def __init__(self, client: Client, max_pending: int = 64) -> None:
+        self.client = client
+        self.max_pending = max_pending
+        self.dropped = 0
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tiercache-report")
+
+    def __call__(self, namespace: str, requested_tokens: int, hit_tokens_by_tier: dict) -> None:
+        with self._lock:
+            if self._pending >= self.max_pending:
+                self.dropped += 1
+                return
+            self._pending += 1
+        self._thread.submit(self._send, namespace, requested_tokens, hit_tokens_by_tier)
+
+    def _send(self, namespace: str, requested_tokens: int, hit_tokens_by_tier: dict) -> None:
+        try:
+            self.client.report_lookup(namespace, requested_tokens, hit_tokens_by_tier)
+        except Exception as exc:  # statistics only: never let a report fail anything
+            log.debug("tiercache lookup report dropped: %s", exc)
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
 
 def save_objects(client: Client, namespace: str, payloads: Mapping[ObjectRef, object]) -> SaveResult:

@@ -1,6 +1,7 @@
 """tiercache as a vLLM KV connector (vLLM 0.33, V1 engine, hybrid memory allocator):
 
     vllm serve Qwen/Qwen3.5-0.8B --enable-prefix-caching --mamba-cache-mode align \\
+        --prefix-match-unit 16 --prefix-cache-retention-interval 544 \\
         --kv-transfer-config '{"kv_connector": "TierCacheConnector",
                                "kv_connector_module_path": "tiercache.connector.vllm",
                                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -8,7 +9,8 @@
 
 `kv_connector_extra_config` keys (all optional): `url` (default $TIERCACHE_URL, else grpc://127.0.0.1:50051),
 `token`, `tls_ca_file`, `model_name` (default: the served model), `revision`, `match_unit` (u, default 16 when it
-divides the block size, else the block size), `salt`, `timeout_s`, `max_pending_save_bytes`. The rules (what is
+divides the block size, else the block size), `salt`, `timeout_s`, `lookup_timeout_s`, `offline_backoff_s`,
+`max_pending_save_bytes`. The rules (what is
 loaded, what is saved, when) are in tiercache.connector.vllm_plan; the copies in tiercache.connector.vllm_transfer.
 """
 
@@ -25,8 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiercache.client import Client
-from tiercache.connector.prefix_cache import PrefixCache
+from tiercache.client import Client, Retry
+from tiercache.connector.prefix_cache import BackgroundReporter, PrefixCache
 from tiercache.connector.vllm_layout import engine_groups, model_layout, paged_views
 from tiercache.connector.vllm_plan import Planner, StepPlan
 from tiercache.connector.vllm_transfer import Transfers
@@ -47,7 +49,9 @@ class Settings:
     revision: str | None = None
     match_unit: int | None = None
     salt: str = ""
-    timeout_s: float = 30.0
+    timeout_s: float = 30.0  # loads and saves (worker threads; the engine never waits on them)
+    lookup_timeout_s: float = 0.5  # the scheduler's one lookup call per request: vLLM's scheduler thread waits on it
+    offline_backoff_s: float = 2.0  # after a lookup that could not reach the server, no lookups for this long
     max_pending_save_bytes: int = 1 << 30
 
     @classmethod
@@ -112,13 +116,24 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                                       timeout_s=settings.timeout_s)
         self._planner: Planner | None = None
         self._transfers: Transfers | None = None
+        self._reporter: BackgroundReporter | None = None
         self._reported: dict[str, int] = {}
         if role == KVConnectorRole.SCHEDULER:
-            self._planner = Planner(PrefixCache(self.client, self.spec), self.groups)
+            # One try within a short deadline: a lookup that cannot be answered quickly is a miss, not a stall.
+            lookups = Client.from_url(settings.url, token=settings.token, tls_ca_file=settings.tls_ca_file,
+                                      timeout_s=settings.lookup_timeout_s, retry=Retry(attempts=1))
+            self._reporter = BackgroundReporter(self.client)
+            self._planner = Planner(PrefixCache(lookups, self.spec, reporter=self._reporter), self.groups,
+                                    offline_backoff_s=settings.offline_backoff_s)
         else:
             self._transfers = Transfers(self.client, self.groups, self.spec, settings.max_pending_save_bytes)
         log.info("TierCacheConnector (%s) on %s: namespace %s, N=%d, u=%d", role.name, settings.url,
                  self.spec.namespace, block, unit)
+        vllm_unit = vllm_config.cache_config.prefix_match_unit
+        if role == KVConnectorRole.SCHEDULER and self.groups.mamba and (vllm_unit or block) >= block:
+            log.warning("TierCacheConnector: vLLM hashes prompts every %d tokens, its block size N: it keeps no "
+                        "recurrent state below a block, so prompts shorter than N=%d get no hit and hits end on "
+                        "block boundaries. Start vLLM with --prefix-match-unit 16.", vllm_unit or block, block)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -193,6 +208,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._transfers is not None:
             self._transfers.shutdown()
+        if self._planner is not None:
+            self._reporter.close()
+            self._planner.cache.client.close()
         self.client.close()
 
 

@@ -5,9 +5,14 @@ models, Mamba groups (Gated DeltaNet, Mamba2) in "align" mode. All groups share 
 size N: one `kv` object is one attention block of one group, for all its layers. All Mamba groups together make our
 one recurrent group, so one `state` object holds every recurrent layer (group by group, layer by layer).
 
-Per-layer tensors (`register_kv_caches`) are views of one backing buffer:
-- attention: [blocks, kv_heads, B, head_size + head_size_v] in the KV dtype, keys then values in the last dimension;
-  we view it as [2, blocks, B, kv_heads, head_size] (a strided view, no copy) for `tiercache.kernels.gather_kv`;
+Per-layer tensors (`register_kv_caches`) are views of one backing buffer, each [blocks, heads, B, C]:
+- attention: how a block's bytes are ordered inside is the attention backend's business, and backends differ: the
+  CPU backend keeps the block's keys tiled across tokens and its values row by row, flash-attention keeps K|V per
+  token. So tiercache moves attention KV as whole pages — every layer's bytes of one vLLM block — exactly what vLLM's
+  own copy-on-write of a partially filled block does. A `kv` object is the page of a full block; a `tail` at p is the
+  page of the block holding p, of which only tokens [N*floor(p/N), p) are meaningful (the engine writes the tokens
+  from p on before it reads them, and never reads beyond the sequence). Reading a page per token, as an earlier
+  version did, restored the wrong bytes for tails on the CPU backend (issue 14);
 - Mamba: [blocks, 1, 1, state bytes] int8; slot b holds the layer's state tensors (conv, then SSM) back to back.
 In align mode the state after p tokens lives in the Mamba block at index (p-1) // B of the request's block table.
 """
@@ -44,10 +49,9 @@ class EngineGroups:
         index = (tokens - 1) // self.block_size
         return tuple(block_ids[g][index] for g in self.mamba)
 
-    def blocks_of(self, block_ids: tuple[list[int], ...], layout_group: int, start: int, end: int) -> tuple[int, ...]:
-        """The blocks of one attention group holding tokens [start, end) (start block-aligned)."""
-        table = block_ids[self.attention[layout_group]]
-        return tuple(table[start // self.block_size:(end - 1) // self.block_size + 1])
+    def page_block(self, block_ids: tuple[list[int], ...], layout_group: int, start: int) -> int:
+        """The block of one attention group whose page holds token `start` (a kv or tail object's first token)."""
+        return block_ids[self.attention[layout_group]][start // self.block_size]
 
 
 def engine_groups(kv_cache_config) -> EngineGroups:
@@ -120,10 +124,10 @@ def _layer_indices(names) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class PagedViews:
-    """The registered caches, shaped for tiercache.kernels."""
+    """The registered caches as byte pools for tiercache.kernels' row copies: [blocks, bytes per block] per layer."""
 
-    attention: tuple[tuple[torch.Tensor, ...], ...]  # per layout attention group: [2, blocks, B, heads, head_dim] views
-    states: tuple[tuple[torch.Tensor, ...], ...]  # per Mamba group: per layer [blocks, state bytes] uint8 pools
+    attention: tuple[tuple[torch.Tensor, ...], ...]  # per layout attention group: per layer, its pages
+    states: tuple[tuple[torch.Tensor, ...], ...]  # per Mamba group: per layer, its state bytes (padding excluded)
 
     @property
     def device(self) -> torch.device:
@@ -132,22 +136,42 @@ class PagedViews:
 
 def paged_views(groups: EngineGroups, kv_cache_config, kv_caches: dict) -> PagedViews:
     specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
-    attention = tuple(tuple(_kv_view(kv_caches[name], specs[g]) for name in groups.layer_names[g])
+    blocks = kv_cache_config.num_blocks
+    attention = tuple(tuple(_page_pool(kv_caches[name], blocks, specs[g]) for name in groups.layer_names[g])
                       for g in groups.attention)
     states = tuple(tuple(_state_pool(kv_caches[name], specs[g]) for name in groups.layer_names[g])
                    for g in groups.mamba)
     return PagedViews(attention, states)
 
 
-def _kv_view(layer: torch.Tensor, spec) -> torch.Tensor:
-    if layer.dim() != 4 or layer.shape[1] != spec.num_kv_heads or layer.shape[2] != spec.block_size \
-            or layer.shape[3] != 2 * spec.head_size or layer.dtype != spec.dtype or layer.stride(3) != 1:
-        raise InvalidArgument(f"attention cache {tuple(layer.shape)} {layer.dtype} is not [blocks, "
-                              f"{spec.num_kv_heads}, {spec.block_size}, {2 * spec.head_size}] {spec.dtype}")
-    blocks, heads, block_size, _ = layer.shape
-    s_block, s_head, s_token, _ = layer.stride()
-    return layer.as_strided((2, blocks, block_size, heads, spec.head_size),
-                            (spec.head_size, s_block, s_token, s_head, 1), layer.storage_offset())
+def _page_pool(layer: torch.Tensor, num_blocks: int, spec) -> torch.Tensor:
+    """One attention layer's cache as [blocks, page bytes]. A backend may split vLLM's block into kernel blocks
+    (dim 0 is then a multiple of the block count); vLLM lays those out back to back, so a block is still one run of
+    bytes. The page's interior must be dense: a page with holes cannot be one row."""
+    if layer.dim() != 4 or layer.shape[0] % num_blocks or layer.stride(-1) != 1 or layer.dtype != spec.dtype:
+        raise InvalidArgument(f"attention cache {tuple(layer.shape)} {layer.dtype} is not [blocks, heads, tokens, "
+                              f"bytes] {spec.dtype} over {num_blocks} blocks")
+    raw = layer.view(torch.uint8)
+    kernel_page = raw[0].numel()
+    kernel_blocks = raw.shape[0] // num_blocks
+    if not _dense(raw[0]) or (kernel_blocks > 1 and raw.stride(0) != kernel_page):
+        raise InvalidArgument(f"attention cache {tuple(layer.shape)} with strides {layer.stride()} does not keep "
+                              f"each block in one run of bytes")
+    expected = getattr(spec, "unpadded_page_size_bytes", spec.page_size_bytes)
+    if kernel_blocks * kernel_page != expected:
+        raise InvalidArgument(f"attention page of {kernel_blocks * kernel_page} bytes, vLLM's spec says {expected}")
+    return torch.as_strided(raw, (num_blocks, kernel_blocks * kernel_page), (raw.stride(0) * kernel_blocks, 1),
+                            raw.storage_offset())
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's elements fill one run of memory with no holes, in whatever dimension order."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape) if n > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _state_pool(layer: torch.Tensor, spec) -> torch.Tensor:

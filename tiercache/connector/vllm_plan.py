@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,8 +36,7 @@ class Transfer:
     """One object and where its bytes live in the paged cache."""
 
     ref: ObjectRef
-    blocks: tuple[int, ...]  # kv/tail: the attention group's blocks from ref.start on; state: one per Mamba group
-    first: int  # first token to copy (a load skips tokens vLLM already holds); states: ref.position
+    blocks: tuple[int, ...]  # kv/tail: the one attention block whose page it is; state: one block per Mamba group
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ class _Tracked:
 @dataclass
 class SchedulerStats:
     lookups: int = 0
+    lookups_skipped: int = 0  # while the server was unreachable
     lookup_tokens: int = 0
     hit_tokens: int = 0
     loads: int = 0
@@ -74,9 +75,14 @@ class SchedulerStats:
 
 
 class Planner:
-    def __init__(self, cache: PrefixCache, groups: EngineGroups) -> None:
+    def __init__(self, cache: PrefixCache, groups: EngineGroups, offline_backoff_s: float = 2.0) -> None:
+        """`cache` asks the server with a short deadline: vLLM's scheduler thread waits for every lookup. After a
+        lookup that could not reach the server, requests get no lookup (a miss) for `offline_backoff_s`, so a dead or
+        hung server costs one deadline, not one per request."""
         self.cache = cache
         self.groups = groups
+        self.offline_backoff_s = offline_backoff_s
+        self._offline_until = 0.0
         self.stats = SchedulerStats()
         self._caches: dict[str, PrefixCache] = {"": cache}  # by the request's own salt (LoRA, cache_salt)
         self._requests: dict[str, _Tracked] = {}
@@ -91,7 +97,14 @@ class Planner:
             return 0, False
         tokens = _tokens(request)
         if tracked.lookup is None or tracked.lookup.hashes.length != len(tokens):
+            if time.monotonic() < self._offline_until:
+                self.stats.lookups_skipped += 1
+                return 0, False
             tracked.lookup = tracked.cache.lookup(tokens)
+            if not tracked.lookup.reached:
+                self._offline_until = time.monotonic() + self.offline_backoff_s
+                tracked.lookup = None
+                return 0, False
             tracked.saved |= set(tracked.lookup.present)
             self.stats.lookups += 1
             self.stats.lookup_tokens += len(tokens)
@@ -106,7 +119,9 @@ class Planner:
         tracked = self._requests[request.request_id]
         hit = tracked.lookup.hit
         first = hit.tokens - num_external_tokens  # vLLM holds [0, first) already
-        transfers = [self._transfer(o.ref, block_ids, max(first, o.ref.start)) for o in hit.objects
+        # Pages of blocks vLLM holds whole are left alone; a block it holds in part is its private copy-on-write copy
+        # (vLLM copies a partially hit block before the first forward), which the page from tiercache replaces.
+        transfers = [self._transfer(o.ref, block_ids) for o in hit.objects
                      if o.ref.kind is ObjectKind.STATE or o.ref.position > first]
         self._loads.append(Job(request.request_id, tracked.cache.spec.salt, tuple(transfers)))
         self.stats.loads += 1
@@ -137,7 +152,7 @@ class Planner:
             start = request.num_computed_tokens  # the plan is built before vLLM advances it
             end = min(start + scheduler_output.num_scheduled_tokens.get(req_id, 0), len(request.all_token_ids))
             refs = self._computed_chunks(tracked, start, end)
-            transfers = [self._transfer(r, block_ids, r.start) for r in refs]
+            transfers = [self._transfer(r, block_ids) for r in refs]
             transfers += self._boundary_states(tracked, block_ids, offloads.get(req_id, ()))
             if transfers:
                 plan.saves.append(Job(req_id, tracked.cache.spec.salt, tuple(transfers)))
@@ -162,7 +177,7 @@ class Planner:
         refs = [r for r in refs if r.key not in tracked.saved]
         if not refs:
             return False
-        transfers = [self._transfer(r, block_ids, r.start) for r in refs]
+        transfers = [self._transfer(r, block_ids) for r in refs]
         self._finishes.append(Job(request.request_id, tracked.cache.spec.salt, tuple(transfers), finish=True))
         self.stats.saves_planned += len(transfers)
         return True
@@ -198,19 +213,19 @@ class Planner:
             if state.key in tracked.saved:
                 continue
             tracked.saved.add(state.key)
-            transfers.append(Transfer(state, tuple(blocks[g] for g in self.groups.mamba), position))
+            transfers.append(Transfer(state, tuple(blocks[g] for g in self.groups.mamba)))
             if position % spec.chunk_tokens:
                 for g in range(len(self.groups.attention)):
                     tail = object_ref(spec, hashes, ObjectKind.TAIL, position, g)
                     if tail.key not in tracked.saved:
                         tracked.saved.add(tail.key)
-                        transfers.append(self._transfer(tail, block_ids, tail.start))
+                        transfers.append(self._transfer(tail, block_ids))
         return transfers
 
-    def _transfer(self, ref: ObjectRef, block_ids, first: int) -> Transfer:
+    def _transfer(self, ref: ObjectRef, block_ids) -> Transfer:
         if ref.kind is ObjectKind.STATE:
-            return Transfer(ref, self.groups.state_block(block_ids, ref.position), ref.position)
-        return Transfer(ref, self.groups.blocks_of(block_ids, ref.group, ref.start, ref.position), first)
+            return Transfer(ref, self.groups.state_block(block_ids, ref.position))
+        return Transfer(ref, (self.groups.page_block(block_ids, ref.group, ref.start),))
 
     # -- requests ------------------------------------------------------------------------------------------------
 
@@ -224,7 +239,7 @@ class Planner:
         cache = self._caches.get(salt)
         if cache is None:
             spec = dataclasses.replace(self.cache.spec, salt=_joined_salt(self.cache.spec.salt, salt))
-            cache = self._caches[salt] = PrefixCache(self.cache.client, spec)
+            cache = self._caches[salt] = self.cache.with_spec(spec)
         tracked = self._requests[request.request_id] = _Tracked(request, cache)
         return tracked
 

@@ -1,5 +1,9 @@
 """The worker half of the vLLM connector: bytes between vLLM's paged cache and tiercache, with tiercache.kernels.
 
+Objects are whole blocks as vLLM keeps them (see tiercache.connector.vllm_layout): a kv or tail object is one
+attention group's page of one block, for all its layers; a state object is every Mamba layer's state bytes of one
+block per Mamba group.
+
 Loads run on a background thread (fetch, check sizes, scatter into the request's blocks) and are reported when done;
 any missing, corrupt (the server never returns a chunk that fails its checksum) or mis-sized object fails the whole
 load, and vLLM recomputes the request: a partial load is never reported as a hit. Saves are gathered when the step's
@@ -19,6 +23,7 @@ import logging
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,14 +123,8 @@ class Transfers:
 
     def _scatter(self, transfer: Transfer, data: bytes) -> None:
         payload = self._staged(_readonly_bytes(data))
-        if transfer.ref.kind is ObjectKind.STATE:
-            for pools, block, buffer in zip(self.views.states, transfer.blocks, self._state_parts(payload)):
-                kernels.states_from_buffer(pools, self._slots([block]), buffer)
-            return
-        layers = self.views.attention[transfer.ref.group]
-        chunk = self._chunk_view(payload, layers, transfer.ref.tokens)
-        slots, offset = self._token_slots(transfer)
-        kernels.scatter_kv(layers, slots, chunk, offset)
+        for pools, block, buffer in zip(self._pools(transfer), transfer.blocks, self._parts(transfer, payload)):
+            kernels.states_from_buffer(pools, self._slots([block]), buffer)
 
     # -- saves ---------------------------------------------------------------------------------------------------
 
@@ -162,14 +161,8 @@ class Transfers:
 
     def _gather(self, transfer: Transfer) -> np.ndarray:
         payload = self._host_buffer(self.object_bytes(transfer))
-        if transfer.ref.kind is ObjectKind.STATE:
-            for pools, block, buffer in zip(self.views.states, transfer.blocks, self._state_parts(payload)):
-                kernels.states_to_buffer(pools, self._slots([block]), buffer)
-        else:
-            layers = self.views.attention[transfer.ref.group]
-            chunk = self._chunk_view(payload, layers, transfer.ref.tokens)
-            slots, offset = self._token_slots(transfer)
-            kernels.gather_kv(layers, slots, chunk, offset)
+        for pools, block, buffer in zip(self._pools(transfer), transfer.blocks, self._parts(transfer, payload)):
+            kernels.states_to_buffer(pools, self._slots([block]), buffer)
         return payload.numpy()
 
     # -- results -------------------------------------------------------------------------------------------------
@@ -181,10 +174,14 @@ class Transfers:
             self._loaded, self._failed, self._saved_finished = set(), set(), set()
         return loaded | failed, failed, saved
 
-    def drain(self) -> None:
-        """Wait for every started load and put (shutdown, tests)."""
-        self._loader.submit(lambda: None).result()
-        self._saver.submit(lambda: None).result()
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait for every started load and put (shutdown, tests); False when `timeout_s` passed first."""
+        try:
+            self._loader.submit(lambda: None).result(timeout_s)
+            self._saver.submit(lambda: None).result(timeout_s)
+        except FutureTimeout:
+            return False
+        return True
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True)
@@ -199,31 +196,22 @@ class Transfers:
     # -- geometry ------------------------------------------------------------------------------------------------
 
     def object_bytes(self, transfer: Transfer) -> int:
-        if transfer.ref.kind is ObjectKind.STATE:
-            return sum(kernels.state_record_bytes(pools) for pools in self.views.states)
-        layers = self.views.attention[transfer.ref.group]
-        _, _, _, heads, head_dim = layers[0].shape
-        return len(layers) * 2 * transfer.ref.tokens * heads * head_dim * layers[0].element_size()
+        return sum(kernels.state_record_bytes(pools) for pools in self._pools(transfer))
 
-    def _token_slots(self, transfer: Transfer) -> tuple[torch.Tensor, int]:
-        """Slots of the tokens to copy, [first, position), and their offset in the object."""
-        block_size = self.groups.block_size
-        base = transfer.ref.start - transfer.ref.start % block_size  # the first block's first token
-        count = transfer.ref.position - transfer.first
-        slots = kernels.slots_for_blocks(transfer.blocks, block_size, transfer.first - base, count,
-                                         device=self.views.device)
-        return slots, transfer.first - transfer.ref.start
+    def _pools(self, transfer: Transfer) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """The byte pools an object's blocks live in: one attention group's pages (kv, tail), or one set of state
+        pools per Mamba group (state). Both move with the same row copies (kernels.states_*): a page is a row."""
+        if transfer.ref.kind is ObjectKind.STATE:
+            return self.views.states
+        return (self.views.attention[transfer.ref.group],)
 
     def _slots(self, blocks: list[int]) -> torch.Tensor:
         return torch.tensor(blocks, dtype=torch.int64, device=self.views.device)
 
-    def _chunk_view(self, payload: torch.Tensor, layers, tokens: int) -> torch.Tensor:
-        _, _, _, heads, head_dim = layers[0].shape
-        return payload.view(layers[0].dtype).view(len(layers), 2, tokens, heads * head_dim)
-
-    def _state_parts(self, payload: torch.Tensor) -> list[torch.Tensor]:
+    def _parts(self, transfer: Transfer, payload: torch.Tensor) -> list[torch.Tensor]:
+        """The object's bytes split per pool set, each [1, record bytes] as the row copies take it."""
         parts, offset = [], 0
-        for pools in self.views.states:
+        for pools in self._pools(transfer):
             size = kernels.state_record_bytes(pools)
             parts.append(payload[offset:offset + size].view(1, size))
             offset += size
