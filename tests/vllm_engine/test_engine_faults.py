@@ -1,0 +1,108 @@
+"""The 4-layer model (N = 256) under the heavier cases: a 16K-token shared document, preemption under a small KV
+cache, loads that fail, and a cache server that dies or hangs mid-run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ServerProcess
+from tests.vllm_engine.conftest import prompt
+from tests.vllm_engine.harness import assert_finite, assert_same_computation
+
+DOCUMENT_TOKENS = 16 * 1024 + 100
+
+
+@pytest.fixture(scope="module")
+def alone(four_layer):
+    return four_layer.start("alone", None)
+
+
+def test_a_long_document_asked_from_a_second_engine_hits_its_blocks(four_layer, cache_server, alone):
+    n = four_layer.n
+    document = prompt(500, DOCUMENT_TOKENS)
+    questions = [prompt(501 + i, 40 + 7 * i) for i in range(3)]
+    first = four_layer.start("doc-first", cache_server.url)
+    first.one(document + questions[0])
+    alone.one(document + questions[0])
+    second = four_layer.start("doc-second", cache_server.url)
+    for i, question in enumerate(questions[1:], start=1):
+        own = alone.one(document + question)
+        assert own.cached == DOCUMENT_TOKENS // n * n, f"question {i}: vLLM's own hit is {own.cached}"
+        assert_same_computation(second.one(document + question), own, f"question {i} in the second engine")
+    # The first question's blocks came from tiercache; the second one's from the engine's own prefix cache.
+    assert second.stats()["hit_tokens"] == DOCUMENT_TOKENS // n * n
+
+
+def test_preempted_requests_finish_with_the_results_of_an_unpressed_engine(four_layer, cache_server, alone):
+    """Four long requests at once in a KV cache that holds about two: vLLM preempts and resumes; with the connector
+    a resumed request reloads what it had saved. Every request ends with finite logprobs and the same tokens as
+    each prompt run alone in an engine with room to spare."""
+    small = four_layer.start("small-cache", cache_server.url, kv_cache_memory_bytes=6 << 20, max_num_seqs=4,
+                             max_model_len=2048)
+    prompts = [prompt(600 + i, 3 * four_layer.n + 17 * i) for i in range(4)]
+    results = small.generate(prompts, max_tokens=24)
+    for i, (tokens, got) in enumerate(zip(prompts, results)):
+        assert_finite(got, f"request {i}")
+        assert got.tokens == alone.one(tokens, max_tokens=24).tokens, f"request {i}: other tokens than vLLM alone"
+    stats = small.stats()
+    assert stats["loads_failed"] == 0
+
+
+def _corrupt_every_chunk_file(disk: Path) -> int:
+    count = 0
+    for path in disk.rglob("*.chunk"):
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF  # the payload's last byte: the record's checksum no longer matches
+        path.write_bytes(bytes(data))
+        count += 1
+    return count
+
+
+def test_a_load_that_fails_recomputes_to_the_cold_result(four_layer, alone, tmp_path):
+    """The server finds the objects at lookup time but every one of them fails its checksum when the worker reads
+    it (the record is corrupted on disk between lookup and load): the load fails as a whole and vLLM recomputes."""
+    server = ServerProcess("--host-mem", "0", "--disk-dir", str(tmp_path), "--disk-size", "1GiB").start()
+    try:
+        tokens = prompt(700, 2 * four_layer.n + 70)
+        four_layer.start("failing-producer", server.url).one(tokens)
+        assert _corrupt_every_chunk_file(tmp_path) > 0
+        consumer = four_layer.start("failing-consumer", server.url)
+        got = consumer.one(tokens)
+        stats = consumer.stats()
+        assert stats["loads_failed"] == 1 and stats["hit_tokens"] > 0
+        assert got.cached == 0
+        assert_same_computation(got, _cold(alone, tokens), "recomputed after a failed load")
+    finally:
+        server.kill()
+
+
+def _cold(alone, tokens, max_tokens: int = 1):
+    """vLLM alone computing `tokens` from scratch (a prompt it has not seen: the first run is cold)."""
+    return alone.one(tokens, max_tokens=max_tokens)
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_requests_complete_when_the_cache_server_dies_or_hangs(four_layer, alone, tmp_path, fault):
+    server = ServerProcess("--host-mem", "256MiB", "--disk-size", "0").start()
+    engine = four_layer.start(f"server-{fault}", server.url)
+    try:
+        engine.one(prompt(800, 300))
+        if fault == "killed":
+            server.kill()
+        else:
+            os.kill(server.process.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        for i in range(3):
+            tokens = prompt((810 if fault == "killed" else 820) + i, 200 + 50 * i)
+            assert_same_computation(engine.one(tokens, max_tokens=4), _cold(alone, tokens, 4), f"request {i}")
+        # Lookups fail fast (one 0.5 s deadline, then 2 s without lookups); saves wait on worker threads.
+        assert time.monotonic() - started < 60
+    finally:
+        if fault == "hung":
+            os.kill(server.process.pid, signal.SIGCONT)
+        server.kill()

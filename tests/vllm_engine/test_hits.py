@@ -1,0 +1,92 @@
+"""Hits on the real engine match vLLM's own, to rounding, for two model shapes (N = 256 and N = 128).
+
+Three engines per model: `alone` is vLLM without the connector (the yardstick: its own prefix cache), `first` runs
+with TierCacheConnector and fills tiercache, `fresh` is a second engine with the connector that has never seen the
+prompts (the cross-instance and restart case: it can only hit through tiercache). vLLM's CPU engine is
+deterministic, so where `fresh` resumes at the position where vLLM's own cache resumes, the same bytes must give the
+same logprobs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.vllm_engine.conftest import prompt
+from tests.vllm_engine.harness import assert_finite, assert_same_computation
+
+
+@pytest.fixture(scope="module")
+def trio(engines, cache_server):
+    return (engines.start("alone", None), engines.start("first", cache_server.url),
+            engines.start("fresh", cache_server.url), engines.n)
+
+
+def test_repeated_prompts_below_and_above_n_hit_like_vllm_in_a_fresh_engine(trio):
+    alone, first, fresh, n = trio
+    for seed, length in enumerate([20, 100, n - 1, n + 1, n + 40, 3 * n + 5], start=100):
+        tokens = prompt(seed, length)
+        cold = alone.one(tokens)
+        own_hit = alone.one(tokens)
+        assert own_hit.cached == (length - 1) // 16 * 16, f"{length}: vLLM's own hit is {own_hit.cached}"
+        # The connector does not change what the engine computes, and a fresh engine resumes where vLLM would.
+        assert_same_computation(first.one(tokens), cold, f"first engine, {length} tokens")
+        assert_same_computation(fresh.one(tokens), own_hit, f"fresh engine, {length} tokens")
+
+
+def test_a_fresh_engine_served_several_prompts_in_a_row_stays_finite(trio):
+    """The reported failure: a fresh engine running 32, 100, 255 and 300 tokens (each stored by another engine)
+    answered the last with token 0 and non-finite logits."""
+    alone, first, fresh, n = trio
+    lengths = [32, 100, 255, 300]
+    prompts = [prompt(200 + i, length) for i, length in enumerate(lengths)]
+    for tokens in prompts:
+        first.one(tokens, max_tokens=4)
+        alone.one(tokens, max_tokens=4)
+    for tokens, length in zip(prompts, lengths):
+        got = fresh.one(tokens, max_tokens=4)
+        assert_same_computation(got, alone.one(tokens, max_tokens=4), f"fresh engine, {length} tokens")
+
+
+def test_chat_turns_resume_at_the_previous_end_on_length_and_on_stop(trio):
+    alone, first, fresh, n = trio
+    system = prompt(300, n + 40)
+    # Turn 1 ends on length with a reply longer than N, exactly at a block boundary (3N tokens computed), where
+    # vLLM's own cache keeps a state too: the fresh engine's turn 2 must equal vLLM's own hit there.
+    reply_tokens = 3 * n - len(system) + 1
+    turn_one = first.one(system, max_tokens=reply_tokens)
+    assert turn_one.finish == "length"
+    assert alone.one(system, max_tokens=reply_tokens).tokens == turn_one.tokens
+    turn_two_prompt = system + turn_one.tokens + prompt(301, n + 20)
+    own = alone.one(turn_two_prompt, max_tokens=8)
+    assert own.cached == 3 * n, f"vLLM's own hit for turn 2 is {own.cached}"
+    stop = own.tokens[3]  # turn 2 ends on this stop token (at the 4th token or before)
+    turn_two = fresh.one(turn_two_prompt, max_tokens=8, stop_token_ids=[stop])
+    assert turn_two.finish == "stop"
+    assert_same_computation(turn_two, own.first(len(turn_two.tokens)), "turn 2 in a fresh engine")
+    # Turn 2 ended on a stop token between blocks. Turn 3 resumes exactly there through tiercache (tail + state
+    # saved at the end of turn 2); vLLM alone can only go back to a block boundary. (A new message longer than N
+    # falls back to the block boundary below the previous end: the lookup probes single positions only in the last
+    # N tokens; reaching further back is issue 18.)
+    end_of_two = len(turn_two_prompt) + len(turn_two.tokens) - 1
+    turn_three_prompt = turn_two_prompt + turn_two.tokens + prompt(302, n // 2)
+    alone.one(turn_two_prompt, max_tokens=8, stop_token_ids=[stop])
+    vllm_alone = alone.one(turn_three_prompt, max_tokens=4)
+    resumed = first.one(turn_three_prompt, max_tokens=4)
+    assert resumed.cached == end_of_two > vllm_alone.cached
+    assert_finite(resumed, "turn 3")
+    # The engine that just computed turn 3 now holds its own checkpoint at the prompt's last boundary; the fresh
+    # engine resumes at the same position through tiercache and computes the same thing.
+    own_three = first.one(turn_three_prompt, max_tokens=4)
+    assert_same_computation(fresh.one(turn_three_prompt, max_tokens=4), own_three, "turn 3 in the fresh engine")
+
+
+def test_diverging_questions_after_one_system_prompt_hit_the_shared_blocks(trio):
+    alone, first, fresh, n = trio
+    system = prompt(400, 2 * n + 50)
+    questions = [prompt(401 + i, 30 + 10 * i) for i in range(3)]
+    first.one(system + questions[0])
+    alone.one(system + questions[0])
+    for i, question in enumerate(questions[1:], start=1):
+        own = alone.one(system + question)
+        assert own.cached == 2 * n, f"question {i}: vLLM's own hit is {own.cached}"
+        assert_same_computation(fresh.one(system + question), own, f"question {i} in a fresh engine")
