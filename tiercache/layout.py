@@ -115,6 +115,9 @@ class ModelLayout:
     tp_rank: int = 0
     tp_size: int = 1
     num_layers: int = field(default=0)
+    # What else decides the bytes and is not a shape: the weights' identity, quantization, the engine's page layout
+    # (an engine connector fills it in; see tiercache.connector.vllm_identity). Part of the fingerprint.
+    identity: str = ""
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -158,7 +161,10 @@ class ModelLayout:
 
     def fingerprint(self, n: int, u: int) -> str:
         """16 hex characters that change whenever the cached bytes' meaning would: dtypes, shapes, N, u, TP, groups."""
-        text = ";".join([f"N{n}", f"u{u}", f"tp{self.tp_rank}/{self.tp_size}", *(g.describe() for g in self.groups)])
+        parts = [f"N{n}", f"u{u}", f"tp{self.tp_rank}/{self.tp_size}", *(g.describe() for g in self.groups)]
+        if self.identity:
+            parts.append(self.identity)
+        text = ";".join(parts)
         return xxhash.xxh3_64_hexdigest(text.encode())
 
 

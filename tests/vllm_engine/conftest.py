@@ -58,10 +58,10 @@ class Engines:
     def n(self) -> int:
         return self.model.block_size
 
-    def start(self, name: str, url: str | None, **options) -> EngineProcess:
+    def start(self, name: str, url: str | None, path: str | None = None, **options) -> EngineProcess:
         # The settings docs/vllm.md recommends: one state per block retained (diverging prompts and documents hit).
         options.setdefault("prefix_cache_retention_interval", self.model.block_size)
-        engine = EngineProcess(self.path, url, self.logs / f"{self.model.name}-{name}.log", **options)
+        engine = EngineProcess(path or self.path, url, self.logs / f"{self.model.name}-{name}.log", **options)
         self._started.append(engine)
         return engine
 

@@ -7,6 +7,7 @@ executor), so a test can reach the scheduler's connector and the fixes below app
 Protocol: one JSON object per line on stdin, one answer per line on stdout ({"ready": ...} first). Commands:
   {"op": "generate", "prompts": [[ids]], "max_tokens": n, "stop_token_ids": [..], "ignore_eos": bool}
       -> {"results": [{"cached": n, "tokens": [..], "logprobs": [{id: logprob}], "finish": reason}]}
+  {"op": "generate_embeds", "seed": s, "length": n, "max_tokens": n} -> the same, for a prompt of embeddings
   {"op": "stats"} -> {"connector": {...} | null}
   {"op": "exit"}
 Everything vLLM logs goes to stderr.
@@ -83,6 +84,22 @@ def generate(llm, command: dict) -> dict:
     return {"results": results}
 
 
+def generate_from_embeddings(llm, command: dict) -> dict:
+    """A prompt given as embeddings (random, from a seed): vLLM fills its token ids with placeholders."""
+    import torch
+    from vllm import SamplingParams
+
+    hidden = llm.llm_engine.model_config.get_hidden_size()
+    generator = torch.Generator().manual_seed(command["seed"])
+    embeds = (torch.randn(command["length"], hidden, generator=generator) * 0.05).to(torch.bfloat16)
+    params = SamplingParams(max_tokens=command.get("max_tokens", 1), temperature=0.0, logprobs=20, ignore_eos=True)
+    out = llm.generate([{"prompt_embeds": embeds}], params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    return {"results": [{"cached": out.num_cached_tokens, "tokens": list(completion.token_ids),
+                         "logprobs": [{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs],
+                         "finish": completion.finish_reason}]}
+
+
 def settle(llm) -> None:
     """Run the engine like a server's busy loop would after the last request: LLM.generate returns as soon as no
     request is unfinished, but vLLM needs one more step to hand finished requests to the connector (their
@@ -126,6 +143,9 @@ def main() -> None:
             break
         if command["op"] == "generate":
             answer = generate(llm, command)
+            settle(llm)
+        elif command["op"] == "generate_embeds":
+            answer = generate_from_embeddings(llm, command)
             settle(llm)
         elif command["op"] == "stats":
             answer = {"connector": connector_stats(llm)}

@@ -63,6 +63,10 @@ class EngineProcess:
     def one(self, prompt: list[int], **options) -> Completion:
         return self.generate([prompt], **options)[0]
 
+    def one_from_embeddings(self, seed: int, length: int, max_tokens: int = 1) -> Completion:
+        answer = self._call({"op": "generate_embeds", "seed": seed, "length": length, "max_tokens": max_tokens}, 600)
+        return Completion.from_json(answer["results"][0])
+
     def stats(self) -> dict | None:
         return self._call({"op": "stats"}, 60)["connector"]
 

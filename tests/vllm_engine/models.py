@@ -22,13 +22,17 @@ class TinyModel:
     seed: int = 0
 
     def write(self, directory: Path) -> str:
+        path = directory / self.name
+        if not (path / "config.json").exists():
+            self.write_to(path)
+        return str(path)
+
+    def write_to(self, path: Path, seed: int | None = None) -> str:
+        """Save the model's weights (random, from `seed`, default the model's own) into `path`, replacing any."""
         import torch
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-        path = directory / self.name
-        if (path / "config.json").exists():
-            return str(path)
-        torch.manual_seed(self.seed)
+        torch.manual_seed(self.seed if seed is None else seed)
         config = Qwen3NextConfig(
             vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=self.layers,
             num_attention_heads=4, num_key_value_heads=self.kv_heads, head_dim=self.head_dim,

@@ -106,3 +106,29 @@ def test_requests_complete_when_the_cache_server_dies_or_hangs(four_layer, alone
         if fault == "hung":
             os.kill(server.process.pid, signal.SIGCONT)
         server.kill()
+
+
+def test_prompts_given_as_embeddings_are_never_looked_up_or_saved(four_layer, cache_server):
+    engine = four_layer.start("embeds", cache_server.url, enable_prompt_embeds=True)
+    before = engine.stats()
+    for _ in range(2):
+        assert_finite(engine.one_from_embeddings(seed=900, length=300, max_tokens=4), "embeddings prompt")
+    after = engine.stats()
+    assert (after["lookups"], after["saves_planned"], after["objects_saved"]) == \
+        (before["lookups"], before["saves_planned"], before["objects_saved"])
+
+
+def test_other_weights_under_the_same_path_and_name_share_nothing(four_layer, cache_server, tmp_path):
+    """Two checkpoints served from one path under one name: the namespace names the weights, not the path."""
+    shared_name = {"connector_extra": {"model_name": "tiny-shared-name"}}
+    tokens = prompt(950, 300)
+    path = tmp_path / "model"
+    four_layer.model.write_to(path)
+    four_layer.start("weights-a", cache_server.url, path=str(path), **shared_name).one(tokens)
+    four_layer.model.write_to(path, seed=7)  # another checkpoint replaces the first at the same path
+    assert four_layer.start("weights-b", cache_server.url, path=str(path), **shared_name).one(tokens).cached == 0
+    # The first checkpoint's files at another path are the same weights: they share.
+    other = tmp_path / "elsewhere"
+    four_layer.model.write_to(other)
+    reused = four_layer.start("weights-a-elsewhere", cache_server.url, path=str(other), **shared_name).one(tokens)
+    assert reused.cached == 288

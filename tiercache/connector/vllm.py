@@ -9,9 +9,10 @@
 
 `kv_connector_extra_config` keys (all optional): `url` (default $TIERCACHE_URL, else grpc://127.0.0.1:50051),
 `token`, `tls_ca_file`, `model_name` (default: the served model), `revision`, `match_unit` (u, default 16 when it
-divides the block size, else the block size), `salt`, `timeout_s`, `lookup_timeout_s`, `offline_backoff_s`,
-`max_pending_save_bytes`. The rules (what is
-loaded, what is saved, when) are in tiercache.connector.vllm_plan; the copies in tiercache.connector.vllm_transfer.
+divides the block size, else the block size), `salt`, `weights_id`, `timeout_s`, `lookup_timeout_s`,
+`offline_backoff_s`, `max_pending_save_bytes`. The rules (what is loaded, what is saved, when) are in
+tiercache.connector.vllm_plan; the copies in tiercache.connector.vllm_transfer; the namespace's identity in
+tiercache.connector.vllm_identity.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiercache.client import Client, Retry
 from tiercache.connector.prefix_cache import BackgroundReporter, PrefixCache
+from tiercache.connector.vllm_identity import engine_identity
 from tiercache.connector.vllm_layout import engine_groups, model_layout, paged_views
 from tiercache.connector.vllm_plan import Planner, StepPlan
 from tiercache.connector.vllm_transfer import Transfers
@@ -49,6 +51,7 @@ class Settings:
     revision: str | None = None
     match_unit: int | None = None
     salt: str = ""
+    weights_id: str | None = None  # names the weights outright (else: read from the model's files)
     timeout_s: float = 30.0  # loads and saves (worker threads; the engine never waits on them)
     lookup_timeout_s: float = 0.5  # the scheduler's one lookup call per request: vLLM's scheduler thread waits on it
     offline_backoff_s: float = 2.0  # after a lookup that could not reach the server, no lookups for this long
@@ -108,7 +111,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         tp_rank = _tensor_parallel_rank() if role == KVConnectorRole.WORKER else 0
         self.layout = model_layout(self.groups, kv_cache_config, settings.model_name or model.served_model_name
                                    or model.model, settings.revision or model.revision or "main",
-                                   tp_rank=tp_rank, tp_size=parallel.tensor_parallel_size)
+                                   tp_rank=tp_rank, tp_size=parallel.tensor_parallel_size,
+                                   identity=engine_identity(vllm_config, self.groups, settings.weights_id))
         block = self.groups.block_size
         unit = settings.match_unit or (16 if block % 16 == 0 else block)
         self.spec = CacheSpec(self.layout, block, unit, salt=settings.salt)

@@ -85,7 +85,7 @@ def engine_groups(kv_cache_config) -> EngineGroups:
 
 
 def model_layout(groups: EngineGroups, kv_cache_config, model: str, revision: str, tp_rank: int = 0,
-                 tp_size: int = 1) -> ModelLayout:
+                 tp_size: int = 1, identity: str = "") -> ModelLayout:
     """tiercache's layout of this engine rank: what the namespace fingerprint covers."""
     specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
     layer_groups = []
@@ -103,7 +103,8 @@ def model_layout(groups: EngineGroups, kv_cache_config, model: str, revision: st
                         for i, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes)))
         layer_groups.append(LayerGroup(GroupKind.RECURRENT, layers, state=tensors))
     # The engine's name is part of the model name: vLLM's state layout is not transformers' (same model, other bytes).
-    return ModelLayout(f"vllm:{model}", tuple(layer_groups), revision=revision, tp_rank=tp_rank, tp_size=tp_size)
+    return ModelLayout(f"vllm:{model}", tuple(layer_groups), revision=revision, tp_rank=tp_rank, tp_size=tp_size,
+                       identity=identity)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -12,7 +12,8 @@ picklable data). The rules:
   ends (the next chat turn's prefix) — vLLM keeps those blocks until the worker has copied them.
 Keys are tiercache's own chain hashes of the token ids (deterministic across processes and engines; vLLM's block
 hashes are seeded per process unless PYTHONHASHSEED is set). A request's LoRA adapter and cache_salt become part of
-its namespace; requests with multimodal inputs are neither looked up nor saved (token ids alone do not name their KV).
+its namespace; requests with multimodal inputs or prompt embeddings are neither looked up nor saved (token ids alone
+do not name their KV).
 """
 
 from __future__ import annotations
@@ -235,6 +236,8 @@ class Planner:
             return tracked
         if getattr(request, "mm_features", None):
             return None  # token ids alone do not name multimodal KV
+        if getattr(request, "prompt_embeds", None) is not None:
+            return None  # vLLM fills the token ids of embedded positions with placeholders: they name nothing
         salt = _request_salt(request)
         cache = self._caches.get(salt)
         if cache is None:

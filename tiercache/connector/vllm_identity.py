@@ -1,0 +1,123 @@
+"""What names a vLLM engine's bytes beyond their shapes: the weights, quantization, dtypes, the order of layers in
+an object, and the engine's page layout. It goes into the namespace (`ModelLayout.identity`), so two checkpoints
+served from the same path or name, or a CPU and a GPU engine (their attention pages differ), never share bytes.
+
+The weights' identity is read from the files, not from the name: a file in a Hugging Face cache snapshot is a link
+to a blob named by its content hash (that name is used as it is); any other weight file is hashed (xxh3-128) once
+and remembered by (path, size, mtime, inode) in `$XDG_CACHE_HOME/tiercache/weights.json`, so later starts cost a
+stat per file. `kv_connector_extra_config.weights_id` sets it outright (e.g. an artifact digest), skipping the files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import xxhash
+
+log = logging.getLogger(__name__)
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+CONFIG_FILES = ("config.json", "quant_config.json", "hf_quant_config.json")
+_BLOCK_BYTES = 8 << 20
+
+
+def weights_identity(model_dir: Path, memo_path: Path | None = None) -> str:
+    """A 32-hex digest of the model directory's weight and config files (see the module docstring)."""
+    memo_path = memo_path or _memo_path()
+    memo = _load_memo(memo_path)
+    digest = xxhash.xxh3_128()
+    changed = False
+    for path in sorted(model_dir.iterdir()):
+        if not path.is_file() or not (path.suffix in WEIGHT_SUFFIXES or path.name in CONFIG_FILES):
+            continue
+        file_id, fresh = _file_identity(path, memo)
+        changed |= fresh
+        digest.update(f"{path.name}={file_id};".encode())
+    if changed:
+        _save_memo(memo_path, memo)
+    return digest.hexdigest()
+
+
+def _file_identity(path: Path, memo: dict) -> tuple[str, bool]:
+    """(identity, whether it was computed now). A hub blob's name is its content hash already."""
+    target = path.resolve()
+    if target != path.absolute() and target.parent.name == "blobs":
+        return f"blob:{target.name}", False
+    stat = target.stat()
+    key = f"{target}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+    if key in memo:
+        return memo[key], False
+    digest = xxhash.xxh3_128()
+    with open(target, "rb") as f:
+        while block := f.read(_BLOCK_BYTES):
+            digest.update(block)
+    memo[key] = digest.hexdigest()
+    return memo[key], True
+
+
+def _memo_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tiercache" / "weights.json"
+
+
+def _load_memo(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_memo(path: Path, memo: dict) -> None:
+    """Atomic replace: concurrent engine processes may write it at once; either version is right."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(memo, f)
+        os.replace(f.name, path)
+    except OSError as exc:
+        log.warning("tiercache: cannot remember weight hashes in %s: %s", path, exc)
+
+
+def model_directory(model: str, revision: str | None) -> Path | None:
+    """The local directory of `model`: the path itself, or its snapshot in the Hugging Face cache (no download)."""
+    if os.path.isdir(model):
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception:  # not cached, not a hub id, no huggingface_hub: the caller decides what to do
+        return None
+
+
+def engine_identity(vllm_config, groups, weights_id: str | None = None) -> str:
+    """Canonical text of everything besides shapes that decides an object's bytes in this engine."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    model = vllm_config.model_config
+    if weights_id is None:
+        directory = model_directory(model.model, model.revision)
+        if directory is None:
+            log.warning("TierCacheConnector: cannot read the weights of %s; the namespace names them by name and "
+                        "revision only (set kv_connector_extra_config.weights_id to name them exactly)", model.model)
+            weights_id = "unread"
+        else:
+            weights_id = weights_identity(directory)
+    attention = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    layers = "|".join(",".join(names) for names in groups.layer_names)
+    return ";".join([f"weights={weights_id}", f"quant={model.quantization}", f"dtype={model.dtype}",
+                     f"cache={vllm_config.cache_config.cache_dtype}", f"vllm={vllm.__version__}",
+                     f"device={current_platform.device_type}:{_device_name(current_platform)}",
+                     f"attention={attention}", f"layers={layers}"])
+
+
+def _device_name(platform) -> str:
+    try:
+        return platform.get_device_name(0) if platform.device_type != "cpu" else "cpu"
+    except Exception:
+        return "unknown"
