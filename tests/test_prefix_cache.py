@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tiercache.client import Client
-from tiercache.connector.prefix_cache import PrefixCache
+from tiercache.connector.prefix_cache import PrefixCache, save_objects
 from tiercache.hybrid import CacheSpec, ObjectKind, object_ref
 from tiercache.layout import GroupKind, LayerGroup, ModelLayout
 from tiercache.presets import gated_deltanet_layout
@@ -159,3 +159,30 @@ def test_a_save_past_the_tenant_quota_is_skipped(start_server, tmp_path):
         lookup = cache.lookup(tokens(100))
         plan = cache.plan_prompt(lookup)
         assert cache.save({ref: bytes(cache.spec.object_bytes(ref)) for ref in plan.objects}).objects == 0
+
+
+def test_a_tensor_parallel_lookup_hits_only_what_every_rank_holds(client):
+    """An engine's ranks save their shards under the scheduler's keys, each in its own rank's namespace (the vLLM
+    connector's workers). The scheduler's lookup (all_ranks) must not offer a prefix one rank lacks: that rank's
+    load would fail, and fail again for every later request of that prefix."""
+    layout = dataclasses.replace(LAYOUT, tp_size=2)
+    scheduler = PrefixCache(client, spec(layout=layout), all_ranks=True)
+    rank1_namespace = spec(layout=dataclasses.replace(layout, tp_rank=1)).namespace
+    prompt = tokens(100, seed=21)
+
+    def run(prompt, ranks) -> None:
+        plan = scheduler.plan_prompt(scheduler.lookup(prompt))
+        payloads = {ref: bytes([ref.kind]) * scheduler.spec.object_bytes(ref) for ref in plan.objects}
+        for namespace in ranks:
+            save_objects(client, namespace, payloads)
+
+    run(prompt[:40], [scheduler.namespace, rank1_namespace])  # both ranks: states at 16, 32, 39
+    assert scheduler.lookup(prompt[:40]).hit.tokens == 39
+    run(prompt, [scheduler.namespace])  # rank 1's save of the 100-token prompt was lost
+    assert PrefixCache(client, spec(layout=layout)).lookup(prompt).hit.tokens == 99  # rank 0 alone: all of it
+    lookup = scheduler.lookup(prompt)
+    assert lookup.hit.tokens == 32  # the deepest position both ranks hold: kv chunks 16, 32 and the state at 32
+    assert {o.ref.position for o in lookup.hit.objects} == {16, 32}
+    assert client.get_many(rank1_namespace, [o.ref.key for o in lookup.hit.objects]).count(None) == 0
+    # Objects only rank 0 holds do not count as present, so a later save plans them again (rank 1 writes its own).
+    assert scheduler.plan_prompt(lookup).objects

@@ -12,6 +12,7 @@ way. Errors that mean a misconfiguration (bad token, another tenant's namespace,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -46,25 +47,35 @@ class SaveResult:
 
 class PrefixCache:
     def __init__(self, client: Client, spec: CacheSpec, *, report: bool = True,
-                 reporter: Callable[[str, int, dict], None] | None = None) -> None:
+                 reporter: Callable[[str, int, dict], None] | None = None, all_ranks: bool = False) -> None:
         """`reporter(namespace, requested_tokens, hit_tokens_by_tier)` replaces the blocking ReportLookup call (an
-        engine's scheduler hands it to a background thread: statistics must not cost a request a round trip)."""
+        engine's scheduler hands it to a background thread: statistics must not cost a request a round trip).
+
+        `all_ranks`: the lookup is for every tensor-parallel rank of the layout (an engine's scheduler, whose
+        workers each load their own rank's shard): an object counts as present only when every rank's shard is, so
+        a shard missing on one rank shortens the hit instead of failing every load of that prefix."""
         self.client = client
         self.spec = spec
         self.namespace = spec.namespace
         self._report = report
         self._reporter = reporter
+        self._all_ranks = all_ranks
+        layout = spec.layout
+        self._other_ranks = [dataclasses.replace(spec, layout=dataclasses.replace(layout, tp_rank=rank)).namespace
+                             for rank in range(layout.tp_size) if rank != layout.tp_rank] if all_ranks else []
+        self._rank_lookups = ThreadPoolExecutor(len(self._other_ranks), thread_name_prefix="tiercache-rank-lookup") \
+            if self._other_ranks else None
 
     def with_spec(self, spec: CacheSpec) -> "PrefixCache":
         """The same client and reporting for another spec (a request's own salt)."""
-        return PrefixCache(self.client, spec, report=self._report, reporter=self._reporter)
+        return PrefixCache(self.client, spec, report=self._report, reporter=self._reporter, all_ranks=self._all_ranks)
 
     def lookup(self, tokens) -> Lookup:
         hashes = self.spec.hashes(tokens)
         probe = plan_probe(self.spec, hashes)
         reached = True
         try:
-            where = self.client.locate(self.namespace, probe.keys) if probe.objects else []
+            where = self._locate(probe.keys) if probe.objects else []
         except Unavailable as exc:
             log.warning("tiercache lookup failed, treating it as a miss: %s", exc)
             where, reached = [None] * len(probe.objects), False
@@ -73,6 +84,16 @@ class PrefixCache:
             self._report_lookup(hashes.length, hit.tokens_by_tier())
         present = {ref.key: tier for ref, tier in zip(probe.objects, where) if tier is not None}
         return Lookup(hashes, hit, present, reached)
+
+    def _locate(self, keys: list[bytes]) -> list[str | None]:
+        """Where each key's object lies (this rank's tier), or None; with `all_ranks`, None unless every rank holds
+        its shard. An engine's ranks name their shards with the same keys (the scheduler's, who plans every save
+        and load) in their own namespaces; the other ranks are asked at the same time as this one."""
+        others = [self._rank_lookups.submit(self.client.locate, namespace, keys) for namespace in self._other_ranks]
+        where = self.client.locate(self.namespace, keys)
+        for future in others:
+            where = [tier if other is not None else None for tier, other in zip(where, future.result())]
+        return where
 
     def _report_lookup(self, requested_tokens: int, hit_tokens_by_tier: dict) -> None:
         if self._reporter is not None:

@@ -106,8 +106,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.groups = engine_groups(kv_cache_config)
         parallel = vllm_config.parallel_config
         model = vllm_config.model_config
-        # The scheduler looks up rank 0's objects; each worker loads and saves its own rank's shard (a shard
-        # missing on some rank fails that rank's load, and vLLM recomputes: never a mix of prefixes).
+        # Each worker loads and saves its own rank's shard; the scheduler's lookup asks for every rank's shards, so
+        # a hit is one every rank can load (a shard gone between lookup and load fails that rank's load, and vLLM
+        # recomputes the request: never a mix of prefixes).
         tp_rank = _tensor_parallel_rank() if role == KVConnectorRole.WORKER else 0
         self.layout = model_layout(self.groups, kv_cache_config, settings.model_name or model.served_model_name
                                    or model.model, settings.revision or model.revision or "main",
@@ -127,8 +128,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             lookups = Client.from_url(settings.url, token=settings.token, tls_ca_file=settings.tls_ca_file,
                                       timeout_s=settings.lookup_timeout_s, retry=Retry(attempts=1))
             self._reporter = BackgroundReporter(self.client)
-            self._planner = Planner(PrefixCache(lookups, self.spec, reporter=self._reporter), self.groups,
-                                    offline_backoff_s=settings.offline_backoff_s)
+            cache = PrefixCache(lookups, self.spec, reporter=self._reporter, all_ranks=True)
+            self._planner = Planner(cache, self.groups, offline_backoff_s=settings.offline_backoff_s)
         else:
             self._transfers = Transfers(self.client, self.groups, self.spec, settings.max_pending_save_bytes)
         log.info("TierCacheConnector (%s) on %s: namespace %s, N=%d, u=%d", role.name, settings.url,
