@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tiercache.hybrid import (CacheSpec, ObjectKind, plan_finish_admission, plan_probe, plan_prompt_admission,
-                              resolve_hit)
+                              plan_step_admission, resolve_hit)
 from tiercache.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
 
 N, U = 32, 8
@@ -197,3 +197,31 @@ def test_tokens_by_tier_attributes_kv_tokens():
     where = ["disk" if r.kind is ObjectKind.KV and r.position == 32 else "host" for r in probe.objects]
     hit = resolve_hit(spec, hashes, probe, where)
     assert hit.tokens == 99 and hit.tokens_by_tier() == {"disk": 32, "host": 67}
+
+
+def _planned(plan) -> list[tuple[str, int]]:
+    return sorted({(ref.kind.name, ref.position) for ref in plan.objects})
+
+
+def test_step_admission_keeps_the_states_the_prompt_admission_wants():
+    """An engine that keeps states where it chose (vLLM) offers them step by step; the shared rule admits the same
+    boundary states as plan_prompt_admission (spaced 1, 2, 4 chunks back from the end) and the prompt's end."""
+    spec = CacheSpec(HYBRID, N, U)
+    tokens = np.arange(300)
+    hashes = spec.hashes(tokens)
+    whole = plan_prompt_admission(spec, spec.hashes(tokens), 0)
+    wanted_states = {ref.position for ref in whole.objects if ref.kind is ObjectKind.STATE} - {299}
+    assert wanted_states == {288, 256, 192, 64}
+    # Step 1 computes [0, 200) and vLLM commits a state at every block boundary it passed.
+    first = plan_step_admission(spec, hashes, 300, 0, (0, 200), offered_states=[32, 64, 96, 128, 160, 192])
+    assert _planned(first) == [("KV", p) for p in range(32, 193, 32)] + [("STATE", 64), ("STATE", 192)]
+    # Step 2 computes [200, 300); vLLM keeps the prompt's last hash boundary below L-1 (296), not 299.
+    second = plan_step_admission(spec, hashes, 300, 0, (200, 300), offered_states=[224, 256, 288, 296])
+    assert _planned(second) == [("KV", 224), ("KV", 256), ("KV", 288), ("STATE", 256), ("STATE", 288),
+                                ("STATE", 296), ("TAIL", 296)]
+    # Nothing already present is planned again, and an attention-only model keeps no states.
+    assert plan_step_admission(spec, hashes, 300, 0, (200, 300), [224, 256, 296],
+                               present={ref.key for ref in second.objects}).objects == ()
+    attention = CacheSpec(ATTENTION, N, U)
+    assert _planned(plan_step_admission(attention, attention.hashes(tokens), 300, 0, (0, 64), [32, 64])) == \
+        [("KV", 32), ("KV", 64)]

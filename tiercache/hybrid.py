@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Sequence
+from typing import Container, Mapping, NamedTuple, Sequence
 
 from tiercache.errors import InvalidArgument
 from tiercache.keys import PrefixHashes, salt_suffix, validate_namespace
@@ -289,6 +289,30 @@ def plan_finish_admission(spec: CacheSpec, hashes: PrefixHashes, prompt_tokens: 
     return _plan(spec, hashes, kv_positions, [], ends, present or {})
 
 
+def plan_step_admission(spec: CacheSpec, hashes: PrefixHashes, prompt_tokens: int, hit_tokens: int,
+                        computed: tuple[int, int], offered_states: Sequence[int] = (),
+                        present: Container[bytes] = ()) -> SavePlan:
+    """Objects to save after one step of an engine that computes a request step by step and keeps recurrent states
+    only where it chose to (vLLM: align-mode block boundaries and the prompt's last hash boundary): every kv chunk
+    the step completed in `computed` = [start, end), and, of the states the engine `offered_states` (positions),
+    those the prompt's admission wants, each with its tails when it sits between chunks.
+
+    The prompt's admission (plan_prompt_admission) wants the boundary states spaced 1, 2, 4, ... chunks back from
+    the prompt's end (at most `max_boundary_states`) and the state at the prompt's end; an engine that cannot stop
+    at L-1 offers the last state it keeps below it, so any offered state past the deepest chunk boundary below L-1
+    counts as the prompt's end. States past the prompt (decode) are left to plan_finish_admission (the request's
+    end). `hashes` must cover every position planned."""
+    n = spec.chunk_tokens
+    start, end = computed
+    kv_positions = [k * n for k in range(start // n + 1, end // n + 1)]
+    states: list[int] = []
+    if spec.layout.is_hybrid:
+        last = prompt_tokens - 1
+        wanted = set(_boundary_state_positions(spec, hit_tokens, last))
+        states = [p for p in offered_states if p in wanted or last // n * n < p <= last]
+    return _plan(spec, hashes, kv_positions, states, [], present)
+
+
 def _boundary_state_positions(spec: CacheSpec, after: int, last: int) -> list[int]:
     n = spec.chunk_tokens
     deepest = last // n
@@ -303,7 +327,7 @@ def _boundary_state_positions(spec: CacheSpec, after: int, last: int) -> list[in
 
 
 def _plan(spec: CacheSpec, hashes: PrefixHashes, kv_positions: list[int], state_positions: list[int],
-          end_positions: list[int], present: Mapping[bytes, str]) -> SavePlan:
+          end_positions: list[int], present: Container[bytes]) -> SavePlan:
     objects: dict[bytes, ObjectRef] = {}
     attention = [i for i, g in enumerate(spec.layout.groups) if g.is_attention]
     for p in kv_positions:

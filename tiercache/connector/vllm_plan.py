@@ -7,9 +7,11 @@ picklable data). The rules:
   connector's per-step hooks run, so every load is asynchronous: the request waits (WAITING_FOR_REMOTE_KVS) until the
   worker reports it, and a failed load is reported as failed (vLLM then recomputes, with
   kv_load_failure_policy=recompute). Blocks vLLM already holds (its own prefix cache) are never written;
-- saves follow the computation: a `kv` object as soon as its block is computed, a `state` (and the `tail` beside it
-  when it is not block-aligned) when vLLM hands over an align-mode boundary state, and tail + state where a request
-  ends (the next chat turn's prefix) — vLLM keeps those blocks until the worker has copied them.
+- saves follow the computation, and what is saved is decided by tiercache.hybrid's admission rules, the same ones
+  the transformers connector follows (`plan_step_admission`, `plan_finish_admission`): a `kv` object as soon as its
+  block is computed, a `state` (and the `tail` beside it when it is not block-aligned) when vLLM hands over an
+  align-mode boundary state the prompt's admission wants, and tail + state where a request ends (the next chat
+  turn's prefix) — vLLM keeps those blocks until the worker has copied them.
 Keys are tiercache's own chain hashes of the token ids (deterministic across processes and engines; vLLM's block
 hashes are seeded per process unless PYTHONHASHSEED is set). A request's LoRA adapter and cache_salt become part of
 its namespace; requests with multimodal inputs or prompt embeddings are neither looked up nor saved (token ids alone
@@ -27,7 +29,7 @@ import numpy as np
 
 from tiercache.connector.prefix_cache import Lookup, PrefixCache
 from tiercache.connector.vllm_layout import EngineGroups
-from tiercache.hybrid import ObjectKind, ObjectRef, object_ref
+from tiercache.hybrid import ObjectKind, ObjectRef, plan_finish_admission, plan_step_admission
 
 log = logging.getLogger(__name__)
 
@@ -152,9 +154,7 @@ class Planner:
             request = tracked.request
             start = request.num_computed_tokens  # the plan is built before vLLM advances it
             end = min(start + scheduler_output.num_scheduled_tokens.get(req_id, 0), len(request.all_token_ids))
-            refs = self._computed_chunks(tracked, start, end)
-            transfers = [self._transfer(r, block_ids) for r in refs]
-            transfers += self._boundary_states(tracked, block_ids, offloads.get(req_id, ()))
+            transfers = self._step_saves(tracked, block_ids, start, end, offloads.get(req_id, ()))
             if transfers:
                 plan.saves.append(Job(req_id, tracked.cache.spec.salt, tuple(transfers)))
                 self.stats.saves_planned += len(transfers)
@@ -168,60 +168,47 @@ class Planner:
         end = request.num_computed_tokens
         if tracked is None or end <= 0 or getattr(request, "num_in_flight_tokens", 0):
             return False
-        refs = self._computed_chunks(tracked, 0, end)
-        hashes = tracked.cache.spec.hashes(_tokens(request)[:end])
         spec = tracked.cache.spec
-        if end % spec.chunk_tokens:
-            refs += [object_ref(spec, hashes, ObjectKind.TAIL, end, g) for g in range(len(self.groups.attention))]
-        if self.groups.mamba:
-            refs.append(object_ref(spec, hashes, ObjectKind.STATE, end, self.groups.recurrent_group))
-        refs = [r for r in refs if r.key not in tracked.saved]
-        if not refs:
+        plan = plan_finish_admission(spec, spec.hashes(_tokens(request)[:end]), request.num_prompt_tokens,
+                                     tracked.saved)
+        transfers = self._transfers_for(tracked, plan.objects, block_ids, {})
+        if not transfers:
             return False
-        transfers = [self._transfer(r, block_ids) for r in refs]
-        self._finishes.append(Job(request.request_id, tracked.cache.spec.salt, tuple(transfers), finish=True))
+        self._finishes.append(Job(request.request_id, spec.salt, tuple(transfers), finish=True))
         self.stats.saves_planned += len(transfers)
         return True
 
-    def _computed_chunks(self, tracked: _Tracked, start: int, end: int) -> list[ObjectRef]:
-        """kv objects of every block that [start, end) completes, not yet in tiercache."""
+    def _step_saves(self, tracked: _Tracked, block_ids, start: int, end: int, offered) -> list[Transfer]:
+        """What tiercache.hybrid's admission wants saved after a step that computed [start, end) and in which vLLM
+        committed the boundary states `offered`, and where each object's bytes are."""
+        request = tracked.request
+        state_blocks = self._complete_states(offered, len(request.all_token_ids))
+        deepest = max([end, *state_blocks])
+        if deepest <= 0:
+            return []
         spec = tracked.cache.spec
-        n = spec.chunk_tokens
-        positions = range((start // n + 1) * n, end + 1, n)
-        if not positions:
-            return []
-        hashes = spec.hashes(_tokens(tracked.request)[:positions[-1]])
-        refs = [object_ref(spec, hashes, ObjectKind.KV, p, g) for p in positions
-                for g in range(len(self.groups.attention))]
-        wanted = [r for r in refs if r.key not in tracked.saved]
-        tracked.saved.update(r.key for r in wanted)
-        return wanted
+        hit = tracked.lookup.hit.tokens if tracked.lookup is not None else 0
+        plan = plan_step_admission(spec, spec.hashes(_tokens(request)[:deepest]), request.num_prompt_tokens, hit,
+                                   (start, end), sorted(state_blocks), tracked.saved)
+        return self._transfers_for(tracked, plan.objects, block_ids, state_blocks)
 
-    def _boundary_states(self, tracked: _Tracked, block_ids, offered) -> list[Transfer]:
-        """State (and tail) objects for the align-mode boundary states vLLM committed this step."""
-        if not self.groups.mamba:
-            return []
+    def _complete_states(self, offered, limit: int) -> dict[int, tuple[int, ...]]:
+        """Offered boundary states by position: the block of each Mamba group. A state of some groups only cannot be
+        restored, nor one past the tokens the request knows."""
         by_position: dict[int, dict[int, int]] = {}
         for group_id, block_id, tokens in offered:
             by_position.setdefault(tokens, {})[group_id] = block_id
-        spec = tracked.cache.spec
-        transfers = []
-        for position, blocks in sorted(by_position.items()):
-            if set(blocks) != set(self.groups.mamba) or position > len(tracked.request.all_token_ids):
-                continue  # a state of some Mamba groups only cannot be restored
-            hashes = spec.hashes(_tokens(tracked.request)[:position])
-            state = object_ref(spec, hashes, ObjectKind.STATE, position, self.groups.recurrent_group)
-            if state.key in tracked.saved:
-                continue
-            tracked.saved.add(state.key)
-            transfers.append(Transfer(state, tuple(blocks[g] for g in self.groups.mamba)))
-            if position % spec.chunk_tokens:
-                for g in range(len(self.groups.attention)):
-                    tail = object_ref(spec, hashes, ObjectKind.TAIL, position, g)
-                    if tail.key not in tracked.saved:
-                        tracked.saved.add(tail.key)
-                        transfers.append(self._transfer(tail, block_ids))
-        return transfers
+        return {position: tuple(blocks[g] for g in self.groups.mamba) for position, blocks in by_position.items()
+                if self.groups.mamba and set(blocks) == set(self.groups.mamba) and position <= limit}
+
+    def _transfers_for(self, tracked: _Tracked, refs, block_ids, state_blocks: dict[int, tuple[int, ...]]
+                       ) -> list[Transfer]:
+        """Where the planned objects' bytes are: a state in the block vLLM committed it to (or the request's running
+        state block), kv and tails in the request's attention blocks. They count as saved from now on."""
+        tracked.saved.update(ref.key for ref in refs)
+        return [Transfer(ref, state_blocks[ref.position])
+                if ref.kind is ObjectKind.STATE and ref.position in state_blocks else self._transfer(ref, block_ids)
+                for ref in refs]
 
     def _transfer(self, ref: ObjectRef, block_ids) -> Transfer:
         if ref.kind is ObjectKind.STATE:
