@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -75,13 +76,16 @@ def generate(llm, command: dict) -> dict:
     params = SamplingParams(max_tokens=command.get("max_tokens", 1), temperature=0.0, logprobs=20,
                             stop_token_ids=command.get("stop_token_ids"), ignore_eos=command.get("ignore_eos", True))
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in command["prompts"]]
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
     results = []
-    for out in llm.generate(prompts, params, use_tqdm=False):
+    for out in outputs:
         completion = out.outputs[0]
         results.append({"cached": out.num_cached_tokens, "tokens": list(completion.token_ids),
                         "logprobs": [{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs],
                         "finish": completion.finish_reason})
-    return {"results": results}
+    return {"results": results, "seconds": seconds}
 
 
 def generate_from_embeddings(llm, command: dict) -> dict:

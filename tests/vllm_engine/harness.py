@@ -63,6 +63,12 @@ class EngineProcess:
     def one(self, prompt: list[int], **options) -> Completion:
         return self.generate([prompt], **options)[0]
 
+    def timed(self, prompt: list[int], **options) -> tuple[Completion, float]:
+        """One prompt and the seconds vLLM's generate took for it (with max_tokens=1: the time to first token)."""
+        answer = self._call({"op": "generate", "prompts": [prompt], "max_tokens": options.get("max_tokens", 1),
+                             "stop_token_ids": None, "ignore_eos": True}, 600)
+        return Completion.from_json(answer["results"][0]), answer["seconds"]
+
     def one_from_embeddings(self, seed: int, length: int, max_tokens: int = 1) -> Completion:
         answer = self._call({"op": "generate_embeds", "seed": seed, "length": length, "max_tokens": max_tokens}, 600)
         return Completion.from_json(answer["results"][0])
