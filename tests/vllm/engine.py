@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
@@ -61,7 +62,8 @@ def tiny_qwen3_next(directory: str) -> str:
 def vllm_config(model_dir: str, url: str, extra: dict | None = None, max_num_batched_tokens: int = 512,
                 failure_policy: str = "recompute", retention_interval: int | None = 0,
                 max_model_len: int = 1024) -> VllmConfig:
-    model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len)
+    model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len,
+                        runner="generate")
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True, mamba_cache_mode="align",
                         mamba_block_size=BLOCK, prefix_match_unit=HASH_BLOCK,
                         prefix_cache_retention_interval=retention_interval)
@@ -97,12 +99,18 @@ def kv_cache_config(config: VllmConfig, num_blocks: int):
 class Engine:
     """One engine: scheduler + worker connector + forward stand-in, stepped like vLLM's EngineCore.step()."""
 
-    def __init__(self, url: str, num_blocks: int = 64, extra: dict | None = None, **options) -> None:
+    def __init__(self, url: str, num_blocks: int = 64, extra: dict | None = None, async_scheduling: bool = False,
+                 **options) -> None:
+        """`async_scheduling`: vLLM's AsyncScheduler, stepped like EngineCore.step_with_batch_queue (the next step
+        is scheduled and run before the previous step's output is processed)."""
         self.model_dir = tiny_qwen3_next(tempfile.mkdtemp(prefix="tiny-qwen3-next-"))
         self.config = vllm_config(self.model_dir, url, extra, **options)
+        self.config.scheduler_config.async_scheduling = async_scheduling
         self.kv_config = kv_cache_config(self.config, num_blocks)
-        self.scheduler = Scheduler(self.config, self.kv_config, StructuredOutputManager(self.config),
-                                   block_size=BLOCK, hash_block_size=HASH_BLOCK, log_stats=True)
+        scheduler_class = AsyncScheduler if async_scheduling else Scheduler
+        self.scheduler = scheduler_class(self.config, self.kv_config, StructuredOutputManager(self.config),
+                                         block_size=BLOCK, hash_block_size=HASH_BLOCK, log_stats=True)
+        self.async_scheduling = async_scheduling
         self.worker = TierCacheConnector(self.config, KVConnectorRole.WORKER, self.kv_config)
         self.caches = allocate_kv_cache(self.kv_config, torch.device("cpu"), KVCacheLayout.LBNHC)
         self.worker.register_kv_caches(self.caches)
@@ -123,15 +131,22 @@ class Engine:
     def connector(self) -> TierCacheConnector:
         return self.scheduler.connector
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2, cache_salt: str | None = None) -> Request:
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2, cache_salt: str | None = None,
+            stop_token_ids: list[int] | None = None) -> Request:
         request = Request(req_id, prompt_token_ids=list(prompt), sampling_params=SamplingParams(
-            max_tokens=max_tokens, ignore_eos=True), pooling_params=None, block_hasher=self.hasher,
-            cache_salt=cache_salt)
+            max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stop_token_ids), pooling_params=None,
+            block_hasher=self.hasher, cache_salt=cache_salt)
         self.scheduler.add_request(request)
         self.outputs[req_id] = []
         return request
 
     def step(self):
+        out, result = self._execute()
+        self._process(out, result)
+        return out
+
+    def _execute(self):
+        """Schedule one step and run it on the worker side; its output is processed by _process."""
         out = self.scheduler.schedule()
         for data in out.scheduled_new_reqs:
             self.hits.setdefault(data.req_id, data.num_computed_tokens)
@@ -161,23 +176,34 @@ class Engine:
         result = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                    sampled_token_ids=[sampled.get(r, []) for r in req_ids], logprobs=None,
                                    prompt_logprobs_dict={}, pooler_output=[], kv_connector_output=transfer)
+        return out, result
+
+    def _process(self, out, result) -> None:
         for outputs in self.scheduler.update_from_output(out, result).values():
             for output in outputs.outputs:
                 self.outputs[output.request_id] += output.new_token_ids
+                self.forward.reported(output.request_id, len(output.new_token_ids))
                 if output.finish_reason is not None:
                     self.finished.add(output.request_id)
-        return out
 
     def run(self, *req_ids: str, max_steps: int = 200) -> None:
         """Step until these requests finish and every end-of-request save has been handed back."""
+        in_flight = []  # async scheduling: (scheduler output, model output) of the step not processed yet
         for _ in range(max_steps):
-            if set(req_ids) <= self.finished and not self.scheduler.has_requests():
+            if set(req_ids) <= self.finished and not self.scheduler.has_requests() and not in_flight:
                 self.worker._transfers.drain()
                 return
-            self.step()
+            if not self.async_scheduling:
+                self.step()
+                continue
+            if self.scheduler.has_requests():
+                in_flight.append(self._execute())
+            if len(in_flight) == 2 or (in_flight and not self.scheduler.has_requests()):
+                self._process(*in_flight.pop(0))
         raise AssertionError(f"requests {req_ids} did not finish in {max_steps} steps")
 
     def generate(self, req_id: str, prompt: list[int], max_tokens: int = 2, **options) -> list[int]:
+        """Run one request to its end; its generated tokens."""
         self.add(req_id, prompt, max_tokens, **options)
         self.run(req_id)
         return self.outputs[req_id]
@@ -196,6 +222,7 @@ class Forward:
     gdn_group: int
     tables: dict[str, list[list[int]]] = field(default_factory=dict)  # request -> block ids per KV cache group
     state_block: dict[str, int] = field(default_factory=dict)  # request -> index of its running state block
+    unreported: dict[str, list[int]] = field(default_factory=dict)  # sampled, not yet in the request (async)
     checked_tokens: int = 0  # tokens whose cached KV a pass verified (tests assert this moved)
     checked_states: int = 0
 
@@ -205,14 +232,22 @@ class Forward:
         for req_id, count in out.num_scheduled_tokens.items():
             request = requests[req_id]
             start = request.num_computed_tokens - count  # the scheduler advanced it already
-            tokens = list(request.all_token_ids)
+            # With async scheduling the token sampled by the previous step is not in the request yet; a real
+            # model runner takes it from the previous step's output on the device.
+            tokens = list(request.all_token_ids) + self.unreported.get(req_id, [])
             self._check_inputs(req_id, tokens, start)
             self._write(req_id, tokens, start, start + count)
-            if start + count >= request.num_tokens:
+            if start + count >= len(tokens):
                 sampled[req_id] = [next_token(tokens[:start + count])]
+                self.unreported.setdefault(req_id, []).extend(sampled[req_id])
         for req_id in set(out.finished_req_ids) | set(out.preempted_req_ids or ()):
             self.state_block.pop(req_id, None)
+            self.unreported.pop(req_id, None)
         return sampled
+
+    def reported(self, req_id: str, count: int) -> None:
+        """The scheduler appended `count` sampled tokens to the request."""
+        del self.unreported.get(req_id, [])[:count]
 
     def _update_tables(self, out) -> None:
         for data in out.scheduled_new_reqs:

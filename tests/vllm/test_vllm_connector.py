@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.vllm.engine import ATTENTION, BLOCK, GDN, Engine, kv_value, prompt, state_value
+from tests.vllm.engine import ATTENTION, BLOCK, GDN, Engine, kv_value, next_token, prompt, state_value
 from tiercache.client import Client
 from tiercache.connector.vllm import Settings
 from tiercache.errors import InvalidArgument
@@ -155,3 +155,20 @@ def test_extra_config_is_checked():
     assert Settings.from_extra_config({"url": "grpc://h:1", "match_unit": 32}).match_unit == 32
     with pytest.raises(InvalidArgument, match="unknown kv_connector_extra_config keys"):
         Settings.from_extra_config({"urll": "grpc://h:1"})
+
+
+def test_async_scheduling_saves_the_end_of_a_request_that_stops_with_a_step_in_flight(engines):
+    """vLLM's default async scheduling runs the step after a stop token before it knows the request stopped: the
+    end-of-request save must still happen (the next chat turn's prefix), for the tokens that step computed."""
+    first, second = engines(async_scheduling=True), engines()
+    turn_one = prompt(50, 40)
+    replies = []
+    for _ in range(3):
+        replies.append(next_token(turn_one + replies))
+    stop = replies[-1]
+    assert first.generate("a", turn_one, 10, stop_token_ids=[stop]) == replies
+    # The stop token was fed back in the step in flight: the request ended with 43 tokens computed.
+    turn_two = turn_one + replies + prompt(51, 8)
+    second.generate("b", turn_two, 2)
+    assert second.hits["b"] == len(turn_one) + len(replies)
+    assert second.forward.checked_states >= 1  # the state it resumed from is the state after those 43 tokens

@@ -165,8 +165,12 @@ class Planner:
     def finished(self, request, block_ids: tuple[list[int], ...]) -> bool:
         """Plan the save of a request's end; True when vLLM must keep its blocks until the worker copied them."""
         tracked = self._requests.pop(request.request_id, None)
+        # With async scheduling a step may still be in flight: it computes the KV of the request's last known token
+        # and the state after it (num_computed_tokens counts it already). This save reaches the workers with a later
+        # step's metadata, after that step, so the blocks then hold exactly tokens [0, end). Only when vLLM has
+        # counted tokens it does not know yet (a token still being sampled) is the state past anything we can name.
         end = request.num_computed_tokens
-        if tracked is None or end <= 0 or getattr(request, "num_in_flight_tokens", 0):
+        if tracked is None or end <= 0 or end > len(request.all_token_ids):
             return False
         spec = tracked.cache.spec
         plan = plan_finish_admission(spec, spec.hashes(_tokens(request)[:end]), request.num_prompt_tokens,
