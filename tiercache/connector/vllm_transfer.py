@@ -4,12 +4,14 @@ Objects are whole blocks as vLLM keeps them (see tiercache.connector.vllm_layout
 attention group's page of one block, for all its layers; a state object is every Mamba layer's state bytes of one
 block per Mamba group.
 
-Loads run on a background thread (fetch, check sizes, scatter into the request's blocks) and are reported when done;
-any missing, corrupt (the server never returns a chunk that fails its checksum) or mis-sized object fails the whole
-load, and vLLM recomputes the request: a partial load is never reported as a hit. Saves are gathered when the step's
-forward pass is over (`wait_for_save`: the blocks still hold what the plan names) into host memory, and put on a
-second background thread, so the engine waits for copies, not for the network. Saves beyond `max_pending_save_bytes`
-are dropped with a warning: a cache may forget, an engine must not stall.
+Loads fetch on a background thread (and check sizes); the copies into the request's blocks run on vLLM's own thread
+at the next step boundary, and the load is reported when they are done. Any missing, corrupt (the server never
+returns a chunk that fails its checksum) or mis-sized object fails the whole load, and vLLM recomputes the request:
+a partial load is never reported as a hit.
+
+Saves are gathered when the step's forward pass is over (`wait_for_save`: the blocks still hold what the plan names)
+into host memory, and put on a second background thread, so the engine waits for copies, not for the network. Saves
+beyond `max_pending_save_bytes` are dropped with a warning: a cache may forget, an engine must not stall.
 
 On CUDA tensors the copies are the CUDA kernels, staged through pinned host memory, loads on their own stream; on
 CPU tensors they are the kernels' torch reference.
@@ -17,11 +19,9 @@ CPU tensors they are the kernels' torch reference.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -68,6 +68,7 @@ class Transfers:
         self._pending_save_bytes = 0
         self._load_stream = None
         self._namespaces: dict[str, str] = {}
+        self._fetches: list[_PendingLoad] = []  # loads started, not reported yet (vLLM's thread only)
 
     def register(self, views: PagedViews) -> None:
         self.views = views
@@ -82,49 +83,96 @@ class Transfers:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.views.device))  # after this step's block zeroing
         for job in jobs:
-            self._loader.submit(self._load, job, ready)
+            self._fetches.append(_PendingLoad(job, ready, self._loader.submit(self._fetch, job)))
 
-    def _load(self, job: Job, ready) -> None:
-        ok = False
-        try:
-            ok = self._fetch_and_scatter(job, ready)
-        except Exception:  # a load must end reported, whatever went wrong; vLLM then recomputes
-            log.exception("tiercache load for request %s failed", job.req_id)
-        with self._lock:
-            (self._loaded if ok else self._failed).add(job.req_id)
-            if ok:
-                self.stats.loads_done += 1
-            else:
-                self.stats.loads_failed += 1
-
-    def _fetch_and_scatter(self, job: Job, ready) -> bool:
+    def _fetch(self, job: Job) -> list | None:
+        """The job's objects' bytes (background thread: network and shared memory, little Python), or None."""
         try:
             fetched = self.client.fetch_many(self.namespace(job.salt), [t.ref.key for t in job.transfers])
         except TierCacheError as exc:
             log.warning("tiercache load for request %s failed, recomputing: %s", job.req_id, exc)
-            return False
+            return None
         for transfer, item in zip(job.transfers, fetched):
             if item is None or len(item.data) != self.object_bytes(transfer):
                 log.warning("tiercache load for request %s: object at %d (%s) is %s; recomputing", job.req_id,
                             transfer.ref.position, transfer.ref.kind.name,
                             "gone" if item is None else f"{len(item.data)} bytes, not {self.object_bytes(transfer)}")
-                return False
-        stream = self._load_stream
-        if stream is not None:
-            stream.wait_event(ready)
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for transfer, item in zip(job.transfers, fetched):
-                self._scatter(transfer, item.data)
-            if stream is not None:
-                stream.synchronize()
-        with self._lock:
-            self.stats.bytes_loaded += sum(len(item.data) for item in fetched)
-        return True
+                return None
+        return [item.data for item in fetched]
 
-    def _scatter(self, transfer: Transfer, data: bytes) -> None:
-        payload = self._staged(_readonly_bytes(data))
-        for pools, block, buffer in zip(self._pools(transfer), transfer.blocks, self._parts(transfer, payload)):
-            kernels.states_from_buffer(pools, self._slots([block]), buffer)
+    def _complete_loads(self, wait: bool = False) -> None:
+        """Copy every fetched load into its blocks, on vLLM's thread (called each step, from results).
+
+        The copies run here and not on the fetching thread: vLLM's busy scheduling loop holds the GIL between
+        steps, and each torch call a background thread makes waits for it again (a 4,096-token load spent ~130 ms
+        copying on a thread, a few ms here: benchmarks/vllm_engine.py). On CUDA the copies go on the load stream and
+        the load is reported once its event has completed."""
+        still = []
+        for pending in self._fetches:
+            if pending.copied is not None:
+                if wait:
+                    pending.copied.synchronize()
+                if pending.copied.query():
+                    self._finish_load(pending.job.req_id, True, pending.size)
+                else:
+                    still.append(pending)
+                continue
+            if not (wait or pending.fetch.done()):
+                still.append(pending)
+                continue
+            payloads = None
+            try:
+                payloads = pending.fetch.result()
+                if payloads is not None:
+                    pending.copied = self._scatter_job(pending.job, payloads, pending.ready)
+                    pending.size = sum(len(p) for p in payloads)
+            except Exception:  # a load must end reported, whatever went wrong; vLLM then recomputes
+                log.exception("tiercache load for request %s failed", pending.job.req_id)
+                payloads = None
+            if payloads is None:
+                self._finish_load(pending.job.req_id, False, 0)
+            elif pending.copied is None:
+                self._finish_load(pending.job.req_id, True, pending.size)
+            else:
+                still.append(pending)
+        self._fetches = still
+        if wait and still:
+            self._complete_loads(wait=True)
+
+    def _scatter_job(self, job: Job, payloads: list, ready):
+        """Copy a job's objects into their blocks; the CUDA event that marks the end of the copies (None on CPU)."""
+        stream = self._load_stream
+        if stream is None:
+            for transfers, group in _by_pools(job.transfers, payloads):
+                self._scatter(transfers, group)
+            return None
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            for transfers, group in _by_pools(job.transfers, payloads):
+                self._scatter(transfers, group)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    def _finish_load(self, req_id: str, ok: bool, size: int) -> None:
+        with self._lock:
+            (self._loaded if ok else self._failed).add(req_id)
+            if ok:
+                self.stats.loads_done += 1
+                self.stats.bytes_loaded += size
+            else:
+                self.stats.loads_failed += 1
+
+    def _scatter(self, transfers: list[Transfer], payloads: list) -> None:
+        """Every object that lives in the same pools (one attention group's pages, or the states) in one copy per
+        pool set. Loads run on a thread beside vLLM's busy scheduling loop, which holds the GIL between steps: each
+        torch call the thread makes waits for the GIL again, so a copy per object made a 4,096-token load take
+        ~370 ms on the CPU engine where one copy per pool set takes a few (benchmarks/vllm_engine.py)."""
+        rows = np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in payloads]).reshape(len(payloads), -1)
+        buffer = self._staged(torch.from_numpy(rows))
+        blocks = list(zip(*(t.blocks for t in transfers)))  # per pool set: the block of every object
+        for pools, pool_blocks, part in zip(self._pools(transfers[0]), blocks, self._columns(transfers[0], buffer)):
+            kernels.states_from_buffer(pools, self._slots(list(pool_blocks)), part)
 
     # -- saves ---------------------------------------------------------------------------------------------------
 
@@ -169,18 +217,21 @@ class Transfers:
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished loads, failed loads, finished end-of-request saves) since the last call."""
+        self._complete_loads()
         with self._lock:
             loaded, failed, saved = self._loaded, self._failed, self._saved_finished
             self._loaded, self._failed, self._saved_finished = set(), set(), set()
         return loaded | failed, failed, saved
 
     def drain(self, timeout_s: float | None = None) -> bool:
-        """Wait for every started load and put (shutdown, tests); False when `timeout_s` passed first."""
+        """Wait for every started load (fetched and copied) and put (shutdown, tests); False when `timeout_s`
+        passed first."""
         try:
             self._loader.submit(lambda: None).result(timeout_s)
             self._saver.submit(lambda: None).result(timeout_s)
         except FutureTimeout:
             return False
+        self._complete_loads(wait=True)
         return True
 
     def shutdown(self) -> None:
@@ -210,10 +261,15 @@ class Transfers:
 
     def _parts(self, transfer: Transfer, payload: torch.Tensor) -> list[torch.Tensor]:
         """The object's bytes split per pool set, each [1, record bytes] as the row copies take it."""
+        return self._columns(transfer, payload.view(1, -1))
+
+    def _columns(self, transfer: Transfer, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Objects' bytes, one per row, split per pool set: [objects, record bytes] each, contiguous."""
         parts, offset = [], 0
         for pools in self._pools(transfer):
             size = kernels.state_record_bytes(pools)
-            parts.append(payload[offset:offset + size].view(1, size))
+            part = rows[:, offset:offset + size]
+            parts.append(part if part.is_contiguous() else part.contiguous())
             offset += size
         return parts
 
@@ -228,8 +284,21 @@ class Transfers:
         return payload
 
 
-def _readonly_bytes(data) -> torch.Tensor:
-    with warnings.catch_warnings():  # torch warns that the buffer is read-only; the copies only read it
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(data, dtype=torch.uint8)
+@dataclass
+class _PendingLoad:
+    job: Job
+    ready: object  # CUDA event: this step's block zeroing is done (None on CPU)
+    fetch: object  # Future of the fetched payloads (None when the load failed)
+    copied: object = None  # CUDA event: the copies into the blocks are done
+    size: int = 0
 
+
+def _by_pools(transfers, payloads) -> list[tuple[list[Transfer], list]]:
+    """Objects grouped by the pools they live in: the states, and each attention group's pages."""
+    groups: dict[tuple, tuple[list, list]] = {}
+    for transfer, payload in zip(transfers, payloads):
+        key = ("state",) if transfer.ref.kind is ObjectKind.STATE else ("attention", transfer.ref.group)
+        members = groups.setdefault(key, ([], []))
+        members[0].append(transfer)
+        members[1].append(payload)
+    return list(groups.values())
