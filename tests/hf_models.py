@@ -35,9 +35,10 @@ CONFIGS = {
 }
 
 
-def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    """A random-weight model of `family` (CONFIGS), with config keys in `overrides` replaced."""
     model_class, config_class, options = CONFIGS[family]
-    config = getattr(transformers, config_class)(**_COMMON, **options)
+    config = getattr(transformers, config_class)(**_COMMON, **{**options, **overrides})
     torch.manual_seed(seed)
     return getattr(transformers, model_class)(config).to(dtype).eval()
 

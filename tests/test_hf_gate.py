@@ -133,6 +133,23 @@ def test_sliding_window_model_reuses_a_prefix_longer_than_its_window(connect):
     assert_close(result.logits, reference_logits(model, other))
 
 
+@pytest.mark.parametrize("window", [8, 40], ids=["window<N", "window>N"])
+def test_a_sliding_window_partial_hit_never_fails_the_request(connect, window):
+    """Issue 18's reproduction: a restored sliding layer holds only its window, and the save plan after a partial
+    hit asked for a chunk spanning the hit (W-1 < p mod N): the prefill raised. A cache may skip a save; it must
+    never fail the request."""
+    model = tiny_model("gemma3", sliding_window=window)
+    cached = CachedPrefill(model, connect(), chunk_tokens=16)
+    ids = prompt(29)
+    cached.prefill(ids)
+    longer = torch.cat([ids[:, :28], prompt(12, seed=11)], dim=1)
+    result = cached.prefill(longer)
+    assert result.hit_tokens == 28
+    assert_close(result.logits, reference_logits(model, longer))
+    again = torch.cat([longer, prompt(5, seed=12)], dim=1)
+    assert_close(cached.prefill(again).logits, reference_logits(model, again))
+
+
 def test_corrupt_state_leads_to_recompute_never_wrong_logits(connect, tmp_path):
     model = tiny_model("qwen3_5")
     cached = CachedPrefill(model, connect("disk"))

@@ -22,7 +22,7 @@ import torch
 import xxhash
 
 from tiercache.client import Client
-from tiercache.connector.hf_cache import build_cache, derive_layout, object_payload, state_payload
+from tiercache.connector.hf_cache import build_cache, derive_layout, holds, object_payload, state_payload
 from tiercache.connector.prefix_cache import PrefixCache
 from tiercache.hybrid import CacheSpec, ObjectKind, plan_prompt_admission
 
@@ -104,8 +104,7 @@ class CachedPrefill:
             if end in plan.state_positions:
                 states[end] = state_payload(past, self.layout.recurrent_group)
         clock.lap("compute")  # the first token's logits exist from here on: time to first token
-        self.cache.save({ref: states[ref.position] if ref.kind is ObjectKind.STATE
-                         else object_payload(past, self.spec, ref) for ref in plan.objects})
+        self.cache.save(self._payloads(past, plan.objects, states))
         clock.lap("save")
         self.last_timings = clock.laps
         return Prefill(out.logits[:, -1], past, hit)
@@ -117,10 +116,25 @@ class CachedPrefill:
         tokens = _token_array(token_ids)
         if not self.refusal and len(tokens) > prompt_tokens:
             _, plan = self.cache.plan_finish(tokens, prompt_tokens)
-            group = self.layout.recurrent_group
-            self.cache.save({ref: state_payload(past_key_values, group) if ref.kind is ObjectKind.STATE
-                             else object_payload(past_key_values, self.spec, ref) for ref in plan.objects})
+            state = {len(tokens): state_payload(past_key_values, self.layout.recurrent_group)} \
+                if self.layout.recurrent_group is not None else {}
+            self.cache.save(self._payloads(past_key_values, plan.objects, state))
         _record_sliding_windows(past_key_values, False)
+
+    def _payloads(self, past, refs, states: dict) -> dict:
+        """The bytes of every planned object the cache still holds (`states`: captured states by position). After a
+        partial hit a restored sliding-window layer holds only its window, so a chunk reaching back before it
+        cannot be written: it is skipped — a cache may forget, it must never fail the request (issue 18)."""
+        payloads = {}
+        for ref in refs:
+            if ref.kind is ObjectKind.STATE:
+                payloads[ref] = states[ref.position]
+            elif holds(past, self.spec, ref):
+                payloads[ref] = object_payload(past, self.spec, ref)
+            else:
+                log.debug("tiercache: not saving %s at %d: its window no longer holds it", ref.kind.name,
+                          ref.position)
+        return payloads
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int, eos_token_id: int | None = None) -> Generation:

@@ -82,12 +82,27 @@ def derive_layout(model, model_name: str, revision: str) -> ModelLayout:
 
 # -- cache -> bytes ------------------------------------------------------------------------------------------------
 
+def holds(cache, spec: CacheSpec, ref: ObjectRef) -> bool:
+    """Whether every layer of the object's group still holds the tokens a kv or tail object names (a restored
+    sliding-window layer keeps only its window)."""
+    for index in spec.layout.groups[ref.group].layers:
+        layer = cache.layers[index]
+        first = _first_held(layer)
+        if ref.start < first or ref.position > first + layer.keys.shape[-2]:
+            return False
+    return True
+
+
+def _first_held(layer) -> int:
+    return getattr(layer, "cumulative_length", layer.keys.shape[-2]) - layer.keys.shape[-2]
+
+
 def attention_payload(cache, group: LayerGroup, start: int, end: int) -> np.ndarray:
     """KV of tokens [start, end) of every layer of an attention group, as [layers, 2, tokens, heads*dim] bytes."""
     parts = []
     for index in group.layers:
         layer = cache.layers[index]
-        first = getattr(layer, "cumulative_length", layer.keys.shape[-2]) - layer.keys.shape[-2]
+        first = _first_held(layer)
         a, b = start - first, end - first
         if a < 0 or b > layer.keys.shape[-2]:
             raise InvalidArgument(f"layer {index} no longer holds tokens [{start}, {end}) (it holds from {first})")
