@@ -78,14 +78,14 @@ def generate(llm, command: dict) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in command["prompts"]]
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - started
-    results = []
-    for out in outputs:
-        completion = out.outputs[0]
-        results.append({"cached": out.num_cached_tokens, "tokens": list(completion.token_ids),
-                        "logprobs": [{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs],
-                        "finish": completion.finish_reason})
-    return {"results": results, "seconds": seconds}
+    return {"results": [_result(out) for out in outputs], "seconds": time.perf_counter() - started}
+
+
+def _result(out) -> dict:
+    completion = out.outputs[0]
+    return {"cached": out.num_cached_tokens, "tokens": list(completion.token_ids),
+            "logprobs": [{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs],
+            "finish": completion.finish_reason}
 
 
 def generate_from_embeddings(llm, command: dict) -> dict:
@@ -97,11 +97,7 @@ def generate_from_embeddings(llm, command: dict) -> dict:
     generator = torch.Generator().manual_seed(command["seed"])
     embeds = (torch.randn(command["length"], hidden, generator=generator) * 0.05).to(torch.bfloat16)
     params = SamplingParams(max_tokens=command.get("max_tokens", 1), temperature=0.0, logprobs=20, ignore_eos=True)
-    out = llm.generate([{"prompt_embeds": embeds}], params, use_tqdm=False)[0]
-    completion = out.outputs[0]
-    return {"results": [{"cached": out.num_cached_tokens, "tokens": list(completion.token_ids),
-                         "logprobs": [{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs],
-                         "finish": completion.finish_reason}]}
+    return {"results": [_result(out) for out in llm.generate([{"prompt_embeds": embeds}], params, use_tqdm=False)]}
 
 
 def settle(llm) -> None:

@@ -42,10 +42,10 @@ class EngineProcess:
 
     def __init__(self, model_dir: str, url: str | None, log_path: Path, timeout_s: float = 30.0,
                  **options) -> None:
+        extra = options.pop("connector_extra", {})
         settings = {"model": model_dir, **options}
         if url is not None:
-            settings["connector"] = {"url": url, "timeout_s": timeout_s, **options.pop("connector_extra", {})}
-            settings.pop("connector_extra", None)
+            settings["connector"] = {"url": url, "timeout_s": timeout_s, **extra}
         self.log_path = log_path
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
         self._log = open(log_path, "w")
@@ -54,19 +54,20 @@ class EngineProcess:
         self._lock = threading.Lock()
         self._read(timeout_s=180)
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 1, stop_token_ids: list[int] | None = None,
-                 ignore_eos: bool = True, timeout_s: float = 600) -> list[Completion]:
-        answer = self._call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
-                             "stop_token_ids": stop_token_ids, "ignore_eos": ignore_eos}, timeout_s)
-        return [Completion.from_json(r) for r in answer["results"]]
+    def generate(self, prompts: list[list[int]], **options) -> list[Completion]:
+        return [Completion.from_json(r) for r in self._generate(prompts, **options)["results"]]
+
+    def _generate(self, prompts: list[list[int]], max_tokens: int = 1, stop_token_ids: list[int] | None = None,
+                  ignore_eos: bool = True, timeout_s: float = 600) -> dict:
+        return self._call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
+                           "stop_token_ids": stop_token_ids, "ignore_eos": ignore_eos}, timeout_s)
 
     def one(self, prompt: list[int], **options) -> Completion:
         return self.generate([prompt], **options)[0]
 
     def timed(self, prompt: list[int], **options) -> tuple[Completion, float]:
         """One prompt and the seconds vLLM's generate took for it (with max_tokens=1: the time to first token)."""
-        answer = self._call({"op": "generate", "prompts": [prompt], "max_tokens": options.get("max_tokens", 1),
-                             "stop_token_ids": None, "ignore_eos": True}, 600)
+        answer = self._generate([prompt], **options)
         return Completion.from_json(answer["results"][0]), answer["seconds"]
 
     def one_from_embeddings(self, seed: int, length: int, max_tokens: int = 1) -> Completion:

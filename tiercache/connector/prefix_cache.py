@@ -47,7 +47,8 @@ class SaveResult:
 
 class PrefixCache:
     def __init__(self, client: Client, spec: CacheSpec, *, report: bool = True,
-                 reporter: Callable[[str, int, dict], None] | None = None, all_ranks: bool = False) -> None:
+                 reporter: Callable[[str, int, dict], None] | None = None, all_ranks: bool = False,
+                 _rank_lookups: ThreadPoolExecutor | None = None) -> None:
         """`reporter(namespace, requested_tokens, hit_tokens_by_tier)` replaces the blocking ReportLookup call (an
         engine's scheduler hands it to a background thread: statistics must not cost a request a round trip).
 
@@ -63,12 +64,15 @@ class PrefixCache:
         layout = spec.layout
         self._other_ranks = [dataclasses.replace(spec, layout=dataclasses.replace(layout, tp_rank=rank)).namespace
                              for rank in range(layout.tp_size) if rank != layout.tp_rank] if all_ranks else []
-        self._rank_lookups = ThreadPoolExecutor(len(self._other_ranks), thread_name_prefix="tiercache-rank-lookup") \
-            if self._other_ranks else None
+        self._rank_lookups = _rank_lookups or (ThreadPoolExecutor(len(self._other_ranks),
+                                                                  thread_name_prefix="tiercache-rank-lookup")
+                                               if self._other_ranks else None)
 
     def with_spec(self, spec: CacheSpec) -> "PrefixCache":
-        """The same client and reporting for another spec (a request's own salt)."""
-        return PrefixCache(self.client, spec, report=self._report, reporter=self._reporter, all_ranks=self._all_ranks)
+        """The same client, reporting and rank-lookup threads for another spec (a request's own salt: there may be
+        many, and they must not cost a thread pool each)."""
+        return PrefixCache(self.client, spec, report=self._report, reporter=self._reporter, all_ranks=self._all_ranks,
+                           _rank_lookups=self._rank_lookups)
 
     def lookup(self, tokens) -> Lookup:
         hashes = self.spec.hashes(tokens)

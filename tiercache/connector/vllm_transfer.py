@@ -101,7 +101,8 @@ class Transfers:
         return [item.data for item in fetched]
 
     def _complete_loads(self, wait: bool = False) -> None:
-        """Copy every fetched load into its blocks, on vLLM's thread (called each step, from results).
+        """Copy every fetched load into its blocks, on vLLM's thread (called each step, from results); `wait`: for
+        every started load to be fetched and copied.
 
         The copies run here and not on the fetching thread: vLLM's busy scheduling loop holds the GIL between
         steps, and each torch call a background thread makes waits for it again (a 4,096-token load spent ~130 ms
@@ -109,43 +110,41 @@ class Transfers:
         the load is reported once its event has completed."""
         still = []
         for pending in self._fetches:
-            if pending.copied is not None:
-                if wait:
-                    pending.copied.synchronize()
-                if pending.copied.query():
-                    self._finish_load(pending.job.req_id, True, pending.size)
-                else:
+            if pending.copied is None:
+                if not (wait or pending.fetch.done()):
                     still.append(pending)
-                continue
-            if not (wait or pending.fetch.done()):
-                still.append(pending)
-                continue
-            payloads = None
-            try:
-                payloads = pending.fetch.result()
-                if payloads is not None:
-                    pending.copied = self._scatter_job(pending.job, payloads, pending.ready)
-                    pending.size = sum(len(p) for p in payloads)
-            except Exception:  # a load must end reported, whatever went wrong; vLLM then recomputes
-                log.exception("tiercache load for request %s failed", pending.job.req_id)
-                payloads = None
-            if payloads is None:
-                self._finish_load(pending.job.req_id, False, 0)
-            elif pending.copied is None:
+                    continue
+                if not self._copy(pending):
+                    self._finish_load(pending.job.req_id, False, 0)
+                    continue
+            if wait:
+                pending.copied.synchronize()
+            if pending.copied.query():
                 self._finish_load(pending.job.req_id, True, pending.size)
             else:
                 still.append(pending)
         self._fetches = still
-        if wait and still:
-            self._complete_loads(wait=True)
+
+    def _copy(self, pending: "_PendingLoad") -> bool:
+        """Start copying a fetched load into its blocks; False when the load failed (fetch or copy)."""
+        try:
+            payloads = pending.fetch.result()
+            if payloads is None:
+                return False
+            pending.copied = self._scatter_job(pending.job, payloads, pending.ready)
+            pending.size = sum(len(p) for p in payloads)
+            return True
+        except Exception:  # a load must end reported, whatever went wrong; vLLM then recomputes
+            log.exception("tiercache load for request %s failed", pending.job.req_id)
+            return False
 
     def _scatter_job(self, job: Job, payloads: list, ready):
-        """Copy a job's objects into their blocks; the CUDA event that marks the end of the copies (None on CPU)."""
+        """Copy a job's objects into their blocks; what marks the end of the copies (a CUDA event, or _COPIED)."""
         stream = self._load_stream
         if stream is None:
             for transfers, group in _by_pools(job.transfers, payloads):
                 self._scatter(transfers, group)
-            return None
+            return _COPIED
         stream.wait_event(ready)
         with torch.cuda.stream(stream):
             for transfers, group in _by_pools(job.transfers, payloads):
@@ -165,9 +164,7 @@ class Transfers:
 
     def _scatter(self, transfers: list[Transfer], payloads: list) -> None:
         """Every object that lives in the same pools (one attention group's pages, or the states) in one copy per
-        pool set. Loads run on a thread beside vLLM's busy scheduling loop, which holds the GIL between steps: each
-        torch call the thread makes waits for the GIL again, so a copy per object made a 4,096-token load take
-        ~370 ms on the CPU engine where one copy per pool set takes a few (benchmarks/vllm_engine.py)."""
+        pool set, not one per object: each torch call costs Python time on vLLM's thread."""
         rows = np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in payloads]).reshape(len(payloads), -1)
         buffer = self._staged(torch.from_numpy(rows))
         blocks = list(zip(*(t.blocks for t in transfers)))  # per pool set: the block of every object
@@ -284,12 +281,25 @@ class Transfers:
         return payload
 
 
+class _CopiedOnHost:
+    """What a finished host-side copy looks like to _complete_loads: a CUDA event that has already completed."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+_COPIED = _CopiedOnHost()
+
+
 @dataclass
 class _PendingLoad:
     job: Job
     ready: object  # CUDA event: this step's block zeroing is done (None on CPU)
-    fetch: object  # Future of the fetched payloads (None when the load failed)
-    copied: object = None  # CUDA event: the copies into the blocks are done
+    fetch: object  # Future of the fetched payloads (its result is None when the load failed)
+    copied: object = None  # once copying started: the CUDA event of the copies, or _COPIED
     size: int = 0
 
 
