@@ -18,7 +18,7 @@ from tiercache.wire import SERVICE_NAME, pb
 ROUNDS = 10_500
 UNARY = {"Exists": "KeysRequest", "Delete": "KeysRequest", "Stats": "StatsRequest", "ReportLookup": "LookupReport",
          "Attach": "AttachRequest", "Reserve": "ReserveRequest", "Commit": "LeaseIds", "Abort": "LeaseIds",
-         "Acquire": "KeysRequest", "Release": "LeaseIds"}
+         "Acquire": "KeysRequest", "Release": "LeaseIds", "Lookup": "LookupRequest"}
 OK, INVALID, NOT_FOUND, EXHAUSTED = (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                                      grpc.StatusCode.RESOURCE_EXHAUSTED)
 # Random bytes that happen to decode are valid (if odd) requests: they may succeed, miss, or be refused as invalid.
@@ -85,9 +85,28 @@ def _put_stream(rng: random.Random, max_chunk: int) -> tuple[list[bytes], grpc.S
     return [pb.PutFrame(header=bad).SerializeToString(), pb.PutFrame(data=b"y" * 10).SerializeToString()], INVALID
 
 
+def _lookup(rng: random.Random) -> bytes:
+    """A Lookup request with random shapes, lengths and hashes: answered or refused as invalid, never an error."""
+    groups = [pb.LayerGroupShape(kind=rng.choice([0, 1, 2, 2, 7]), window=rng.choice([0, 0, 1, 40]))
+              for _ in range(rng.choice([0, 1, 2, 3, 300]))]
+    prompt_tokens = rng.choice([0, 1, 2, 100, 5000, 1 << 40])
+    n = rng.choice([0, 1, 16, 32])
+    count = (max(prompt_tokens - 1, 0) // n + 1) if n and prompt_tokens < 10_000 else rng.randint(0, 3)
+    boundaries = rng.randbytes(16 * count + rng.choice([0, 0, 0, 1, 15]))
+    positions = [pb.PositionHash(position=rng.choice([0, 1, 7, 99, 1 << 50]), hash=rng.randbytes(rng.choice([16, 3])))
+                 for _ in range(rng.randint(0, 3))]
+    return pb.LookupRequest(namespace=rng.choice(["ok-namespace", ""]), chunk_tokens=n, groups=groups,
+                            prompt_tokens=prompt_tokens, boundaries=boundaries, positions=positions,
+                            rank_namespaces=rng.choice([[], ["ok-other"], ["bad\x00"]]),
+                            report=rng.random() < 0.5).SerializeToString()
+
+
 def _one_request(rng: random.Random, channel: grpc.Channel, max_chunk: int) -> tuple[str, grpc.StatusCode, set]:
     """Send one malformed request; returns (class, code received, codes allowed)."""
-    choice = rng.randrange(7)
+    choice = rng.randrange(8)
+    if choice == 7:
+        request = _lookup(rng)
+        return "odd Lookup", _code(lambda: _raw(channel, "Lookup", "unary_unary")(request, timeout=10)), {OK, INVALID}
     if choice == 0:
         method = rng.choice(list(UNARY))
         payload = _random_bytes(rng)

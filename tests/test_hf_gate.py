@@ -96,7 +96,7 @@ def test_exact_repeat_below_n_hits_all_but_the_last_token(connect):
 
 def test_partial_prefix_hits_the_deepest_stored_state(connect):
     model = tiny_model("qwen3_5")
-    cached = CachedPrefill(model, connect())  # N = 16: boundary states at 96, 80 and 48 for a 100-token prompt
+    cached = CachedPrefill(model, connect())  # N = 16: a state at every boundary of the 100-token prompt
     first = prompt(100)
     cached.prefill(first)
     second = first.clone()
@@ -118,6 +118,32 @@ def test_multi_turn_chat_reuses_everything_up_to_the_previous_turn(connect):
             assert generation.hit_tokens == conversation.shape[1]
         assert generation.tokens == reference_greedy(model, turn_prompt, 6)
         conversation = torch.cat([turn_prompt, torch.tensor([generation.tokens])], dim=1)
+
+
+def test_chat_turns_adding_more_than_n_tokens_resume_at_the_previous_end(connect):
+    model = tiny_model("qwen3_5")
+    cached = CachedPrefill(model, connect())  # N = 16
+    conversation = prompt(30)
+    for turn, added in enumerate([20, 33, 48]):  # 1.25 N, 2 N + 1, 3 N: the previous end lies more than N back
+        turn_prompt = torch.cat([conversation, prompt(added, seed=20 + turn)], dim=1)
+        generation = cached.generate(turn_prompt, 5)
+        if turn:
+            assert generation.hit_tokens == conversation.shape[1]
+        assert generation.tokens == reference_greedy(model, turn_prompt, 5)
+        conversation = torch.cat([turn_prompt, torch.tensor([generation.tokens])], dim=1)
+
+
+@pytest.mark.parametrize("share", [0.1, 0.5, 0.9])
+def test_questions_branching_inside_a_document_resume_within_n_of_the_branch(connect, share):
+    model = tiny_model("qwen3_5")
+    cached = CachedPrefill(model, connect())  # N = 16: a state at every boundary of the document
+    document = prompt(200)
+    cached.prefill(torch.cat([document, prompt(12, seed=3)], dim=1))
+    shared = int(share * document.shape[1])
+    branch = torch.cat([document[:, :shared], prompt(10, seed=4)], dim=1)
+    result = cached.prefill(branch)
+    assert result.hit_tokens == shared // 16 * 16 > shared - 16
+    assert_close(result.logits, reference_logits(model, branch))
 
 
 def test_sliding_window_model_reuses_a_prefix_longer_than_its_window(connect):

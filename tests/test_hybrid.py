@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from tiercache.hybrid import (CacheSpec, ObjectKind, plan_finish_admission, plan_probe, plan_prompt_admission,
-                              plan_step_admission, resolve_hit)
+from tiercache.chain_lookup import Query, find_hit
+from tiercache.hybrid import (CacheSpec, Hit, Located, ObjectKind, object_meta, plan_finish_admission,
+                              plan_prompt_admission, plan_step_admission, required_objects)
 from tiercache.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
 
 N, U = 32, 8
@@ -26,19 +29,41 @@ SLIDING = layout(LayerGroup(GroupKind.SLIDING_WINDOW, (0,), kv_heads=1, head_dim
 
 
 class FakeCache:
-    """A set of keys standing in for the server: enough to exercise the rules without I/O."""
+    """A dict of keys standing in for the server's store: the same search (find_hit) over it, with the directory
+    of children by parent, and the same two-call protocol as PrefixCache.lookup."""
 
     def __init__(self, spec: CacheSpec) -> None:
         self.spec = spec
         self.keys: dict[bytes, object] = {}
+        self.calls = 0
+
+    # the ChainIndex protocol
+    def locate(self, keys):
+        return ["host" if k in self.keys else None for k in keys]
+
+    def children(self, parent):
+        return [(ref.key, object_meta(ref)) for ref in self.keys.values() if ref.parent == parent]
 
     def lookup(self, tokens):
         hashes = self.spec.hashes(tokens)
-        probe = plan_probe(self.spec, hashes)
-        where = ["host" if k in self.keys else None for k in probe.keys]
-        hit = resolve_hit(self.spec, hashes, probe, where)
-        present = {ref.key: "host" for ref, w in zip(probe.objects, where) if w}
-        return hashes, hit, present
+        last = hashes.length - 1
+        positions = {last: hashes.at(last)} if last % N else {}
+        found = self._find(hashes, positions)
+        if found.unverified:
+            positions.update((p, hashes.at(p)) for p in found.unverified)
+            found = self._find(hashes, positions)
+            assert not found.unverified
+        refs = required_objects(self.spec, hashes, found.tokens) if found.tokens else []
+        assert len(refs) == len(found.tiers)
+        hit = Hit(found.tokens, hashes.length, tuple(Located(r, t) for r, t in zip(refs, found.tiers)))
+        return hashes, hit, {r.key: "host" for r in refs}
+
+    def _find(self, hashes, positions):
+        self.calls += 1
+        n = self.spec.chunk_tokens
+        deepest = max(hashes.length - 1, 0) // n
+        boundaries = [hashes.at(k * n) for k in range(deepest + 1)]
+        return find_hit(Query(self.spec.shape, hashes.length, boundaries, positions), self)
 
     def prefill(self, tokens) -> int:
         """Look up, then save what admission plans, as an engine would; returns the hit."""
@@ -80,7 +105,7 @@ def test_one_token_prompt_never_hits(cache):
 
 def test_prefix_diverging_mid_chunk_hits_the_deepest_boundary_state(cache):
     first = tokens(100)
-    cache.prefill(first)  # boundary states at 32, 64, 96 (spacing 1, 2, 4 chunks back: 96, 64, 32)
+    cache.prefill(first)  # boundary states at 32, 64, 96
     second = first.copy()
     second[75:] = tokens(25, seed=9)
     assert cache.prefill(second) == 64
@@ -88,12 +113,14 @@ def test_prefix_diverging_mid_chunk_hits_the_deepest_boundary_state(cache):
 
 def test_missing_boundary_state_falls_back_to_an_earlier_one(cache):
     first = tokens(130)
-    cache.prefill(first)  # boundary states at 128, 96 and 32
+    cache.prefill(first)  # boundary states at 32, 64, 96 and 128
     second = first.copy()
     second[110:] = tokens(20, seed=9)
     assert cache.lookup(second)[1].tokens == 96
     cache.drop(ObjectKind.STATE, 96)
-    assert cache.lookup(second)[1].tokens == 32  # no state at 64: the next one down
+    assert cache.lookup(second)[1].tokens == 64  # the next one down
+    cache.drop(ObjectKind.STATE, 64)
+    assert cache.lookup(second)[1].tokens == 32
 
 
 def test_kv_gap_limits_the_hit_even_with_a_deeper_state(cache):
@@ -112,22 +139,58 @@ def test_chat_turn_hits_the_previous_turns_end(cache):
     assert cache.prefill(next_prompt) == len(conversation)  # 85: exact, not rounded to u or N
 
 
-def test_previous_end_beyond_the_window_falls_back_to_a_boundary(cache):
+def test_previous_end_far_back_is_found_in_two_calls(cache):
     prompt = tokens(70)
     cache.prefill(prompt)
     cache.finish(prompt, len(prompt))
-    longer = np.concatenate([prompt, tokens(40, seed=2)])  # the end at 70 is 40 tokens back: window is N=32
-    assert cache.prefill(longer) == 64
+    cache.calls = 0
+    longer = np.concatenate([prompt, tokens(40, seed=2)])  # the end at 70 is 40 tokens (> N) back
+    assert cache.prefill(longer) == 70
+    assert cache.calls == 2  # the first names 70 (and 69) unverified, the second checks their hashes
 
 
-def test_probe_is_bounded_for_262144_tokens():
-    spec = CacheSpec(HYBRID, 544, 16)
-    hashes = spec.hashes(tokens(262_144))
-    probe = plan_probe(spec, hashes)
-    assert len(probe.objects) <= 2 * (262_144 // 544) + 2 * 544
-    present_all = resolve_hit(spec, hashes, probe, ["disk"] * len(probe.objects))
-    assert present_all.tokens == 262_143
-    assert len(present_all.objects) == 262_143 // 544 + 2  # every kv chunk, the tail, the state
+@pytest.mark.parametrize("added", [int(1.2 * N), 2 * N, 3 * N, 5 * N + 3])
+def test_long_chat_turns_resume_at_the_previous_end(cache, added):
+    conversation, previous_end = tokens(45), 0
+    for turn in range(4):
+        hit = cache.prefill(conversation)
+        assert hit == previous_end
+        output = tokens(7, seed=100 + turn)
+        conversation = np.concatenate([conversation, output])
+        cache.finish(conversation, len(conversation) - len(output))
+        previous_end = len(conversation)
+        conversation = np.concatenate([conversation, tokens(added, seed=200 + turn)])
+
+
+@pytest.mark.parametrize("share", [0.1, 0.3, 0.5, 0.7, 0.9])
+def test_branches_resume_within_n_of_the_branch_point(cache, share):
+    document = tokens(1000)
+    cache.prefill(np.concatenate([document, tokens(20, seed=1)]))
+    shared = int(share * len(document))
+    branch = np.concatenate([document[:shared], tokens(30, seed=2)])
+    hit = cache.prefill(branch)
+    assert shared - N < hit <= shared
+
+
+def test_a_checkpoint_of_another_prompt_in_the_same_chunk_is_no_hit(cache):
+    first = tokens(50)
+    cache.prefill(first)  # tail + state at 49, under the kv chunk at 32
+    second = first.copy()
+    second[40:] = tokens(10, seed=3)  # same chunk 1, different tokens before 49
+    assert cache.lookup(second)[1].tokens == 32
+
+
+def test_262144_token_lookup_is_one_call_and_names_every_object():
+    fake = FakeCache(CacheSpec(HYBRID, 544, 16))
+    prompt = tokens(262_144)
+    fake.prefill(prompt)
+    fake.calls = 0
+    hit = fake.lookup(prompt)[1]
+    assert hit.tokens == 262_143 and fake.calls == 1
+    assert len(hit.objects) == 262_143 // 544 + 2  # every kv chunk, the tail, the state
+    sibling = prompt.copy()
+    sibling[100_000:] = tokens(262_144 - 100_000, seed=5)
+    assert 100_000 - 544 < fake.lookup(sibling)[1].tokens <= 100_000
 
 
 def test_262144_token_document_with_different_questions():
@@ -185,18 +248,22 @@ def test_admission_plan_for_a_cold_prompt(cache):
     kinds = {(r.kind, r.position) for r in plan.objects}
     assert {(ObjectKind.KV, k * N) for k in range(1, 10)} <= kinds  # every full chunk, 288 = 9 * 32
     boundary_states = sorted(p for k, p in kinds if k is ObjectKind.STATE and p % N == 0)
-    assert boundary_states == [64, 192, 256, 288]  # chunks 9, 8, 6, 2: the spacing doubles going back
+    assert boundary_states == [k * N for k in range(1, 10)]  # one at every boundary
     assert (ObjectKind.TAIL, 299) in kinds and (ObjectKind.STATE, 299) in kinds
-    assert plan.state_positions == (64, 192, 256, 288, 299)
+    assert plan.state_positions == tuple(k * N for k in range(1, 10)) + (299,)
+    capped = plan_prompt_admission(dataclasses.replace(cache.spec, max_boundary_states=2), hashes, 0)
+    assert capped.state_positions == (256, 288, 299)  # the deepest ones
 
 
-def test_tokens_by_tier_attributes_kv_tokens():
-    spec = CacheSpec(HYBRID, N, U)
-    hashes = spec.hashes(tokens(100))
-    probe = plan_probe(spec, hashes)
-    where = ["disk" if r.kind is ObjectKind.KV and r.position == 32 else "host" for r in probe.objects]
-    hit = resolve_hit(spec, hashes, probe, where)
-    assert hit.tokens == 99 and hit.tokens_by_tier() == {"disk": 32, "host": 67}
+def test_tokens_by_tier_attributes_kv_tokens(cache):
+    prompt = tokens(100)
+    cache.prefill(prompt)
+    hit = cache.lookup(prompt)[1]
+    by_kind = {(o.ref.kind, o.ref.position): o for o in hit.objects}
+    located = [dataclasses.replace(o, tier="disk") if (o.ref.kind, o.ref.position) == (ObjectKind.KV, 32) else o
+               for o in by_kind.values()]
+    assert hit.tokens == 99
+    assert dataclasses.replace(hit, objects=tuple(located)).tokens_by_tier() == {"disk": 32, "host": 67}
 
 
 def _planned(plan) -> list[tuple[str, int]]:
@@ -205,16 +272,16 @@ def _planned(plan) -> list[tuple[str, int]]:
 
 def test_step_admission_keeps_the_states_the_prompt_admission_wants():
     """An engine that keeps states where it chose (vLLM) offers them step by step; the shared rule admits the same
-    boundary states as plan_prompt_admission (spaced 1, 2, 4 chunks back from the end) and the prompt's end."""
-    spec = CacheSpec(HYBRID, N, U)
+    boundary states as plan_prompt_admission (the deepest two here) and the prompt's end."""
+    spec = CacheSpec(HYBRID, N, U, max_boundary_states=2)
     tokens = np.arange(300)
     hashes = spec.hashes(tokens)
     whole = plan_prompt_admission(spec, spec.hashes(tokens), 0)
     wanted_states = {ref.position for ref in whole.objects if ref.kind is ObjectKind.STATE} - {299}
-    assert wanted_states == {288, 256, 192, 64}
+    assert wanted_states == {288, 256}
     # Step 1 computes [0, 200) and vLLM commits a state at every block boundary it passed.
     first = plan_step_admission(spec, hashes, 300, 0, (0, 200), offered_states=[32, 64, 96, 128, 160, 192])
-    assert _planned(first) == [("KV", p) for p in range(32, 193, 32)] + [("STATE", 64), ("STATE", 192)]
+    assert _planned(first) == [("KV", p) for p in range(32, 193, 32)]
     # Step 2 computes [200, 300); vLLM keeps the prompt's last hash boundary below L-1 (296), not 299.
     second = plan_step_admission(spec, hashes, 300, 0, (200, 300), offered_states=[224, 256, 288, 296])
     assert _planned(second) == [("KV", 224), ("KV", 256), ("KV", 288), ("STATE", 256), ("STATE", 288),

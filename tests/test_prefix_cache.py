@@ -181,8 +181,9 @@ def test_a_tensor_parallel_lookup_hits_only_what_every_rank_holds(client):
     run(prompt, [scheduler.namespace])  # rank 1's save of the 100-token prompt was lost
     assert PrefixCache(client, spec(layout=layout)).lookup(prompt).hit.tokens == 99  # rank 0 alone: all of it
     lookup = scheduler.lookup(prompt)
-    assert lookup.hit.tokens == 32  # the deepest position both ranks hold: kv chunks 16, 32 and the state at 32
-    assert {o.ref.position for o in lookup.hit.objects} == {16, 32}
+    # The deepest position both ranks hold: the end of the 40-token prompt (kv chunks 16, 32, tail and state at 39).
+    assert lookup.hit.tokens == 39
+    assert {o.ref.position for o in lookup.hit.objects} == {16, 32, 39}
     assert client.get_many(rank1_namespace, [o.ref.key for o in lookup.hit.objects]).count(None) == 0
     # Objects only rank 0 holds do not count as present, so a later save plans them again (rank 1 writes its own).
     assert scheduler.plan_prompt(lookup).objects

@@ -170,3 +170,26 @@ class TestBoundedTiers:
         assert usage.used_bytes == len(a) + len(b)
         tier.delete([key(1, "a")])
         assert tier.usage().bytes_by_namespace == {"b": len(b)}
+
+    def test_chains_shrink_from_the_deep_end_and_orphans_go_first(self, make_tier, kind):
+        tier = make_tier(kind, capacity_bytes=1 * MiB)
+
+        def linked(i: int, parent: int | None) -> bytearray:
+            meta = chunk.ChunkMeta(chunk.CLASS_KV, 16, key(parent).key if parent is not None else b"")
+            return chunk.encode(key(i), os.urandom(250 * KiB), meta)
+
+        for i, parent in ((0, None), (1, 0), (2, 1), (3, None)):  # 4 fit; chain 0 -> 1 -> 2, and 3 alone
+            tier.put(key(i), linked(i, parent), return_evicted=False)
+        assert [k for k, _ in tier.children(key(0))] == [key(1)]
+        assert tier.children(key(1))[0][1].parent == key(1).key
+        evicted = tier.put(key(4), linked(4, None), return_evicted=True)
+        assert [e.key for e in evicted] == [key(2)]  # the chain's deep end, though chunk 0 is the oldest
+        assert tier.orphan(key(0)) == 1  # chunk 0 lost elsewhere: chunk 1 is unreachable now
+        evicted = tier.put(key(5), linked(5, None), return_evicted=True)
+        assert [(e.key, e.reachable) for e in evicted] == [(key(1), False)]
+
+
+def test_a_tier_without_an_index_has_no_directory(make_tier):
+    tier = make_tier("redis")
+    tier.put(key(1), chunk.encode(key(1), b"x", chunk.ChunkMeta(parent=key(0).key)), return_evicted=False)
+    assert tier.children(key(0)) == [] and tier.orphan(key(0)) == 0

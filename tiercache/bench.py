@@ -1,15 +1,19 @@
 """`tiercache bench cliff`: the hit cliff of hybrid models, measured against a real server.
 
 A simulated engine runs requests through PrefixCache (the same lookup, load and admission code a connector uses),
-with objects of the real byte sizes of a preset layout filled with random bytes. Three workloads:
+with objects of the real byte sizes of a preset layout filled with random bytes. Workloads:
 - repeated prompts: distinct prompts of lengths 32..4096 (dense around N), each sent R times; tiercache's token hit
   ratio on the repeats next to the full-block rule floor(L/N)*N/L of engines that reuse only whole N-token blocks;
 - multi-turn chat: a system prompt and turns, each extending the previous conversation (prompt + output);
-- long shared context: one long document followed by different short questions.
+- multi_turn_long: the same with turns adding 1.2 N to 3 N tokens (the previous end lies more than N back);
+- long shared context: one long document followed by different short questions (`lookup_ms_<tokens>`: the median
+  lookup of the warm questions);
+- branches: questions that branch off the document at 10% .. 90% of it (`shared_tokens`, `hit_tokens`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -58,7 +62,7 @@ class SimulatedEngine:
         result = Request(len(prompt), lookup.hit.tokens, (time.perf_counter() - start) * 1e3)
         loaded = self.cache.load_with_tiers(lookup.hit)
         if loaded is None:  # an object vanished between lookup and load: recompute everything
-            lookup = type(lookup)(lookup.hashes, type(lookup.hit)(0, len(prompt)), lookup.present)
+            lookup = dataclasses.replace(lookup, hit=dataclasses.replace(lookup.hit, tokens=0, objects=()))
             result.hit_tokens = 0
         else:
             result.loaded_objects, result.loaded_bytes_by_tier = len(loaded[0]), loaded[1]
@@ -117,9 +121,45 @@ def multi_turn(engine: SimulatedEngine, rng: np.random.Generator, system_tokens:
     return rows
 
 
-def long_context(engine: SimulatedEngine, rng: np.random.Generator, document_tokens: int, questions: int,
+def multi_turn_long(engine: SimulatedEngine, rng: np.random.Generator, system_tokens: int, turns: int,
+                    progress: tqdm) -> list[dict]:
+    """A conversation whose every turn adds 1.2 N to 3 N tokens (a pasted file, a long answer quoted back): each
+    turn should resume at the previous turn's end, however far back from the prompt's end it lies."""
+    n = engine.spec.chunk_tokens
+    conversation = rng.integers(0, VOCAB, system_tokens)
+    rows = []
+    previous_end = 0
+    for turn in range(1, turns + 1):
+        message = rng.integers(0, VOCAB, int(rng.integers(int(1.2 * n), 3 * n + 1)))
+        prompt = np.concatenate([conversation, message])
+        output = rng.integers(0, VOCAB, int(rng.integers(16, 200)))
+        request = engine.run(prompt, output)
+        rows.append({"turn": turn, "prompt_tokens": len(prompt), "hit_tokens": request.hit_tokens,
+                     "previous_turn_end": previous_end, "lookup_ms": request.lookup_ms, **_moved(request)})
+        conversation = np.concatenate([prompt, output])
+        previous_end = len(conversation)
+        progress.update()
+    return rows
+
+
+def branches(engine: SimulatedEngine, rng: np.random.Generator, document: np.ndarray, shares: Sequence[float],
+             progress: tqdm) -> list[dict]:
+    """Questions that branch off the long document at 10% .. 90% of it: each should resume within N tokens of its
+    branch point (a state at every chunk boundary of the document)."""
+    rows = []
+    for share in shares:
+        shared = int(share * len(document))
+        prompt = np.concatenate([document[:shared], rng.integers(0, VOCAB, int(rng.integers(16, 64)))])
+        request = engine.run(prompt)
+        rows.append({"share": share, "shared_tokens": shared, "prompt_tokens": len(prompt),
+                     "hit_tokens": request.hit_tokens, "lookup_ms": request.lookup_ms, **_moved(request)})
+        progress.update()
+    return rows
+
+
+def long_context(engine: SimulatedEngine, document: np.ndarray, rng: np.random.Generator, questions: int,
                  progress: tqdm) -> list[dict]:
-    document = rng.integers(0, VOCAB, document_tokens)
+    document_tokens = len(document)
     rows = []
     for question in range(1, questions + 1):
         prompt = np.concatenate([document, rng.integers(0, VOCAB, int(rng.integers(16, 64)))])
@@ -140,16 +180,21 @@ def run_cliff(client: Client, *, preset_name: str, repeats: int, turns: int, sys
     spec = CacheSpec.for_layout(preset(preset_name))
     engine = SimulatedEngine(PrefixCache(client, spec), seed)
     rng = np.random.default_rng(seed)
-    total = len(lengths) * repeats + turns + questions
+    shares = [k / 10 for k in range(1, 10)]
+    total = len(lengths) * repeats + 2 * turns + questions + len(shares)
     with tqdm(total=total, desc="bench cliff", unit="req", disable=not show_progress, file=sys.stderr) as progress:
         repeated = repeated_prompts(engine, rng, lengths, repeats, progress)
         chat = multi_turn(engine, rng, system_tokens, turns, progress)
-        long = long_context(engine, rng, document_tokens, questions, progress)
+        chat_long = multi_turn_long(engine, rng, system_tokens, turns, progress)
+        document = rng.integers(0, VOCAB, document_tokens)
+        long = long_context(engine, document, rng, questions, progress)
+        branched = branches(engine, rng, document, shares, progress)
     warm = [row["lookup_ms"] for row in long[1:]] or [long[0]["lookup_ms"]]
     return {"preset": preset_name, "model": spec.layout.model, "namespace": spec.namespace,
             "N": spec.chunk_tokens, "u": spec.match_unit, "state_bytes": spec.layout.state_bytes,
             "kv_chunk_bytes": spec.layout.kv_bytes_per_token * spec.chunk_tokens,
-            "repeated": repeated, "multi_turn": chat, "long_context": long,
+            "repeated": repeated, "multi_turn": chat, "multi_turn_long": chat_long, "long_context": long,
+            "branches": branched,
             f"lookup_ms_{document_tokens}": statistics.median(warm),
             "lookup_ms_262144": statistics.median(warm) if document_tokens == 262144 else None,
             "server_stats": client.stats()}
@@ -168,11 +213,19 @@ def print_report(result: dict) -> None:
     for row in result["multi_turn"]:
         print(f"{row['turn']:>4} {row['prompt_tokens']:>7} {row['hit_tokens']:>7} {row['previous_turn_end']:>8}  "
               f"{_mib(row['loaded_bytes_by_tier'])} / {_mib(row['saved_bytes_by_tier'])}")
+    print("\nmulti-turn chat, turns adding 1.2 N to 3 N tokens")
+    print(f"{'turn':>4} {'prompt':>7} {'hit':>7} {'prev end':>8}")
+    for row in result["multi_turn_long"]:
+        print(f"{row['turn']:>4} {row['prompt_tokens']:>7} {row['hit_tokens']:>7} {row['previous_turn_end']:>8}")
     print("\nlong shared context")
     print(f"{'q':>2} {'prompt':>7} {'hit':>7} {'lookup ms':>9}  loaded / saved MiB by tier")
     for row in result["long_context"]:
         print(f"{row['question']:>2} {row['prompt_tokens']:>7} {row['hit_tokens']:>7} {row['lookup_ms']:>9.1f}  "
               f"{_mib(row['loaded_bytes_by_tier'])} / {_mib(row['saved_bytes_by_tier'])}")
+    print("\nquestions branching inside the document")
+    print(f"{'share':>5} {'shared':>7} {'hit':>7} {'lookup ms':>9}")
+    for row in result["branches"]:
+        print(f"{row['share']:>5.1f} {row['shared_tokens']:>7} {row['hit_tokens']:>7} {row['lookup_ms']:>9.1f}")
     key = next(k for k in result if k.startswith("lookup_ms_") and result[k] is not None)
     print(f"\n{key}: {result[key]:.1f} (median over warm questions)")
 

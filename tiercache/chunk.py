@@ -1,11 +1,15 @@
 """The record every tier stores: a small header, the chunk's own key, then the payload.
 
-    magic "TCHK" | version u8 | codec u8 | namespace_len u16 | key_len u8 | object_class u8 | flags u8 | 1 reserved
-    | payload_len u64 | prefix_tokens u64 | checksum u64 | namespace (utf-8) | key | payload
+    magic "TCHK" | version u8 | codec u8 | namespace_len u16 | key_len u8 | object_class u8 | flags u8
+    | parent_len u8 | payload_len u64 | prefix_tokens u64 | checksum u64 | namespace (utf-8) | key | parent | payload
 
-`object_class` says whether the chunk is KV (LRU-evicted) or a recurrent state (kept under its own byte budget and
-evicted by value), and `prefix_tokens` how many prefill tokens it saves (the state's value). The store learns both
-from the record, so they survive restarts with the disk tier.
+`object_class` says whether the chunk is KV (evicted by recency) or a recurrent state (kept under its own byte budget
+and evicted by value), `prefix_tokens` how many prefill tokens it saves (the state's value), and `parent` the key of
+the object it extends in its chain (tiercache.hit_rule: a kv chunk's parent is the chunk before it; a tail's or a
+state's the kv chunk it sits in), empty for opaque chunks. The eviction policy keeps a parent while its children live
+and the server finds saved checkpoints through it. The store learns all three from the record, so they survive
+restarts with the disk tier. (parent_len was a reserved zero byte: records written before it existed read as
+records without a parent, and their checksums are unchanged.)
 
 A record written in place into host memory by a same-host client may be *unsealed* (flag UNSEALED, checksum 0):
 memory records are never verified, so the checksum is computed only when the record leaves memory for the disk or
@@ -35,9 +39,9 @@ CODEC_RAW = 0
 CLASS_KV = 0  # attention KV, tails, and anything else: LRU
 CLASS_STATE = 1  # recurrent-state checkpoints: own budget, evicted by value
 
-_FIXED = struct.Struct("<4sBBHBBBxQQQ")
+_FIXED = struct.Struct("<4sBBHBBBBQQQ")
 UNSEALED = 0x01
-_RESERVED_OFFSET = 11  # the pad byte after flags
+MAX_PARENT_BYTES = 64  # a parent is a key
 FIXED_HEADER_BYTES = _FIXED.size
 # What the checksum covers from the fixed header: everything but the magic and the checksum itself.
 _SUMMED = struct.Struct("<BBHBBQQ")
@@ -48,6 +52,7 @@ class ChunkMeta(NamedTuple):
 
     object_class: int = CLASS_KV
     prefix_tokens: int = 0
+    parent: bytes = b""  # the key (same namespace) of the object this one extends; b"": none
 
 
 class RecordHeader(NamedTuple):
@@ -62,8 +67,9 @@ class RecordHeader(NamedTuple):
         return self.header_bytes + self.payload_bytes
 
 
-def header_bytes(key: ChunkKey) -> int:
-    return FIXED_HEADER_BYTES + len(key.namespace.encode()) + len(key.key)
+def header_bytes(key: ChunkKey, meta: ChunkMeta = ChunkMeta()) -> int:
+    """Where the payload of a record for `key` with `meta` starts."""
+    return FIXED_HEADER_BYTES + len(key.namespace.encode()) + len(key.key) + len(meta.parent)
 
 
 def header(key: ChunkKey, meta: ChunkMeta, payload_parts, codec: int = CODEC_RAW, seal: bool = True) -> bytearray:
@@ -82,13 +88,15 @@ def header(key: ChunkKey, meta: ChunkMeta, payload_parts, codec: int = CODEC_RAW
                               meta.prefix_tokens))
         h.update(namespace)
         h.update(key.key)
+        if meta.parent:  # only when present, so records without a parent keep the checksums they always had
+            h.update(bytes((len(meta.parent),)) + meta.parent)
         for part in parts:
             h.update(part)
         checksum = h.intdigest()
-    out = bytearray(header_bytes(key))
+    out = bytearray(header_bytes(key, meta))
     _FIXED.pack_into(out, 0, MAGIC, FORMAT_VERSION, codec, len(namespace), len(key.key), meta.object_class,
-                     0 if seal else UNSEALED, payload_len, meta.prefix_tokens, checksum)
-    out[FIXED_HEADER_BYTES:] = namespace + key.key
+                     0 if seal else UNSEALED, len(meta.parent), payload_len, meta.prefix_tokens, checksum)
+    out[FIXED_HEADER_BYTES:] = namespace + key.key + meta.parent
     return out
 
 
@@ -113,13 +121,13 @@ def seal(record: bytearray | memoryview, key: ChunkKey, meta: ChunkMeta = ChunkM
     Lets a receiver assemble the payload in place (no extra copy) and seal it once complete.
     """
     view = memoryview(record)
-    start = header_bytes(key)
+    start = header_bytes(key, meta)
     view[:start] = header(key, meta, [view[start:]], codec)
 
 
 def encode(key: ChunkKey, payload, meta: ChunkMeta = ChunkMeta(), codec: int = CODEC_RAW) -> bytearray:
     """A sealed record holding a copy of `payload` (any bytes-like object)."""
-    start = header_bytes(key)
+    start = header_bytes(key, meta)
     payload = memoryview(payload).cast("B")
     record = bytearray(start + len(payload))
     record[start:] = payload
@@ -128,9 +136,13 @@ def encode(key: ChunkKey, payload, meta: ChunkMeta = ChunkMeta(), codec: int = C
 
 
 def read_meta(record) -> ChunkMeta:
-    """Class and value of a record, from the fixed header only (tiers call this on every put)."""
+    """Class, value and parent of a record, from its header (tiers call this on every put)."""
     fields = _FIXED.unpack_from(record, 0)
-    return ChunkMeta(fields[5], fields[8])
+    parent = b""
+    if fields[7]:
+        start = FIXED_HEADER_BYTES + fields[3] + fields[4]
+        parent = bytes(memoryview(record)[start:start + fields[7]])
+    return ChunkMeta(fields[5], fields[9], parent)
 
 
 def read_header(record) -> RecordHeader:
@@ -138,25 +150,27 @@ def read_header(record) -> RecordHeader:
     view = memoryview(record)
     if len(view) < FIXED_HEADER_BYTES:
         raise ChunkCorrupt(f"record of {len(view)} bytes is shorter than a header")
-    magic, version, codec, ns_len, key_len, object_class, flags, payload_len, prefix_tokens, _ = \
+    magic, version, codec, ns_len, key_len, object_class, flags, parent_len, payload_len, prefix_tokens, _ = \
         _FIXED.unpack_from(view, 0)
     if magic != MAGIC:
         raise ChunkCorrupt("bad magic")
-    # The flags byte stays outside the checksum (sealing clears UNSEALED in place), so it and the reserved byte after
-    # it are checked here: a flipped bit in them is caught like any other.
-    if flags & ~UNSEALED or view[_RESERVED_OFFSET]:
-        raise ChunkCorrupt(f"unknown header flags {flags:#x} / reserved byte {view[_RESERVED_OFFSET]:#x}")
+    # The flags byte stays outside the checksum (sealing clears UNSEALED in place), so it is checked here: a flipped
+    # bit in it is caught like any other. parent_len is covered by the checksum through the parent it delimits.
+    if flags & ~UNSEALED or parent_len > MAX_PARENT_BYTES:
+        raise ChunkCorrupt(f"unknown header flags {flags:#x} / parent of {parent_len} bytes")
     if version != FORMAT_VERSION:
         raise ChunkCorrupt(f"unknown record format version {version}")
-    start = FIXED_HEADER_BYTES + ns_len + key_len
+    key_end = FIXED_HEADER_BYTES + ns_len + key_len
+    start = key_end + parent_len
     if len(view) < start:
         raise ChunkCorrupt("record truncated inside its key")
     try:
         namespace = bytes(view[FIXED_HEADER_BYTES:FIXED_HEADER_BYTES + ns_len]).decode()
-        key = ChunkKey.checked(namespace, bytes(view[FIXED_HEADER_BYTES + ns_len:start]))
+        key = ChunkKey.checked(namespace, bytes(view[FIXED_HEADER_BYTES + ns_len:key_end]))
     except Exception as exc:  # bad utf-8 or an invalid key: the header is damaged
         raise ChunkCorrupt(f"bad key in header: {exc}") from exc
-    return RecordHeader(key, codec, payload_len, start, ChunkMeta(object_class, prefix_tokens))
+    meta = ChunkMeta(object_class, prefix_tokens, bytes(view[key_end:start]))
+    return RecordHeader(key, codec, payload_len, start, meta)
 
 
 def decode(record, expected: ChunkKey, verify: bool = True) -> memoryview:

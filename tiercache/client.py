@@ -20,9 +20,10 @@ import grpc
 from tiercache.channel import Security, open_channel, parse_url
 from tiercache.chunk import ChunkMeta
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound, TierCacheError, Unavailable
+from tiercache.hybrid import ChainShape
 from tiercache.keys import validate_key, validate_namespace
 from tiercache.shm import SharedArena
-from tiercache.wire import error_for, frames, pb, pb_grpc, stats_dict
+from tiercache.wire import error_for, frames, lookup_request, pb, pb_grpc, stats_dict
 
 T = TypeVar("T")
 DEFAULT_FRAME_BYTES = 1 << 20
@@ -35,6 +36,13 @@ class Chunk(NamedTuple):
     key: bytes
     data: object  # any bytes-like object
     meta: ChunkMeta = ChunkMeta()
+
+
+class LookupAnswer(NamedTuple):
+    hit_tokens: int
+    tiers: list[str]  # where each object of the hit lies, in tiercache.hybrid.required_objects order
+    unverified: tuple[int, ...]  # ask again with these positions' hashes
+    chain_chunks: int  # kv chunks every attention group holds from the prompt's start
 
 
 class Fetched(NamedTuple):
@@ -117,7 +125,8 @@ class Client:
 
     def _put_shared(self, namespace: str, views, arena: "SharedArena") -> list[str]:
         headers = [pb.ChunkHeader(namespace=namespace, key=key, size_bytes=len(payload),
-                                  object_class=meta.object_class, prefix_tokens=meta.prefix_tokens)
+                                  object_class=meta.object_class, prefix_tokens=meta.prefix_tokens,
+                                  parent=meta.parent)
                    for key, payload, meta in views]
         request = pb.ReserveRequest(namespace=namespace, chunks=headers)
         reservations = self._call(lambda timeout: self._stub.Reserve(request, timeout=timeout)).reservations
@@ -135,7 +144,7 @@ class Client:
             for key, payload, meta in views:
                 yield pb.PutFrame(header=pb.ChunkHeader(
                     namespace=namespace, key=key, size_bytes=len(payload), object_class=meta.object_class,
-                    prefix_tokens=meta.prefix_tokens))
+                    prefix_tokens=meta.prefix_tokens, parent=meta.parent))
                 for frame in frames(payload, self.frame_bytes):
                     yield pb.PutFrame(data=frame)
 
@@ -208,6 +217,18 @@ class Client:
         """Remove keys from every tier; returns how many existed."""
         request = pb.KeysRequest(namespace=namespace, keys=self._checked(namespace, keys))
         return self._call(lambda timeout: self._stub.Delete(request, timeout=timeout)).deleted
+
+    def lookup(self, namespace: str, shape: ChainShape, prompt_tokens: int, boundaries: bytes,
+               positions: Mapping[int, bytes], *, rank_namespaces: Sequence[str] = (),
+               report: bool = True) -> "LookupAnswer":
+        """The server's hit for a prompt under the hybrid hit rule (see tiercache.chain_lookup; PrefixCache is the
+        usual caller): `boundaries` = h(0), h(N), ... h(KN) concatenated, `positions` other hashes it may check."""
+        request = lookup_request(validate_namespace(namespace), shape, prompt_tokens, boundaries, positions,
+                                 rank_namespaces, report)
+        response = self._call(lambda timeout: self._stub.Lookup(request, timeout=timeout))
+        names = list(response.tier_names)
+        return LookupAnswer(response.hit_tokens, [names[i] for i in response.tiers], tuple(response.unverified),
+                            response.chain_chunks)
 
     def report_lookup(self, namespace: str, requested_tokens: int, hit_tokens_by_tier: Mapping[str, int]) -> None:
         """Tell the server how a prefix lookup went, for its metrics (`tiercache_lookup_*`) and stats."""

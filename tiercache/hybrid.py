@@ -1,4 +1,4 @@
-"""Hybrid-aware prefix caching rules: object keys, the lookup probe, the hit rule, and admission. Pure functions.
+"""Hybrid-aware prefix caching rules: object keys, the hit rule, and admission. Pure functions.
 
 Vocabulary (DESIGN.md): a prompt of L tokens may reuse a prefix of p <= L-1 tokens (the engine computes at least the
 last token itself). Objects, all named by the chain hash of the prefix they describe (tiercache.keys.PrefixHashes):
@@ -9,12 +9,14 @@ The hit is the largest p such that each full-attention group has every kv chunk 
 group has the chunks overlapping [p-W, p), the tail exists when p is not a multiple of N, and the state exists when the
 model has recurrent layers.
 
+Every object names its *parent*, the object it extends in the chain: a kv chunk the kv chunk before it (the first
+chunk a root that is never stored: h(0)), a tail the kv chunk it sits in, a state the kv chunk it sits in of the
+first attention group (the *anchor*). The server keeps a chain shrinking from its deep end with it (tiercache.lru)
+and finds every saved tail and state of a prefix through it, however far back from the prompt's end they lie
+(tiercache.chain_lookup: one Lookup call, two when a checkpoint lies where the client sent no hash).
+
 Which positions can hold a hit? Chunk boundaries (kv chains and boundary states) and the positions where earlier
-requests ended (tails and states saved at a prompt's last token and at a request's end). The probe asks, in ONE
-Exists call, for every chunk boundary and for every position of the last `window_tokens` (default N) before L-1:
-that finds exact repeats (L-1), the previous turn's end in a chat whose new message is shorter than the window,
-and boundary states anywhere. An earlier request's end further back than the window is reached through the
-boundary state below it (at most N tokens recomputed). Probing every position would cost L keys per lookup.
+requests ended (tails and states saved at a prompt's last token and at a request's end).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass
-from typing import Container, Mapping, NamedTuple, Sequence
+from typing import Container, Iterable, Mapping, NamedTuple, Sequence
 
+from tiercache.chunk import CLASS_KV, CLASS_STATE, ChunkMeta
 from tiercache.errors import InvalidArgument
 from tiercache.keys import PrefixHashes, salt_suffix, validate_namespace
 from tiercache.layout import GroupKind, ModelLayout, unified_block_size
@@ -43,14 +46,14 @@ class CacheSpec:
     chunk_tokens: int
     match_unit: int = 16
     salt: str = ""
-    window_tokens: int = 0  # positions probed one by one before the prompt's end; 0 means N
-    max_boundary_states: int = 8  # boundary states saved per request, spaced exponentially back from the end
+    # Boundary states saved per request, the deepest first; 0: one at every chunk boundary, so that a prompt
+    # branching anywhere inside an earlier one resumes within N tokens of the branch (the state budget and its value
+    # score decide which survive).
+    max_boundary_states: int = 0
 
     def __post_init__(self) -> None:
         if self.match_unit <= 0 or self.chunk_tokens <= 0 or self.chunk_tokens % self.match_unit:
             raise InvalidArgument(f"u={self.match_unit} must be positive and divide N={self.chunk_tokens}")
-        if not self.window_tokens:
-            object.__setattr__(self, "window_tokens", self.chunk_tokens)
         validate_namespace(self.namespace)
 
     @classmethod
@@ -61,8 +64,9 @@ class CacheSpec:
         return cls(layout, n, match_unit, **options)
 
     @functools.cached_property
-    def recurrent_flags(self) -> tuple[bool, ...]:
-        return tuple(g.kind is GroupKind.RECURRENT for g in self.layout.groups)
+    def shape(self) -> "ChainShape":
+        return ChainShape(self.chunk_tokens, tuple(g.kind for g in self.layout.groups),
+                          tuple(g.window for g in self.layout.groups))
 
     @property
     def namespace(self) -> str:
@@ -83,8 +87,42 @@ class CacheSpec:
         return self.layout.groups[ref.group].kv_bytes_per_token * ref.tokens
 
 
+@dataclass(frozen=True)
+class ChainShape:
+    """What the hit rule needs of a layout: N and each layer group's kind (and window). The server receives it in a
+    Lookup request; a CacheSpec derives it from its layout."""
+
+    chunk_tokens: int
+    kinds: tuple[GroupKind, ...]
+    windows: tuple[int | None, ...]
+
+    @functools.cached_property
+    def attention(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.kinds) if kind is not GroupKind.RECURRENT)
+
+    @functools.cached_property
+    def recurrent(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.kinds) if kind is GroupKind.RECURRENT)
+
+    @property
+    def anchor(self) -> int:
+        """The group whose kv chunks parent the states (the first attention group; group 0 when there is none,
+        whose 'kv' keys are then only names)."""
+        return self.attention[0] if self.attention else 0
+
+    def first_chunk(self, group: int, p: int) -> int:
+        """The first kv chunk (1-based) group `group` needs to resume at p: 1, or the first overlapping [p-W, p)."""
+        window = self.windows[group]
+        return 1 if window is None else max(1, (p - window) // self.chunk_tokens + 1)
+
+
+def object_key(prefix_hash: bytes, kind: ObjectKind, group: int) -> bytes:
+    return prefix_hash + bytes((kind, group))
+
+
 class ObjectRef(NamedTuple):
-    """One cache object: the prefix length p it describes, its kind and layer group, and its 18-byte key.
+    """One cache object: the prefix length p it describes, its kind and layer group, its 18-byte key, and the key
+    of its parent (see the module docstring).
 
     (A NamedTuple rather than a dataclass: a 262,144-token lookup builds ~2,000 of them, and this is 3x cheaper.)
     """
@@ -94,29 +132,47 @@ class ObjectRef(NamedTuple):
     group: int
     key: bytes
     start: int  # first token whose KV it holds (0 for states)
+    parent: bytes
 
     @property
     def tokens(self) -> int:
         return self.position - self.start
 
 
-def object_ref(spec: CacheSpec, hashes: PrefixHashes, kind: ObjectKind, position: int, group: int) -> ObjectRef:
+def object_ref(spec, hashes, kind: ObjectKind, position: int, group: int) -> ObjectRef:
+    """The object of `kind` at `position` for `group`; `spec` is a CacheSpec or a ChainShape, `hashes` anything with
+    `at(p)` for the positions involved."""
     n = spec.chunk_tokens
     if kind is ObjectKind.KV and (position % n or position <= 0):
         raise InvalidArgument(f"kv objects sit at multiples of N={n}, not {position}")
     if kind is ObjectKind.TAIL and position % n == 0:
         raise InvalidArgument(f"tail objects sit between chunk boundaries, not at {position}")
-    return _ref(spec, hashes.at(position), kind, position, group)
+    below = position - n if kind is ObjectKind.KV else position - position % n
+    return _ref(n, hashes.at(position), hashes.at(below), kind, position, group, _shape(spec).anchor)
 
 
-def _ref(spec: CacheSpec, prefix_hash: bytes, kind: ObjectKind, position: int, group: int) -> ObjectRef:
+def _ref(n: int, prefix_hash: bytes, below_hash: bytes, kind: ObjectKind, position: int, group: int,
+         anchor: int) -> ObjectRef:
+    """`below_hash` names the boundary of the parent: (p - N) for kv, N*floor(p/N) for the others."""
     if kind is ObjectKind.STATE:
-        start = 0
+        start, parent = 0, object_key(below_hash, ObjectKind.KV, anchor)
     elif kind is ObjectKind.KV:
-        start = position - spec.chunk_tokens
+        start, parent = position - n, object_key(below_hash, ObjectKind.KV, group)
     else:
-        start = position - position % spec.chunk_tokens
-    return ObjectRef(position, kind, group, prefix_hash + bytes((kind, group)), start)
+        start, parent = position - position % n, object_key(below_hash, ObjectKind.KV, group)
+    return ObjectRef(position, kind, group, object_key(prefix_hash, kind, group), start, parent)
+
+
+def object_meta(ref: ObjectRef) -> ChunkMeta:
+    """How the server values and chains an object: a state saves its position's prefill, KV its tokens (which also
+    places a tail inside its chunk); both name their parent."""
+    if ref.kind is ObjectKind.STATE:
+        return ChunkMeta(CLASS_STATE, ref.position, ref.parent)
+    return ChunkMeta(CLASS_KV, ref.tokens, ref.parent)
+
+
+def _shape(spec) -> ChainShape:
+    return spec if isinstance(spec, ChainShape) else spec.shape
 
 
 @dataclass(frozen=True)
@@ -126,129 +182,76 @@ class Located:
 
 
 @dataclass(frozen=True)
-class Probe:
-    """The keys one lookup asks about, and the candidate hit positions they decide, deepest first."""
-
-    prompt_tokens: int
-    candidates: tuple[int, ...]
-    objects: tuple[ObjectRef, ...]
-
-    @property
-    def keys(self) -> list[bytes]:
-        return [o.key for o in self.objects]
-
-
-@dataclass(frozen=True)
 class Hit:
-    """The result of a lookup: reuse `tokens` of `prompt_tokens`, by loading `objects` (with the tier of each)."""
+    """The result of a lookup: reuse `tokens` of `prompt_tokens`, by loading `objects` (with the tier of each).
+
+    `chain_chunks`: how many kv chunks of the prompt every attention group holds from the start (the server walked
+    them): admission need not save those again."""
 
     tokens: int
     prompt_tokens: int
     objects: tuple[Located, ...] = ()
+    chain_chunks: int = 0
 
     @property
     def ratio(self) -> float:
         return self.tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def tokens_by_tier(self) -> dict[str, int]:
-        """Hit tokens attributed to the tier their KV came from (states count for the tokens no KV covers)."""
-        by_tier: dict[str, int] = {}
-        attention = [o for o in self.objects if o.ref.kind is not ObjectKind.STATE]
-        first_group = min((o.ref.group for o in attention), default=None)
-        for o in attention:
-            if o.ref.group == first_group:
-                by_tier[o.tier] = by_tier.get(o.tier, 0) + o.ref.tokens
-        covered = sum(by_tier.values())
-        if covered < self.tokens:
-            state = next((o for o in self.objects if o.ref.kind is ObjectKind.STATE), None)
-            if state is not None:
-                by_tier[state.tier] = by_tier.get(state.tier, 0) + self.tokens - covered
-        return by_tier
+        return tokens_by_tier(self.tokens, ((o.ref.kind, o.ref.group, o.ref.tokens, o.tier) for o in self.objects))
 
 
-# -- lookup ------------------------------------------------------------------------------------------------------
-
-def plan_probe(spec: CacheSpec, hashes: PrefixHashes) -> Probe:
-    """Every key whose presence decides the hit of a prompt of `hashes.length` tokens."""
-    length = hashes.length
-    last = length - 1
-    n = spec.chunk_tokens
-    if last < 1:
-        return Probe(length, (), ())
-    boundaries = [k * n for k in range(1, last // n + 1)]
-    window = [p for p in range(max(1, last - spec.window_tokens + 1), last + 1) if p % n]
-    candidates = tuple(sorted(set(boundaries + window), reverse=True))
-    objects = [ref for p in candidates for ref in _objects_at(spec, hashes, p, boundary_kv=True)]
-    return Probe(length, candidates, tuple(objects))
-
-
-def resolve_hit(spec: CacheSpec, hashes: PrefixHashes, probe: Probe, where: Sequence[str | None]) -> Hit:
-    """Apply the hit rule to the presence (tier or None) of each probed key. Linear in the probe's size: kv chains
-    are summarised once per group, then candidates are checked deepest first."""
-    tier_of = {(ref.kind, ref.position, ref.group): tier for ref, tier in zip(probe.objects, where) if tier}
-    n = spec.chunk_tokens
-    deepest = (probe.prompt_tokens - 1) // n if probe.prompt_tokens else 0
-    missing_before = {}  # attention group -> prefix counts of missing kv chunks, index k = chunks 1..k
-    for index, group in enumerate(spec.layout.groups):
-        if group.is_attention:
-            counts = [0]
-            for k in range(1, deepest + 1):
-                counts.append(counts[-1] + ((ObjectKind.KV, k * n, index) not in tier_of))
-            missing_before[index] = counts
-
-    def resumable(p: int) -> bool:
-        for index, group in enumerate(spec.layout.groups):
-            if group.kind is GroupKind.RECURRENT:
-                if (ObjectKind.STATE, p, index) not in tier_of:
-                    return False
-                continue
-            first = 1 if group.kind is GroupKind.FULL_ATTENTION else max(1, (p - group.window) // n + 1)
-            counts = missing_before[index]
-            if counts[p // n] - counts[first - 1] > 0:
-                return False
-            if p % n and (ObjectKind.TAIL, p, index) not in tier_of:
-                return False
-        return True
-
-    for p in probe.candidates:  # deepest first
-        if resumable(p):
-            needed = required_objects(spec, hashes, p)
-            located = tuple(Located(ref, tier_of[(ref.kind, ref.position, ref.group)]) for ref in needed)
-            return Hit(p, probe.prompt_tokens, located)
-    return Hit(0, probe.prompt_tokens)
-
-
-def required_objects(spec: CacheSpec, hashes: PrefixHashes, p: int) -> list[ObjectRef]:
-    """What must be loaded to resume at p: the hit rule, spelled out per layer group."""
-    n = spec.chunk_tokens
-    needed = []
-    for index, group in enumerate(spec.layout.groups):
-        if group.kind is GroupKind.RECURRENT:
-            needed.append(object_ref(spec, hashes, ObjectKind.STATE, p, index))
+def tokens_by_tier(hit_tokens: int, objects: Iterable[tuple[ObjectKind, int, int, str]]) -> dict[str, int]:
+    """Hit tokens attributed to the tier their KV came from (the first attention group's objects; the state counts
+    for the tokens no KV covers). `objects`: (kind, group, tokens of KV held, tier) of each object of the hit."""
+    by_tier: dict[str, int] = {}
+    first_group = None
+    state_tier = None
+    for kind, group, tokens, tier in objects:
+        if kind is ObjectKind.STATE:
+            state_tier = tier
             continue
-        first = 1
-        if group.kind is GroupKind.SLIDING_WINDOW:  # only chunks overlapping [p - W, p)
-            first = max(1, (p - group.window) // n + 1)
-        needed += [object_ref(spec, hashes, ObjectKind.KV, k * n, index) for k in range(first, p // n + 1)]
+        first_group = group if first_group is None else first_group
+        if group == first_group:
+            by_tier[tier] = by_tier.get(tier, 0) + tokens
+    covered = sum(by_tier.values())
+    if covered < hit_tokens and state_tier is not None:
+        by_tier[state_tier] = by_tier.get(state_tier, 0) + hit_tokens - covered
+    return by_tier
+
+
+def required_objects(spec, hashes, p: int) -> list[ObjectRef]:
+    """What must be loaded to resume at p: the hit rule, spelled out per layer group (kv chunks in order, then the
+    tail, per attention group; the state for the recurrent group). `spec`: a CacheSpec or a ChainShape.
+
+    (Built inline rather than through object_ref: a 262,144-token hit names ~500 objects per group, and this is on
+    every lookup's path.)"""
+    shape = _shape(spec)
+    n = shape.chunk_tokens
+    at = hashes.at
+    needed: list[ObjectRef] = []
+    for group, kind in enumerate(shape.kinds):
+        if kind is GroupKind.RECURRENT:
+            needed.append(object_ref(shape, hashes, ObjectKind.STATE, p, group))
+            continue
+        first = shape.first_chunk(group, p)
+        suffix = bytes((ObjectKind.KV, group))
+        chain = [at(k * n) + suffix for k in range(first - 1, p // n + 1)]  # kv keys (and h(0)'s root) in order
+        needed += [ObjectRef(k * n, ObjectKind.KV, group, chain[i + 1], k * n - n, chain[i])
+                   for i, k in enumerate(range(first, p // n + 1))]
         if p % n:
-            needed.append(object_ref(spec, hashes, ObjectKind.TAIL, p, index))
+            needed.append(object_ref(shape, hashes, ObjectKind.TAIL, p, group))
     return needed
 
 
-def _objects_at(spec: CacheSpec, hashes: PrefixHashes, p: int, boundary_kv: bool) -> list[ObjectRef]:
-    """The objects named at position p: kv (at boundaries) or tails per attention group, and the state."""
-    prefix_hash = hashes.at(p)
-    n = spec.chunk_tokens
-    attention_kind = ObjectKind.TAIL if p % n else (ObjectKind.KV if boundary_kv else None)
-    attention_start = p - p % n if p % n else p - n
-    refs = []
-    for index, recurrent in enumerate(spec.recurrent_flags):  # the hot loop of a lookup: kept plain
-        if recurrent:
-            refs.append(ObjectRef(p, ObjectKind.STATE, index, prefix_hash + bytes((ObjectKind.STATE, index)), 0))
-        elif attention_kind is not None:
-            refs.append(ObjectRef(p, attention_kind, index, prefix_hash + bytes((attention_kind, index)),
-                                  attention_start))
-    return refs
+def checkpoint_objects(spec, hashes, p: int) -> list[ObjectRef]:
+    """The checkpoint objects at position p: a tail per attention group (between boundaries), and the state."""
+    shape = _shape(spec)
+    n = shape.chunk_tokens
+    prefix_hash, below = hashes.at(p), hashes.at(p - p % n)
+    return [_ref(n, prefix_hash, below, ObjectKind.STATE if kind is GroupKind.RECURRENT else ObjectKind.TAIL, p,
+                 group, shape.anchor)
+            for group, kind in enumerate(shape.kinds) if kind is GroupKind.RECURRENT or p % n]
 
 
 # -- admission ---------------------------------------------------------------------------------------------------
@@ -266,9 +269,9 @@ def plan_prompt_admission(spec: CacheSpec, hashes: PrefixHashes, hit_tokens: int
                           present: Mapping[bytes, str] | None = None) -> SavePlan:
     """Objects a prefill of the whole prompt (tokens [hit, L) computed) should save.
 
-    Every full kv chunk; tail + state at L-1 so an exact repeat hits L-1; boundary states at the deepest chunk
-    boundaries, spaced 1, 2, 4, ... chunks back from the end (a later prompt diverging d tokens before this one's
-    end finds a state about d tokens back or closer); nothing already present.
+    Every full kv chunk; tail + state at L-1 so an exact repeat hits L-1; a state at every chunk boundary (the
+    deepest `max_boundary_states` when set), so a later prompt that branches anywhere inside this one resumes within
+    N tokens of the branch; nothing already present.
     """
     length = hashes.length
     n = spec.chunk_tokens
@@ -297,8 +300,8 @@ def plan_step_admission(spec: CacheSpec, hashes: PrefixHashes, prompt_tokens: in
     the step completed in `computed` = [start, end), and, of the states the engine `offered_states` (positions),
     those the prompt's admission wants, each with its tails when it sits between chunks.
 
-    The prompt's admission (plan_prompt_admission) wants the boundary states spaced 1, 2, 4, ... chunks back from
-    the prompt's end (at most `max_boundary_states`) and the state at the prompt's end; an engine that cannot stop
+    The prompt's admission (plan_prompt_admission) wants the boundary states (the deepest `max_boundary_states`
+    when set) and the state at the prompt's end; an engine that cannot stop
     at L-1 offers the last state it keeps below it, so any offered state past the deepest chunk boundary below L-1
     counts as the prompt's end. States past the prompt (decode) are left to plan_finish_admission (the request's
     end). `hashes` must cover every position planned."""
@@ -314,16 +317,10 @@ def plan_step_admission(spec: CacheSpec, hashes: PrefixHashes, prompt_tokens: in
 
 
 def _boundary_state_positions(spec: CacheSpec, after: int, last: int) -> list[int]:
+    """Chunk boundaries in (after, last], the deepest `max_boundary_states` of them (all when 0)."""
     n = spec.chunk_tokens
-    deepest = last // n
-    positions, back = [], 0
-    while len(positions) < spec.max_boundary_states and deepest - back >= 1:
-        p = (deepest - back) * n
-        if p <= after:
-            break
-        positions.append(p)
-        back = 2 * back + 1  # 0, 1, 3, 7, ...: spacing doubles going back
-    return sorted(positions)
+    positions = [k * n for k in range(after // n + 1, last // n + 1)]
+    return positions[-spec.max_boundary_states:] if spec.max_boundary_states else positions
 
 
 def _plan(spec: CacheSpec, hashes: PrefixHashes, kv_positions: list[int], state_positions: list[int],
@@ -335,7 +332,7 @@ def _plan(spec: CacheSpec, hashes: PrefixHashes, kv_positions: list[int], state_
             ref = object_ref(spec, hashes, ObjectKind.KV, p, g)
             objects[ref.key] = ref
     for p in sorted(set(state_positions) | set(end_positions)):
-        for ref in _objects_at(spec, hashes, p, boundary_kv=False):
+        for ref in checkpoint_objects(spec, hashes, p):
             objects[ref.key] = ref
     wanted = tuple(sorted(ref for key, ref in objects.items() if key not in present))
     captures = tuple(sorted({ref.position for ref in wanted if ref.kind is not ObjectKind.KV}))

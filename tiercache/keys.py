@@ -100,9 +100,9 @@ class PrefixHashes:
         self._boundaries = _chain(xxhash.xxh3_128_digest(namespace.encode()), self._bytes, 4 * chunk_tokens)
         self._inside: dict[int, list[bytes]] = {}
 
-    def boundary(self, k: int) -> bytes:
-        """h(kN), for 0 <= kN <= length."""
-        return self._boundaries[k]
+    def boundaries(self, deepest: int) -> bytes:
+        """h(0), h(N), ..., h(deepest * N) concatenated (what a Lookup request carries)."""
+        return b"".join(self._boundaries[:deepest + 1])
 
     def at(self, p: int) -> bytes:
         if not 0 <= p <= self.length:

@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tiercache import __version__, chunk
 from tiercache.auth import Tenant, TenantTable
+from tiercache.chain_lookup import find_hit
 from tiercache.config import Config, SecurityConfig
 from tiercache.errors import ConfigError, InvalidArgument
 from tiercache.keys import ChunkKey, validate_key, validate_namespace
@@ -29,8 +30,8 @@ from tiercache.metrics import Metrics
 from tiercache.shm import LeaseTable
 from tiercache.store import TieredStore
 from tiercache.tiers.arena import payload_ranges
-from tiercache.wire import (SERVICE_NAME, Malformed, chunk_meta, frames, pb, pb_grpc, service_handler, stats_message,
-                            status_for)
+from tiercache.wire import (SERVICE_NAME, Malformed, chunk_meta, frames, lookup_query, pb, pb_grpc, service_handler,
+                            stats_message, status_for)
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class _ChunkAssembler:
         self.key = ChunkKey.checked(header.namespace, header.key)
         tenant.check_namespace(self.key.namespace)
         self.meta = chunk_meta(header)
-        self.start = chunk.header_bytes(self.key)
+        self.start = chunk.header_bytes(self.key, self.meta)
         self.record = bytearray(self.start + header.size_bytes)
         self.filled = self.start
 
@@ -115,6 +116,25 @@ class _ChunkAssembler:
     def sealed(self) -> bytearray:
         chunk.seal(self.record, self.key, self.meta)
         return self.record
+
+
+class _StoreChain:
+    """The store seen by the Lookup search (tiercache.chain_lookup.ChainIndex), in one namespace or in every
+    tensor-parallel rank's: an object counts only when each rank holds its shard; the directory is the first's."""
+
+    def __init__(self, store: TieredStore, namespaces: list[str]) -> None:
+        self.store = store
+        self.namespaces = namespaces
+
+    def locate(self, keys):
+        where = self.store.locate([ChunkKey(self.namespaces[0], k) for k in keys])
+        for namespace in self.namespaces[1:]:
+            other = self.store.locate([ChunkKey(namespace, k) for k in keys])
+            where = [tier if also else None for tier, also in zip(where, other)]
+        return where
+
+    def children(self, parent: bytes):
+        return [(key.key, meta) for key, meta in self.store.children(ChunkKey(self.namespaces[0], parent))]
 
 
 def _chunk_keys(tenant: Tenant, namespace: str, keys: Iterable[bytes]) -> list[ChunkKey]:
@@ -200,6 +220,19 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         self.store.record_lookup(request.requested_tokens, hit)
         return pb.LookupReportAck()
 
+    @_rpc
+    def Lookup(self, request: pb.LookupRequest, context, tenant: Tenant) -> pb.LookupResponse:
+        namespaces = [_namespace(tenant, ns) for ns in (request.namespace, *request.rank_namespaces)]
+        query = lookup_query(request)
+        found = find_hit(query, _StoreChain(self.store, namespaces))
+        if request.report and not found.unverified:  # a lookup with unverified positions is asked again
+            self.store.record_lookup(query.prompt_tokens, found.tokens_by_tier(query.shape))
+        names = sorted(set(found.tiers))
+        index = {name: i for i, name in enumerate(names)}
+        return pb.LookupResponse(hit_tokens=found.tokens, tier_names=names,
+                                 tiers=bytes(index[tier] for tier in found.tiers), unverified=found.unverified,
+                                 chain_chunks=found.chain_chunks)
+
     # -- the same-host path (tiercache.shm) ------------------------------------------------------------------------
 
     @_rpc
@@ -224,14 +257,14 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                 key = ChunkKey.checked(request.namespace, header.key)
                 tenant.check_namespace(key.namespace)
                 self._check_quota(tenant, header.size_bytes)
-                reservation = self.store.reserve(key, chunk.header_bytes(key) + header.size_bytes,
-                                                 chunk_meta(header))
+                meta = chunk_meta(header)
+                reservation = self.store.reserve(key, chunk.header_bytes(key, meta) + header.size_bytes, meta)
                 granted.append((self.leases.grant(reservation, self.store.abort, writable=True), reservation))
         except Exception:
             self.leases.release([lease_id for lease_id, _ in granted], writable=True)
             raise
         return pb.ReserveResponse(reservations=[
-            pb.Reservation(lease_id=lease_id, payload=_pb_ranges(payload_ranges(r.key, r.ranges)))
+            pb.Reservation(lease_id=lease_id, payload=_pb_ranges(payload_ranges(r.key, r.meta, r.ranges)))
             for lease_id, r in granted])
 
     @_rpc
@@ -263,7 +296,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                 leases.append(pb.Lease(found=True, leased=False, tier=where))
                 continue
             lease_id = self.leases.grant(pinned, tier.unpin, writable=False)
-            payload = payload_ranges(key, pinned.ranges)
+            payload = payload_ranges(key, pinned.meta, pinned.ranges)
             leases.append(pb.Lease(found=True, leased=True, lease_id=lease_id, tier=where,
                                    size_bytes=sum(n for _, n in payload), payload=_pb_ranges(payload)))
         return pb.AcquireResponse(leases=leases)

@@ -213,6 +213,16 @@ class TieredStore:
             pending = [i for i, hit in zip(pending, present) if not hit]
         return where
 
+    def children(self, parent: ChunkKey) -> list[tuple[ChunkKey, chunk.ChunkMeta]]:
+        """The chunks any tier holds whose parent is `parent` (tiercache.chain_lookup's directory)."""
+        found: dict[ChunkKey, chunk.ChunkMeta] = {}
+        for tier in self.tiers:
+            try:
+                found.update(tier.children(parent))
+            except TierDown:
+                self._count(tier, errors=1)
+        return list(found.items())
+
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         """Remove keys from every tier; returns how many were removed from the highest tier holding each."""
         removed = [False] * len(keys)
@@ -224,6 +234,7 @@ class TieredStore:
                 self._count(tier, errors=1)
                 continue
             removed = [r or p for r, p in zip(removed, present)]
+        self._lost([k for k, r in zip(keys, removed) if r])
         return sum(removed)
 
     def record_lookup(self, requested_tokens: int, hit_tokens_by_tier: dict[str, int]) -> None:
@@ -303,17 +314,33 @@ class TieredStore:
         if not evicted:
             return
         self._count(self.tiers[level], evictions=len(evicted))
+        lost = []
         for item in evicted:
-            if item.record is None or level + 1 >= len(self.tiers):
+            if item.record is None or level + 1 >= len(self.tiers):  # the last tier's, or unreachable
+                lost.append(item.key)
                 continue
             try:
                 landed = self._place(item.key, item.record, level + 1)
             except (CapacityExceeded, Unavailable):
-                continue  # fell off the bottom: an eviction, already counted
+                lost.append(item.key)  # fell off the bottom: an eviction, already counted
+                continue
             except ChunkCorrupt:  # found bad while transcoding for the tier below: never passed on
                 self._count(self.tiers[level], checksum_failures=1)
+                lost.append(item.key)
                 continue
             self._count(self.tiers[landed], demotions=1)
+        self._lost(lost)
+
+    def _lost(self, keys: Sequence[ChunkKey]) -> None:
+        """Keys no tier holds any more: whatever descends from them in a chain is unreachable now (evicted first)."""
+        for tier in self.tiers:
+            if tier.shared:
+                continue
+            for key in keys:
+                try:
+                    tier.orphan(key)
+                except TierDown:
+                    self._count(tier, errors=1)
 
     def _promote(self, key: ChunkKey, record, level: int) -> None:
         source = self.tiers[level]

@@ -6,13 +6,17 @@ The mapping between tiercache errors and gRPC status codes lives here and nowher
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Mapping, Sequence
 
 import grpc
 
 from tiercache.errors import (CapacityExceeded, InvalidArgument, NotFound, PermissionDenied, TierCacheError,
                               Unauthenticated, Unavailable)
-from tiercache.chunk import CLASS_KV, CLASS_STATE, ChunkMeta
+from tiercache.chunk import CLASS_KV, CLASS_STATE, MAX_PARENT_BYTES, ChunkMeta
+from tiercache.chain_lookup import Query
+from tiercache.hybrid import ChainShape
+from tiercache.keys import HASH_BYTES
+from tiercache.layout import GroupKind
 from tiercache.store import StoreStats
 
 try:
@@ -83,7 +87,46 @@ def stats_dict(message: pb.StatsResponse) -> dict:
 def chunk_meta(header: pb.ChunkHeader) -> ChunkMeta:
     if header.object_class not in (CLASS_KV, CLASS_STATE):
         raise InvalidArgument(f"unknown object class {header.object_class}")
-    return ChunkMeta(header.object_class, header.prefix_tokens)
+    if len(header.parent) > MAX_PARENT_BYTES:
+        raise InvalidArgument(f"a parent key is at most {MAX_PARENT_BYTES} bytes, got {len(header.parent)}")
+    return ChunkMeta(header.object_class, header.prefix_tokens, header.parent)
+
+
+_GROUP_KINDS = {GroupKind.FULL_ATTENTION: pb.GROUP_KIND_FULL_ATTENTION,
+                GroupKind.SLIDING_WINDOW: pb.GROUP_KIND_SLIDING_WINDOW, GroupKind.RECURRENT: pb.GROUP_KIND_RECURRENT}
+_KINDS_BY_WIRE = {wire: kind for kind, wire in _GROUP_KINDS.items()}
+MAX_LOOKUP_POSITIONS = 65_536
+MAX_LOOKUP_BOUNDARIES = 262_144  # 4 MiB of hashes: 4M tokens at N = 16 (a lookup's work is linear in it)
+MAX_RANK_NAMESPACES = 256
+
+
+def lookup_request(namespace: str, shape: ChainShape, prompt_tokens: int, boundaries: bytes,
+                   positions: Mapping[int, bytes], rank_namespaces: Sequence[str] = (),
+                   report: bool = True) -> pb.LookupRequest:
+    groups = [pb.LayerGroupShape(kind=_GROUP_KINDS[kind], window=window or 0)
+              for kind, window in zip(shape.kinds, shape.windows)]
+    return pb.LookupRequest(namespace=namespace, rank_namespaces=list(rank_namespaces),
+                            chunk_tokens=shape.chunk_tokens, groups=groups, prompt_tokens=prompt_tokens,
+                            boundaries=boundaries, report=report,
+                            positions=[pb.PositionHash(position=p, hash=h) for p, h in positions.items()])
+
+
+def lookup_query(request: pb.LookupRequest) -> Query:
+    """The search's input from a request, checked (InvalidArgument on anything malformed)."""
+    if len(request.positions) > MAX_LOOKUP_POSITIONS or len(request.rank_namespaces) > MAX_RANK_NAMESPACES:
+        raise InvalidArgument("too many positions or rank namespaces in one lookup")
+    if len(request.boundaries) % HASH_BYTES or len(request.boundaries) > MAX_LOOKUP_BOUNDARIES * HASH_BYTES:
+        raise InvalidArgument(f"boundaries must be at most {MAX_LOOKUP_BOUNDARIES} {HASH_BYTES}-byte hashes")
+    kinds = []
+    for group in request.groups:
+        if group.kind not in _KINDS_BY_WIRE:
+            raise InvalidArgument(f"unknown layer group kind {group.kind}")
+        kinds.append(_KINDS_BY_WIRE[group.kind])
+    windows = tuple(g.window if kind is GroupKind.SLIDING_WINDOW else None for g, kind in zip(request.groups, kinds))
+    shape = ChainShape(request.chunk_tokens, tuple(kinds), windows)
+    data = request.boundaries
+    boundaries = [data[i:i + HASH_BYTES] for i in range(0, len(data), HASH_BYTES)]
+    return Query(shape, request.prompt_tokens, boundaries, {p.position: p.hash for p in request.positions})
 
 
 class Malformed:

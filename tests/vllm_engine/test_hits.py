@@ -63,12 +63,11 @@ def test_chat_turns_resume_at_the_previous_end_on_length_and_on_stop(trio):
     turn_two = fresh.one(turn_two_prompt, max_tokens=8, stop_token_ids=[stop])
     assert turn_two.finish == "stop"
     assert_same_computation(turn_two, own.first(len(turn_two.tokens)), "turn 2 in a fresh engine")
-    # Turn 2 ended on a stop token between blocks. Turn 3 resumes exactly there through tiercache (tail + state
-    # saved at the end of turn 2); vLLM alone can only go back to a block boundary. (A new message longer than N
-    # falls back to the block boundary below the previous end: the lookup probes single positions only in the last
-    # N tokens; reaching further back is issue 18.)
+    # Turn 2 ended on a stop token between blocks. Turn 3 adds a message longer than N and resumes exactly there
+    # through tiercache (tail + state saved at the end of turn 2, found through the server's directory under the
+    # block that holds it); vLLM alone can only go back to a block boundary.
     end_of_two = len(turn_two_prompt) + len(turn_two.tokens) - 1
-    turn_three_prompt = turn_two_prompt + turn_two.tokens + prompt(302, n // 2)
+    turn_three_prompt = turn_two_prompt + turn_two.tokens + prompt(302, n + n // 2 + 3)
     alone.one(turn_two_prompt, max_tokens=8, stop_token_ids=[stop])
     vllm_alone = alone.one(turn_three_prompt, max_tokens=4)
     resumed = first.one(turn_three_prompt, max_tokens=4)
@@ -90,3 +89,30 @@ def test_diverging_questions_after_one_system_prompt_hit_the_shared_blocks(trio)
         own = alone.one(system + question)
         assert own.cached == 2 * n, f"question {i}: vLLM's own hit is {own.cached}"
         assert_same_computation(fresh.one(system + question), own, f"question {i} in a fresh engine")
+
+
+@pytest.fixture(scope="module")
+def reader(engines, cache_server):
+    """An engine with the connector and the settings docs/vllm.md recommends for documents that questions branch
+    off: vLLM's align mode keeps a Mamba state only where a scheduler step ends, so steps of N tokens
+    (--max-num-batched-tokens N) put one at every block boundary, and tiercache saves them all."""
+    return engines.start("reader", cache_server.url, max_num_batched_tokens=engines.n)
+
+
+@pytest.mark.parametrize("share", [0.1, 0.5, 0.9])
+def test_questions_branching_inside_a_long_document_resume_within_n_of_the_branch(trio, reader, share):
+    """Document + question A on the reader; question B branches at 10%..90% of the document on a fresh engine and
+    resumes at the block boundary below its branch point. vLLM alone keeps no state there after reading the
+    document in one step; the yardstick primes it with the shared blocks alone, so that its own hit is there too."""
+    alone, _, fresh, n = trio
+    document = prompt(500, 6 * n + 37)
+    reader.one(document + prompt(501, 40), max_tokens=1)
+    shared = int(share * len(document))
+    boundary = shared // n * n
+    branch = document[:shared] + prompt(502 + int(10 * share), 30)
+    resumed = fresh.one(branch, max_tokens=4)
+    assert resumed.cached == boundary > shared - n, f"tiercache's hit is {resumed.cached}"
+    alone.one(document[:boundary] + prompt(503, 7), max_tokens=1)  # vLLM's own state at `boundary`
+    own = alone.one(branch, max_tokens=4)
+    assert own.cached == boundary, f"vLLM's own hit is {own.cached}"
+    assert_same_computation(resumed, own, f"a branch at {share:.0%} in a fresh engine")

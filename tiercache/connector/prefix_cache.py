@@ -1,6 +1,7 @@
 """PrefixCache: the I/O around tiercache.hybrid's rules, shared by every engine connector.
 
-lookup = hash the prompt, ONE Exists call for the probe, apply the hit rule;
+lookup = hash the prompt's chunk boundaries and its last token, ONE Lookup call: the server applies the hit rule over
+         the chain and counts the lookup (a second call when it names checkpoints whose hash it needs);
 load   = ONE Get stream for the hit's objects (a missing or corrupt object turns the hit into a miss);
 save   = ONE Put stream for what admission planned (states marked so the server keeps them under the state budget).
 The engine-specific part (which bytes an object holds) stays in the adapter.
@@ -13,30 +14,39 @@ way. Errors that mean a misconfiguration (bad token, another tenant's namespace,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
-from tiercache.chunk import CLASS_KV, CLASS_STATE, ChunkMeta
-from tiercache.client import Chunk, Client
+from tiercache.client import Chunk, Client, LookupAnswer
 from tiercache.errors import CapacityExceeded, Unavailable
-from tiercache.hybrid import (CacheSpec, Hit, ObjectKind, ObjectRef, SavePlan, plan_finish_admission,
-                              plan_probe, plan_prompt_admission, resolve_hit)
-from tiercache.keys import PrefixHashes
+from tiercache.hybrid import (CacheSpec, Hit, Located, ObjectKind, ObjectRef, SavePlan, plan_finish_admission,
+                              object_key, object_meta, plan_prompt_admission, required_objects)
+from tiercache.keys import HASH_BYTES, PrefixHashes
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Lookup:
-    """A prompt's hashes, its hit, and the presence the probe saw (admission reuses it: no second Exists)."""
+    """A prompt's hashes, its hit, and whether the server could be asked (when not, the hit is 0)."""
 
     hashes: PrefixHashes
     hit: Hit
-    present: Mapping[bytes, str]
-    reached: bool = True  # False when the server could not be asked (then the hit is 0)
+    reached: bool = True
+    attention_groups: tuple[int, ...] = ()
+
+    @functools.cached_property
+    def present(self) -> frozenset[bytes]:
+        """Keys known to be stored (admission skips them): the hit's objects and the kv chunks the chain holds."""
+        known = [o.ref.key for o in self.hit.objects]
+        chunks = self.hit.chain_chunks
+        if chunks:
+            boundaries = self.hashes.boundaries(chunks)
+            known += [object_key(boundaries[HASH_BYTES * k:HASH_BYTES * (k + 1)], ObjectKind.KV, group)
+                      for group in self.attention_groups for k in range(1, chunks + 1)]
+        return frozenset(known)
 
 
 @dataclass(frozen=True)
@@ -46,67 +56,52 @@ class SaveResult:
 
 
 class PrefixCache:
-    def __init__(self, client: Client, spec: CacheSpec, *, report: bool = True,
-                 reporter: Callable[[str, int, dict], None] | None = None, all_ranks: bool = False,
-                 _rank_lookups: ThreadPoolExecutor | None = None) -> None:
-        """`reporter(namespace, requested_tokens, hit_tokens_by_tier)` replaces the blocking ReportLookup call (an
-        engine's scheduler hands it to a background thread: statistics must not cost a request a round trip).
+    def __init__(self, client: Client, spec: CacheSpec, *, report: bool = True, all_ranks: bool = False) -> None:
+        """`report`: the server counts this cache's lookups in its statistics.
 
         `all_ranks`: the lookup is for every tensor-parallel rank of the layout (an engine's scheduler, whose
         workers each load their own rank's shard): an object counts as present only when every rank's shard is, so
-        a shard missing on one rank shortens the hit instead of failing every load of that prefix."""
+        a shard missing on one rank shortens the hit instead of failing every load of that prefix. An engine's
+        ranks name their shards with the same keys (the scheduler's, who plans every save and load) in their own
+        namespaces."""
         self.client = client
         self.spec = spec
         self.namespace = spec.namespace
         self._report = report
-        self._reporter = reporter
         self._all_ranks = all_ranks
         layout = spec.layout
         self._other_ranks = [dataclasses.replace(spec, layout=dataclasses.replace(layout, tp_rank=rank)).namespace
                              for rank in range(layout.tp_size) if rank != layout.tp_rank] if all_ranks else []
-        self._rank_lookups = _rank_lookups or (ThreadPoolExecutor(len(self._other_ranks),
-                                                                  thread_name_prefix="tiercache-rank-lookup")
-                                               if self._other_ranks else None)
 
     def with_spec(self, spec: CacheSpec) -> "PrefixCache":
-        """The same client, reporting and rank-lookup threads for another spec (a request's own salt: there may be
-        many, and they must not cost a thread pool each)."""
-        return PrefixCache(self.client, spec, report=self._report, reporter=self._reporter, all_ranks=self._all_ranks,
-                           _rank_lookups=self._rank_lookups)
+        """The same client and settings for another spec (a request's own salt)."""
+        return PrefixCache(self.client, spec, report=self._report, all_ranks=self._all_ranks)
 
     def lookup(self, tokens) -> Lookup:
         hashes = self.spec.hashes(tokens)
-        probe = plan_probe(self.spec, hashes)
-        reached = True
+        length = hashes.length
+        if length < 2:
+            return Lookup(hashes, Hit(0, length))
+        n = self.spec.chunk_tokens
+        last = length - 1
+        positions = {last: hashes.at(last)} if last % n else {}
         try:
-            where = self._locate(probe.keys) if probe.objects else []
+            answer = self._ask(hashes, positions)
+            if answer.unverified:  # checkpoints further back than the hashes sent: one more call, with theirs
+                positions.update((p, hashes.at(p)) for p in answer.unverified)
+                answer = self._ask(hashes, positions)
         except Unavailable as exc:
             log.warning("tiercache lookup failed, treating it as a miss: %s", exc)
-            where, reached = [None] * len(probe.objects), False
-        hit = resolve_hit(self.spec, hashes, probe, where)
-        if self._report and reached and hashes.length:
-            self._report_lookup(hashes.length, hit.tokens_by_tier())
-        present = {ref.key: tier for ref, tier in zip(probe.objects, where) if tier is not None}
-        return Lookup(hashes, hit, present, reached)
+            return Lookup(hashes, Hit(0, length), reached=False)
+        refs = required_objects(self.spec, hashes, answer.hit_tokens) if answer.hit_tokens else []
+        located = tuple(Located(ref, tier) for ref, tier in zip(refs, answer.tiers))
+        return Lookup(hashes, Hit(answer.hit_tokens, length, located, answer.chain_chunks),
+                      attention_groups=self.spec.shape.attention)
 
-    def _locate(self, keys: list[bytes]) -> list[str | None]:
-        """Where each key's object lies (this rank's tier), or None; with `all_ranks`, None unless every rank holds
-        its shard. An engine's ranks name their shards with the same keys (the scheduler's, who plans every save
-        and load) in their own namespaces; the other ranks are asked at the same time as this one."""
-        others = [self._rank_lookups.submit(self.client.locate, namespace, keys) for namespace in self._other_ranks]
-        where = self.client.locate(self.namespace, keys)
-        for future in others:
-            where = [tier if other is not None else None for tier, other in zip(where, future.result())]
-        return where
-
-    def _report_lookup(self, requested_tokens: int, hit_tokens_by_tier: dict) -> None:
-        if self._reporter is not None:
-            self._reporter(self.namespace, requested_tokens, hit_tokens_by_tier)
-            return
-        try:
-            self.client.report_lookup(self.namespace, requested_tokens, hit_tokens_by_tier)
-        except Unavailable:
-            pass  # statistics only
+    def _ask(self, hashes: PrefixHashes, positions: dict[int, bytes]) -> LookupAnswer:
+        deepest = (hashes.length - 1) // self.spec.chunk_tokens
+        return self.client.lookup(self.namespace, self.spec.shape, hashes.length, hashes.boundaries(deepest),
+                                  positions, rank_namespaces=self._other_ranks, report=self._report)
 
     def load(self, hit: Hit) -> dict[ObjectRef, bytes] | None:
         """The bytes of every object of the hit, or None when any is gone or failed its checksum (then recompute)."""
@@ -146,44 +141,11 @@ class PrefixCache:
         return save_objects(self.client, self.namespace, payloads)
 
 
-class BackgroundReporter:
-    """Sends lookup reports on one background thread, so an engine's scheduler never waits on statistics. When the
-    server is slow, reports beyond `max_pending` are dropped (they are counters, not data)."""
-
-    def __init__(self, client: Client, max_pending: int = 64) -> None:
-        self.client = client
-        self.max_pending = max_pending
-        self.dropped = 0
-        self._pending = 0
-        self._lock = threading.Lock()
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tiercache-report")
-
-    def __call__(self, namespace: str, requested_tokens: int, hit_tokens_by_tier: dict) -> None:
-        with self._lock:
-            if self._pending >= self.max_pending:
-                self.dropped += 1
-                return
-            self._pending += 1
-        self._thread.submit(self._send, namespace, requested_tokens, hit_tokens_by_tier)
-
-    def _send(self, namespace: str, requested_tokens: int, hit_tokens_by_tier: dict) -> None:
-        try:
-            self.client.report_lookup(namespace, requested_tokens, hit_tokens_by_tier)
-        except Exception as exc:  # statistics only: never let a report fail anything
-            log.debug("tiercache lookup report dropped: %s", exc)
-        finally:
-            with self._lock:
-                self._pending -= 1
-
-    def close(self) -> None:
-        self._thread.shutdown(wait=False, cancel_futures=True)
-
-
 def save_objects(client: Client, namespace: str, payloads: Mapping[ObjectRef, object]) -> SaveResult:
     """Put the objects' bytes in one stream; states carry their prefix length as their value. Skipped, with a
     warning, when the server is unreachable or refuses the bytes for capacity (a cache must not fail a request)."""
     refs: Sequence[ObjectRef] = sorted(payloads)
-    chunks = [Chunk(ref.key, payloads[ref], _meta(ref)) for ref in refs]
+    chunks = [Chunk(ref.key, payloads[ref], object_meta(ref)) for ref in refs]
     try:
         tiers = client.put_many(namespace, chunks)
     except (Unavailable, CapacityExceeded) as exc:
@@ -193,9 +155,3 @@ def save_objects(client: Client, namespace: str, payloads: Mapping[ObjectRef, ob
     for ref, tier in zip(refs, tiers):
         by_tier[tier] = by_tier.get(tier, 0) + len(memoryview(payloads[ref]).cast("B"))
     return SaveResult(len(refs), by_tier)
-
-
-def _meta(ref: ObjectRef) -> ChunkMeta:
-    if ref.kind is ObjectKind.STATE:
-        return ChunkMeta(CLASS_STATE, ref.position)
-    return ChunkMeta(CLASS_KV, ref.tokens)

@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiercache.client import Client, Retry
-from tiercache.connector.prefix_cache import BackgroundReporter, PrefixCache
+from tiercache.connector.prefix_cache import PrefixCache
 from tiercache.connector.vllm_identity import engine_identity
 from tiercache.connector.vllm_layout import engine_groups, model_layout, paged_views
 from tiercache.connector.vllm_plan import Planner, StepPlan
@@ -121,14 +121,13 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                                       timeout_s=settings.timeout_s)
         self._planner: Planner | None = None
         self._transfers: Transfers | None = None
-        self._reporter: BackgroundReporter | None = None
         self._reported: dict[str, int] = {}
         if role == KVConnectorRole.SCHEDULER:
-            # One try within a short deadline: a lookup that cannot be answered quickly is a miss, not a stall.
+            # One try within a short deadline: a lookup that cannot be answered quickly is a miss, not a stall. The
+            # server counts the lookup itself (no second call for statistics).
             lookups = Client.from_url(settings.url, token=settings.token, tls_ca_file=settings.tls_ca_file,
                                       timeout_s=settings.lookup_timeout_s, retry=Retry(attempts=1))
-            self._reporter = BackgroundReporter(self.client)
-            cache = PrefixCache(lookups, self.spec, reporter=self._reporter, all_ranks=True)
+            cache = PrefixCache(lookups, self.spec, all_ranks=True)
             self._planner = Planner(cache, self.groups, offline_backoff_s=settings.offline_backoff_s)
         else:
             self._transfers = Transfers(self.client, self.groups, self.spec, settings.max_pending_save_bytes)
@@ -214,7 +213,6 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._transfers is not None:
             self._transfers.shutdown()
         if self._planner is not None:
-            self._reporter.close()
             self._planner.cache.client.close()
         self.client.close()
 

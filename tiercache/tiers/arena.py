@@ -21,7 +21,7 @@ from tiercache.allocator import Extent, ExtentAllocator
 from tiercache.config import state_budget
 from tiercache.errors import TierFull
 from tiercache.keys import ChunkKey
-from tiercache.lru import ChunkIndex
+from tiercache.tiers.index import ChunkIndex, Victim, parent_of
 from tiercache.tiers.base import Evicted, TierUsage, index_usage
 
 
@@ -60,9 +60,14 @@ class Reservation:
 @dataclass(frozen=True)
 class Pinned:
     key: ChunkKey
+    meta: chunk.ChunkMeta
     size: int
     ranges: tuple[tuple[int, int], ...]
     entry: object = field(repr=False, compare=False)
+
+
+def _pages(entry: _Entry) -> int:
+    return sum(pages for _, pages in entry.extents)
 
 
 def _cut(ranges: Sequence[tuple[int, int]], end: int) -> list[tuple[int, int]]:
@@ -88,8 +93,8 @@ def _shift(ranges: Sequence[tuple[int, int]], start: int) -> list[tuple[int, int
     return out
 
 
-def payload_ranges(key: ChunkKey, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    return _shift(ranges, chunk.header_bytes(key))
+def payload_ranges(key: ChunkKey, meta: chunk.ChunkMeta, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    return _shift(ranges, chunk.header_bytes(key, meta))
 
 
 class ArenaTier:
@@ -107,7 +112,6 @@ class ArenaTier:
         self._memory = memory
         self._allocator = ExtentAllocator(pages)
         self._index: ChunkIndex[_Entry] = ChunkIndex(state_value_weight)
-        self._state_reserved = 0  # state bytes of puts between allocation and commit
         self._lock = threading.Lock()
 
     @property
@@ -144,7 +148,7 @@ class ArenaTier:
     def commit(self, reservation: "Reservation") -> None:
         """Write the record's header over the reserved front and make it visible. The header is left unsealed:
         memory records are trusted, and the store seals a record when it leaves for a verifying tier."""
-        start = chunk.header_bytes(reservation.key)
+        start = chunk.header_bytes(reservation.key, reservation.meta)
         payload = self._memory.views(_shift(reservation.ranges, start))
         head = chunk.header(reservation.key, reservation.meta, payload, seal=False)
         self._memory.write(_cut(reservation.ranges, start), memoryview(head))
@@ -154,7 +158,7 @@ class ArenaTier:
         with self._lock:
             self._allocator.free(reservation.extents)
             if reservation.meta.object_class == chunk.CLASS_STATE:
-                self._state_reserved -= reservation.size
+                self._index.state_reserved -= reservation.size
 
     def pin(self, key: ChunkKey) -> "Pinned | None":
         """Hold a record in place for a same-host reader until `unpin`: its pages are not reused meanwhile."""
@@ -163,7 +167,7 @@ class ArenaTier:
             if entry is None:
                 return None
             entry.pins += 1
-        return Pinned(key, entry.record_bytes, self._ranges(entry.extents, entry.record_bytes), entry)
+        return Pinned(key, entry.meta, entry.record_bytes, self._ranges(entry.extents, entry.record_bytes), entry)
 
     def unpin(self, pinned: "Pinned") -> None:
         with self._lock:
@@ -181,24 +185,25 @@ class ArenaTier:
             self._unlink(key)
         while True:
             with self._lock:
-                victims = self._choose_victims(pages, state)
-                fits = not victims and self._state_excess(state) <= 0
+                victims = self._choose_victims(key, meta, pages, state)
+                fits = not victims and self._index.state_excess(state, self.state_budget_bytes) <= 0
                 extents = self._allocator.allocate(pages) if fits else None
                 if extents is not None:
-                    self._state_reserved += state
+                    self._index.state_reserved += state
                     return extents, evicted
             if not victims:  # everything left is being read right now
                 raise TierFull(f"{self.name} tier has no room for {size} bytes right now", evicted)
-            for victim_key, victim in victims:  # copy victims out without the lock; they are pinned
-                evicted.append(Evicted(victim_key, self._read(victim) if return_evicted else None))
+            for victim in victims:  # copy victims out without the lock; they are pinned
+                record = self._read(victim.entry) if return_evicted and victim.reachable else None
+                evicted.append(Evicted(victim.key, record, victim.reachable))
             with self._lock:
-                for _, victim in victims:
-                    self._unpin(victim)  # frees their pages; the next round allocates (or evicts more if raced)
+                for victim in victims:
+                    self._unpin(victim.entry)  # frees their pages; the next round allocates (or evicts more if raced)
 
     def _commit_entry(self, key: ChunkKey, size: int, meta: chunk.ChunkMeta, extents: tuple[Extent, ...]) -> None:
         with self._lock:
             if meta.object_class == chunk.CLASS_STATE:
-                self._state_reserved -= size
+                self._index.state_reserved -= size
             self._unlink(key)  # a concurrent put of the same key may have committed meanwhile: last one wins
             self._index.add(key, _Entry(size, meta, extents))
 
@@ -226,6 +231,14 @@ class ArenaTier:
         with self._lock:
             return index_usage(self._index, self.capacity_bytes, self.state_budget_bytes)
 
+    def children(self, parent: ChunkKey) -> list[tuple[ChunkKey, chunk.ChunkMeta]]:
+        with self._lock:
+            return [(key, entry.meta) for key, entry in self._index.children(parent)]
+
+    def orphan(self, parent: ChunkKey) -> int:
+        with self._lock:
+            return self._index.orphan(parent)
+
     def close(self) -> None:
         with self._lock:
             self._memory.close()
@@ -242,34 +255,16 @@ class ArenaTier:
             self._allocator.free(entry.extents)
         return True
 
-    def _choose_victims(self, pages: int, state_bytes: int) -> list[tuple[ChunkKey, _Entry]]:
-        """Unlink entries until a record of `pages` (and `state_bytes` of state budget) would fit; pin them for the
-        copy-out. States over budget go first, lowest value first; then whatever the index ranks first."""
-        victims: list[tuple[ChunkKey, _Entry]] = []
-        unpinned = lambda e: e.pins == 0  # noqa: E731
-        if state_bytes:
-            excess = self._state_excess(state_bytes)
-            for key, entry in self._index.states_by_value(unpinned):
-                if excess <= 0:
-                    break
-                victims.append((key, entry))
-                excess -= entry.record_bytes
-        free = self._allocator.free_pages + sum(e.pages for _, v in victims for e in v.extents)
-        if free < pages:
-            chosen = {k for k, _ in victims}
-            for key, entry in self._index.eviction_order(unpinned):
-                if free >= pages:
-                    break
-                if key not in chosen:
-                    victims.append((key, entry))
-                    free += sum(e.pages for e in entry.extents)
-        for key, entry in victims:
-            self._index.remove(key)
-            entry.pins, entry.dead = 1, True
+    def _choose_victims(self, key: ChunkKey, meta: chunk.ChunkMeta, pages: int,
+                        state_bytes: int) -> list[Victim[_Entry]]:
+        """Unlink what the index says goes first until the record for `key` of `pages` (and `state_bytes` of state
+        budget) would fit; pin them for the copy-out. Entries being read stay."""
+        victims = self._index.victims(pages - self._allocator.free_pages,
+                                      self._index.state_excess(state_bytes, self.state_budget_bytes),
+                                      units=_pages, evictable=lambda e: e.pins == 0, keep=parent_of(key, meta))
+        for victim in victims:
+            victim.entry.pins, victim.entry.dead = 1, True
         return victims
-
-    def _state_excess(self, state_bytes: int) -> int:
-        return self._index.state_bytes + self._state_reserved + state_bytes - self.state_budget_bytes
 
     def _unpin(self, entry: _Entry) -> None:
         entry.pins -= 1

@@ -6,9 +6,10 @@ store's decision.
 
 Contract (every method is thread-safe):
 - put(key, record, return_evicted): store a copy of `record`, replacing any record under `key`. To make room the
-  tier evicts its least recently used records and returns them, with their bytes when `return_evicted` is true (so
-  the store can demote them) and `record=None` otherwise. Tiers with an index also keep recurrent-state records
-  (chunk.CLASS_STATE) within a state byte budget, evicting states by value rather than recency. Raises TierFull
+  tier evicts records and returns them, with their bytes when `return_evicted` is true (so the store can demote
+  them) and `record=None` otherwise (and for unreachable ones: `reachable=False`). Tiers with an index evict through
+  its one policy (tiercache.tiers.index: chain-aware, states under their own byte budget by value); Redis evicts by
+  its own maxmemory policy. Raises TierFull
   when the record cannot fit at all (larger than the tier or its state budget, or every candidate victim is being
   read), and TierDown when the backend is unreachable. After put returns, the tier holds no more than its capacity
   and its state budget.
@@ -16,6 +17,10 @@ Contract (every method is thread-safe):
 - contains(keys): one bool per key, without reading records or changing recency.
 - delete(keys): remove what exists, return how many were removed. Deleting a missing key is not an error.
 - usage(): a TierUsage snapshot.
+- children(parent): the keys (and metas) of the records held whose parent is `parent`: the directory the Lookup call
+  searches for checkpoints. [] for a tier that keeps no index (Redis).
+- orphan(parent): the store lost `parent` for good; records descending from it become unreachable and are evicted
+  first. A no-op for a tier that keeps no index.
 - close(): release resources; idempotent.
 Reads (get, contains) of a tier that is down raise TierDown; the store turns that into a miss.
 
@@ -31,14 +36,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+from tiercache.chunk import ChunkMeta
 from tiercache.keys import ChunkKey
-from tiercache.lru import ChunkIndex
+from tiercache.tiers.index import ChunkIndex
 
 
 @dataclass(frozen=True, slots=True)
 class Evicted:
     key: ChunkKey
     record: bytes | bytearray | None
+    reachable: bool = True  # False: an orphan of a lost chain (tiercache.tiers.index), not worth demoting
 
 
 @dataclass(frozen=True)
@@ -77,5 +84,13 @@ class Tier(Protocol):
     def delete(self, keys: Sequence[ChunkKey]) -> int: ...
 
     def usage(self) -> TierUsage: ...
+
+    def children(self, parent: ChunkKey) -> list[tuple[ChunkKey, ChunkMeta]]:
+        """The chunks held here whose parent is `parent` (the directory; [] for a tier without one)."""
+        ...
+
+    def orphan(self, parent: ChunkKey) -> int:
+        """`parent` is gone from the store: what descends from it here is unreachable (evicted first)."""
+        ...
 
     def close(self) -> None: ...

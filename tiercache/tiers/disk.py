@@ -25,7 +25,7 @@ from tiercache.codec import codec_id
 from tiercache.config import DiskTierConfig, state_budget
 from tiercache.errors import ChunkCorrupt, ConfigError, TierDown, TierFull, TierWriteFailed
 from tiercache.keys import ChunkKey
-from tiercache.lru import ChunkIndex
+from tiercache.tiers.index import ChunkIndex, Victim, parent_of
 from tiercache.tiers.base import Evicted, TierUsage, index_usage
 
 _SUFFIX = ".chunk"
@@ -55,7 +55,6 @@ class DiskTier:
         self._index: ChunkIndex[_Entry] = ChunkIndex(config.state_value_weight)
         self._reserved_bytes = 0
         self._releasing_bytes = 0
-        self._state_reserved = 0
         self._lock = threading.Lock()
         self._prepare_root()
         self._sequence = itertools.count(self._rebuild_index() + 1)
@@ -74,11 +73,12 @@ class DiskTier:
         evicted: list[Evicted] = []
         while True:
             with self._lock:
-                if self._committed_bytes() + size <= self.capacity_bytes and self._state_excess(state) <= 0:
+                if (self._committed_bytes() + size <= self.capacity_bytes
+                        and self._index.state_excess(state, self.state_budget_bytes) <= 0):
                     self._reserved_bytes += size
-                    self._state_reserved += state
+                    self._index.state_reserved += state
                     break
-                victims = self._choose_victims(size, state)
+                victims = self._choose_victims(key, meta, size, state)
             if not victims:  # the rest of the room is reserved by writes in flight
                 raise TierFull(f"disk tier has no room for {size} bytes right now", evicted)
             evicted += self._discard(victims, read=return_evicted)
@@ -91,7 +91,7 @@ class DiskTier:
         finally:
             with self._lock:
                 self._reserved_bytes -= size
-                self._state_reserved -= state
+                self._index.state_reserved -= state
         with self._lock:
             replaced = self._take_out([key])  # a concurrent put of the same key: last one wins
             self._index.add(key, entry)
@@ -127,6 +127,14 @@ class DiskTier:
         with self._lock:
             return index_usage(self._index, self.capacity_bytes, self.state_budget_bytes)
 
+    def children(self, parent: ChunkKey) -> list[tuple[ChunkKey, chunk.ChunkMeta]]:
+        with self._lock:
+            return [(key, entry.meta) for key, entry in self._index.children(parent)]
+
+    def orphan(self, parent: ChunkKey) -> int:
+        with self._lock:
+            return self._index.orphan(parent)
+
     def close(self) -> None:
         pass  # every file is complete on disk once put returns
 
@@ -139,48 +147,33 @@ class DiskTier:
     def _committed_bytes(self) -> int:
         return self._index.used_bytes + self._reserved_bytes + self._releasing_bytes
 
-    def _take_out(self, keys: Sequence[ChunkKey]) -> list[tuple[ChunkKey, _Entry]]:
+    def _take_out(self, keys: Sequence[ChunkKey]) -> list[Victim[_Entry]]:
         """Under the lock: remove keys from the index; their bytes stay counted (releasing) until _discard."""
-        taken = [(k, e) for k, e in ((k, self._index.remove(k)) for k in keys) if e is not None]
-        self._releasing_bytes += sum(e.record_bytes for _, e in taken)
+        taken = [Victim(k, e, True) for k, e in ((k, self._index.remove(k)) for k in keys) if e is not None]
+        self._releasing_bytes += sum(v.entry.record_bytes for v in taken)
         return taken
 
-    def _state_excess(self, state_bytes: int) -> int:
-        return self._index.state_bytes + self._state_reserved + state_bytes - self.state_budget_bytes
+    def _choose_victims(self, key: ChunkKey, meta: chunk.ChunkMeta, size: int,
+                        state_bytes: int) -> list[Victim[_Entry]]:
+        """Under the lock: take out what the index says goes first until the record for `key` will fit once they
+        are unlinked."""
+        victims = self._index.victims(self._committed_bytes() + size - self.capacity_bytes,
+                                      self._index.state_excess(state_bytes, self.state_budget_bytes),
+                                      keep=parent_of(key, meta))
+        self._releasing_bytes += sum(v.entry.record_bytes for v in victims)
+        return victims
 
-    def _choose_victims(self, size: int, state_bytes: int) -> list[tuple[ChunkKey, _Entry]]:
-        """Under the lock: take out entries until the record will fit once they are unlinked. States over budget
-        go first, lowest value first; then whatever the index ranks first."""
-        victims: list[ChunkKey] = []
-        freed = 0
-        if state_bytes:
-            excess = self._state_excess(state_bytes)
-            for key, entry in self._index.states_by_value():
-                if excess <= 0:
-                    break
-                victims.append(key)
-                excess -= entry.record_bytes
-                freed += entry.record_bytes
-        excess = self._committed_bytes() + size - self.capacity_bytes - freed
-        chosen = set(victims)
-        for key, entry in self._index.eviction_order():
-            if excess <= 0:
-                break
-            if key not in chosen:
-                victims.append(key)
-                excess -= entry.record_bytes
-        return self._take_out(victims)
-
-    def _discard(self, entries: list[tuple[ChunkKey, _Entry]], read: bool) -> list[Evicted]:
-        """Outside the lock: (read and) unlink taken-out files, then stop counting their bytes."""
+    def _discard(self, victims: list[Victim[_Entry]], read: bool) -> list[Evicted]:
+        """Outside the lock: (read and) unlink taken-out files, then stop counting their bytes. Unreachable
+        objects are not read: nothing below wants them."""
         evicted = []
-        for key, entry in entries:
-            record = self._read_file(entry.path) if read else None
-            _unlink(entry.path)
+        for victim in victims:
+            record = self._read_file(victim.entry.path) if read and victim.reachable else None
+            _unlink(victim.entry.path)
             with self._lock:
-                self._releasing_bytes -= entry.record_bytes
-            if not read or record is not None:
-                evicted.append(Evicted(key, record))
+                self._releasing_bytes -= victim.entry.record_bytes
+            if not read or not victim.reachable or record is not None:
+                evicted.append(Evicted(victim.key, record, victim.reachable))
         return evicted
 
     def _path_for(self, key: ChunkKey, sequence: int) -> str:
@@ -261,16 +254,10 @@ class DiskTier:
             found[header.key], mtimes[header.key] = entry, stat.st_mtime
         for key in sorted(found, key=lambda k: (mtimes[k], found[k].sequence)):
             self._index.add(key, found[key])
-        for key, entry in self._index.eviction_order():  # the caps may have shrunk since the last run
-            if self._index.used_bytes <= self.capacity_bytes:
-                break
-            self._index.remove(key)
-            _unlink(entry.path)
-        for key, entry in self._index.states_by_value():
-            if self._index.state_bytes <= self.state_budget_bytes:
-                break
-            self._index.remove(key)
-            _unlink(entry.path)
+        # The caps may have shrunk since the last run.
+        for victim in self._index.victims(self._index.used_bytes - self.capacity_bytes,
+                                          self._index.state_bytes - self.state_budget_bytes):
+            _unlink(victim.entry.path)
         return top_sequence
 
     def check(self) -> None:

@@ -111,6 +111,12 @@ class RedisTier:
         return TierUsage(keys, sum(n.get("used_memory", 0) for n in per_node),
                          sum(n.get("maxmemory", 0) for n in per_node))
 
+    def children(self, parent: ChunkKey) -> list:
+        return []  # no directory in Redis: checkpoints other servers saved are found at the positions clients send
+
+    def orphan(self, parent: ChunkKey) -> int:
+        return 0  # Redis evicts by its own policy
+
     def close(self) -> None:
         self._redis.close()
 

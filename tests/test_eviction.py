@@ -1,0 +1,307 @@
+"""The one eviction policy (tiercache.tiers.index): chain-aware, unreachable objects first, states by a value score no
+outlier distorts; then the same policy inside real tiers and a real server under pressure."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from tiercache import chunk
+from tiercache.chunk import CLASS_KV, CLASS_STATE, ChunkMeta
+from tiercache.client import Client
+from tiercache.config import DiskTierConfig, HostTierConfig, KiB, MiB
+from tiercache.connector.prefix_cache import PrefixCache
+from tiercache.hybrid import CacheSpec
+from tiercache.keys import ChunkKey
+from tiercache.presets import gated_deltanet_layout
+from tiercache.server import CacheServer
+from tiercache.store import TieredStore
+from tiercache.tiers.disk import DiskTier
+from tiercache.tiers.host import host_tier
+from tiercache.tiers.index import ChunkIndex
+
+from tests.conftest import make_config
+
+
+@dataclass
+class Entry:
+    record_bytes: int
+    meta: ChunkMeta
+    pins: int = 0
+
+
+def key(name: str) -> ChunkKey:
+    return ChunkKey("ns", name.encode())
+
+
+def kv(parent: str = "", size: int = 100) -> Entry:
+    return Entry(size, ChunkMeta(CLASS_KV, 16, parent.encode()))
+
+
+def state(tokens: int, parent: str = "", size: int = 1000) -> Entry:
+    return Entry(size, ChunkMeta(CLASS_STATE, tokens, parent.encode()))
+
+
+def evict_all(index: ChunkIndex) -> list[str]:
+    order = [v.key.key.decode() for v in index.victims(10**12, 0)]
+    index.check()
+    return order
+
+
+def chain(index: ChunkIndex, *names: str, parent: str = "") -> None:
+    for name in names:
+        index.add(key(name), kv(parent))
+        parent = name
+
+
+def test_a_chain_shrinks_from_its_deep_end():
+    index = ChunkIndex()
+    chain(index, "c1", "c2", "c3")
+    index.add(key("x"), kv())
+    index.touch(key("c1"))  # the oldest read most recently: still outlives the chunks that extend it
+    assert evict_all(index) == ["c3", "c2", "x", "c1"]
+
+
+def test_a_parent_with_many_children_goes_after_all_of_them():
+    index = ChunkIndex()
+    index.add(key("system"), kv())
+    for i in range(5):
+        chain(index, f"a{i}", f"b{i}", parent="system")
+    order = evict_all(index)
+    assert order[-1] == "system"
+    assert all(order.index(f"b{i}") < order.index(f"a{i}") for i in range(5))
+
+
+def test_unreachable_objects_go_first():
+    index = ChunkIndex()
+    chain(index, "old1", "old2")
+    chain(index, "a2", "a3", "a4", parent="a1")  # a1 itself lives in another tier
+    index.add(key("s"), state(5000, parent="a3"))
+    assert index.orphan(key("a1")) == 4  # a1 lost for good: everything below it
+    victims = index.victims(250, 0)
+    assert [v.key.key for v in victims] == [b"a2", b"a3", b"a4"]  # oldest first, regardless of recency
+    assert not any(v.reachable for v in victims)
+    assert [v.key.key for v in index.victims(1, 1)] == [b"s"]  # the orphan state before any other state
+    index.check()
+
+
+def test_a_lost_parent_stored_again_makes_its_children_reachable_again():
+    index = ChunkIndex()
+    chain(index, "b", "c", parent="a")
+    index.orphan(key("a"))
+    index.add(key("a"), kv())
+    index.check()
+    assert evict_all(index) == ["c", "b", "a"]
+
+
+def test_children_stored_before_their_parent_keep_it():
+    index = ChunkIndex()
+    index.add(key("child"), kv("parent"))  # demoted before its parent, say
+    index.add(key("parent"), kv())
+    index.add(key("other"), kv())
+    assert evict_all(index) == ["child", "parent", "other"]
+
+
+def test_a_full_tier_takes_the_least_recent_leaf_and_a_full_state_budget_a_state():
+    index = ChunkIndex()
+    index.add(key("s"), state(1000))
+    index.add(key("k"), kv())
+    assert [v.key.key for v in index.victims(1, 0)] == [b"s"]  # recency, whatever the class
+    index.add(key("s2"), state(1000))
+    assert [v.key.key for v in index.victims(1, 1)] == [b"s2"]  # the state budget: a state, though k is older
+    index.check()
+
+
+def test_one_deep_state_does_not_flatten_the_value_of_chat_states():
+    """Scores are not normalised by the best state, so a 256K-token state leaves the comparison between a small
+    recent chat state and a larger older one to their own values (scoring against the best state made recency
+    decide it alone), and it outlives unread chat states only until the inflation passes its value."""
+    index = ChunkIndex(state_value_weight=0.5)
+    index.add(key("deep"), state(262_144))
+    index.add(key("big-old"), state(30_000))
+    index.add(key("small-new"), state(3_000))
+    assert [v.key.key for v in index.victims(0, 1)] == [b"small-new"]
+    survived = 0
+    for i in range(200):  # a budget of three states, one chat state arriving at a time
+        index.add(key(f"chat{i}"), state(3_000))
+        gone = [v.key.key for v in index.victims(0, 1)]
+        if b"deep" in gone:
+            break
+        survived += 1
+    assert 10 < survived < 200  # valued well above a chat state, but not forever without a read
+    index.check()
+
+
+def test_reads_keep_a_state():
+    index = ChunkIndex(state_value_weight=0.5)
+    for name in ("a", "b", "c"):
+        index.add(key(name), state(3_000))
+    index.touch(key("a"))
+    assert [v.key.key for v in index.victims(0, 2000)] == [b"b", b"c"]
+
+
+def test_pure_recency_at_weight_zero():
+    index = ChunkIndex(state_value_weight=0.0)
+    for name, tokens in (("deep", 200_000), ("b", 10), ("c", 10)):
+        index.add(key(name), state(tokens))
+    index.touch(key("b"))
+    assert [v.key.key for v in index.victims(0, 3000)] == [b"deep", b"c", b"b"]
+
+
+def test_entries_being_read_stay_in_place():
+    index = ChunkIndex()
+    index.add(key("pinned"), Entry(100, ChunkMeta(), pins=1))
+    index.add(key("free"), kv())
+    victims = index.victims(10**6, 0, evictable=lambda e: e.pins == 0)
+    assert [v.key.key for v in victims] == [b"free"]
+    index.check()
+    index.touch(key("pinned"))
+    index.check()
+
+
+def test_random_operations_keep_the_index_consistent():
+    """Random adds (chains, states, opaque chunks), reads, removals, losses and evictions; check() after each."""
+    rng = random.Random(7)
+    index = ChunkIndex()
+    names: list[str] = []
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.45 or not names:
+            name = f"n{step}"
+            parent = rng.choice(names) if names and rng.random() < 0.7 else ("" if rng.random() < 0.5 else "gone")
+            entry = state(rng.randrange(1, 10_000), parent) if rng.random() < 0.2 else kv(parent)
+            index.add(key(name), entry)
+            names.append(name)
+        elif op < 0.65:
+            index.touch(key(rng.choice(names)))
+        elif op < 0.75:
+            name = rng.choice(names)
+            index.remove(key(name))
+            names.remove(name)
+        elif op < 0.8:
+            index.orphan(key(rng.choice(names + ["gone"])))
+        else:
+            for victim in index.victims(rng.randrange(1, 400), rng.choice([0, 0, 500])):
+                names.remove(victim.key.key.decode())
+        if step % 50 == 0:
+            index.check()
+    index.check()
+    assert len(index) == len(names)
+
+
+def test_heaps_stay_bounded_under_reads():
+    index = ChunkIndex()
+    for i in range(100):
+        index.add(key(f"k{i}"), kv())
+    for _ in range(10_000):
+        index.touch(key(f"k{random.randrange(100)}"))
+    assert len(index._by_recency) + len(index._by_value) <= 3 * len(index) + 64 + 1
+    index.check()
+
+
+# -- inside real tiers and a store -----------------------------------------------------------------------------------
+
+def record(name: str, meta: ChunkMeta, size: int = 10 * KiB) -> tuple[ChunkKey, bytearray]:
+    k = key(name)
+    return k, chunk.encode(k, bytes(size), meta)
+
+
+def make_tier(kind: str, tmp_path, capacity: int):
+    if kind == "host":
+        return host_tier(HostTierConfig(capacity_bytes=capacity, page_bytes=4 * KiB))
+    return DiskTier(DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=capacity))
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_tiers_evict_chains_from_the_deep_end_and_keep_the_parent_in_the_record(kind, tmp_path):
+    tier = make_tier(kind, tmp_path, 64 * KiB if kind == "host" else 5 * 10_300)  # room for five records
+    parent = b""
+    for i in range(4):
+        tier.put(*record(f"c{i}", ChunkMeta(CLASS_KV, 16, parent)), return_evicted=False)
+        parent = f"c{i}".encode()
+    assert tier.put(*record("other", ChunkMeta()), return_evicted=True) == []
+    evicted = tier.put(*record("other2", ChunkMeta()), return_evicted=True)
+    assert [e.key.key for e in evicted] == [b"c3"]  # the deep end, though c0 is the oldest
+    assert chunk.read_header(evicted[0].record).meta.parent == b"c2"
+    assert [k.key for k, _ in tier.children(key("c0"))] == [b"c1"]
+    tier.check()
+
+
+def test_disk_tier_rebuilds_its_chains_after_a_restart(tmp_path):
+    tier = make_tier("disk", tmp_path, 1 * MiB)
+    tier.put(*record("a", ChunkMeta()), return_evicted=False)
+    tier.put(*record("b", ChunkMeta(CLASS_KV, 16, b"a")), return_evicted=False)
+    tier.put(*record("c", ChunkMeta(CLASS_STATE, 99, b"a")), return_evicted=False)
+    again = make_tier("disk", tmp_path, 1 * MiB)
+    assert sorted(k.key for k, _ in again.children(key("a"))) == [b"b", b"c"]
+    assert dict((k.key, m.prefix_tokens) for k, m in again.children(key("a")))[b"c"] == 99
+    again.check()
+
+
+def test_the_store_frees_what_a_lost_object_leaves_unreachable(tmp_path):
+    """The disk tier (last) drops chunk 1 of a chain; the chain's deeper objects in the host tier are then worth
+    nothing and are the first to go there, before anything that is still reachable."""
+    host = host_tier(HostTierConfig(capacity_bytes=64 * KiB, page_bytes=4 * KiB))
+    disk = DiskTier(DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=1 * MiB))
+    store = TieredStore([host, disk])
+    store.put_record(*record("c1", ChunkMeta()))
+    store.put_record(*record("c2", ChunkMeta(CLASS_KV, 16, b"c1")))
+    store.put_record(*record("c3", ChunkMeta(CLASS_KV, 16, b"c2")))
+    store.put_record(*record("recent", ChunkMeta()))
+    disk.put(*host_record(host, "c1"), return_evicted=False)
+    host.delete([key("c1")])  # c1 now lives on disk only
+    store.delete([key("c1")])
+    for name in ("new1", "new2", "new3", "new4"):  # five records fit: new3 and new4 need room
+        store.put_record(*record(name, ChunkMeta()))
+    assert host.contains([key("c2"), key("c3"), key("recent")]) == [False, False, True]
+    assert disk.contains([key("c2"), key("c3")]) == [False, False]  # unreachable: dropped, not demoted
+    host.check()
+    disk.check()
+
+
+def host_record(host, name: str):
+    k = key(name)
+    return k, host.get(k)
+
+
+LAYOUT = gated_deltanet_layout("tiny/hybrid", layers=4, full_attention_interval=2, kv_heads=1, head_dim=8,
+                               key_heads=1, value_heads=2, key_dim=4, value_dim=4, conv_kernel=4)
+
+
+@pytest.fixture
+def small_server(tmp_path):
+    config = make_config(tmp_path, host_bytes=4 * MiB, disk_bytes=0)
+    config = dataclasses.replace(config, host=dataclasses.replace(config.host, page_bytes=4 * KiB))
+    server = CacheServer(config).start()
+    with Client.from_url(server.url) as client:
+        yield server, client
+    server.stop(grace_s=0)
+
+
+def test_under_pressure_what_survives_is_reachable_and_recent_prompts_still_hit(small_server):
+    """A hybrid workload ten times the host tier through a real server: every object left can still be part of a
+    hit (its chain is complete), and the most recent documents hit all but their last token."""
+    server, client = small_server
+    cache = PrefixCache(client, CacheSpec.for_layout(LAYOUT, match_unit=8))
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 30_000, int(rng.integers(200, 600))) for _ in range(60)]
+    for prompt in prompts:
+        lookup = cache.lookup(prompt)
+        plan = cache.plan_prompt(lookup)
+        cache.save({ref: bytes(cache.spec.object_bytes(ref)) for ref in plan.objects})
+    stats = client.stats()
+    host = next(t for t in stats["tiers"] if t["name"] == "host")
+    assert host["evictions"] > 0
+    store_tiers = server.store.tiers
+    held = store_tiers[0]._index.items()  # noqa: SLF001 - the invariant is about the index itself
+    keys = {k for k, _ in held}
+    roots = {cache.spec.hashes(p).at(0) for p in prompts}
+    for k, entry in held:
+        parent = entry.meta.parent
+        assert parent[:16] in roots or ChunkKey(k.namespace, parent) in keys, "an unreachable object kept its room"
+    for prompt in prompts[-3:]:
+        assert cache.lookup(prompt).hit.tokens == len(prompt) - 1

@@ -1,0 +1,191 @@
+"""The search behind the Lookup call: the deepest position a prompt can resume at, over the objects a store holds.
+
+The client sends what it can hash cheaply — the chain hashes at every chunk boundary h(0), h(N), ..., h(KN) with
+K = (L-1)//N (~0.3 ms for 262,144 tokens) and h(L-1) — and its layout's shape (tiercache.hybrid.ChainShape). The server
+1. walks the kv chains: one presence check of K keys per attention group, giving how far each chain reaches;
+2. goes down the chain from the deepest chunk it can resume in, and in each chunk asks the store's *directory* — the
+   tails and states saved under that chunk's kv object (their parent) — which positions hold checkpoints; the
+   boundary itself is a candidate too;
+3. checks each candidate, deepest first, against the hit rule: the tails and the state of the prompt's own hash at
+   that position must be present (a checkpoint of another prompt that shares the chunk has another hash).
+A candidate the client sent no hash for (an earlier turn's end, far back from the prompt's end) cannot be checked:
+the answer names it `unverified` along with the best hit found without it, and the client asks again with its hash.
+So any saved checkpoint is reachable in at most two round trips, whatever the prompt's length, and the hit rule runs
+where the presence is, once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Protocol, Sequence
+
+from tiercache.chunk import ChunkMeta
+from tiercache.errors import InvalidArgument
+from tiercache.hybrid import ChainShape, ObjectKind, checkpoint_objects, object_key, tokens_by_tier
+from tiercache.keys import HASH_BYTES
+from tiercache.layout import GroupKind
+
+MAX_GROUPS = 255  # a group is one byte of an object's key
+
+
+class ChainIndex(Protocol):
+    """What the search needs of a store, in one namespace (or all of a tensor-parallel engine's)."""
+
+    def locate(self, keys: Sequence[bytes]) -> list[str | None]:
+        """The tier holding each key, or None."""
+        ...
+
+    def children(self, parent: bytes) -> Iterable[tuple[bytes, ChunkMeta]]:
+        """The objects stored with `parent` as their parent (key and meta)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Query:
+    """One prompt's lookup: its shape, its length, and the chain hashes the client computed."""
+
+    shape: ChainShape
+    prompt_tokens: int
+    boundaries: Sequence[bytes]  # h(kN) for k = 0 .. (L-1)//N
+    positions: Mapping[int, bytes]  # h(p) at other positions (p not a multiple of N)
+
+    def __post_init__(self) -> None:
+        n = self.shape.chunk_tokens
+        if n <= 0:
+            raise InvalidArgument("chunk_tokens must be positive")
+        if not 1 <= len(self.shape.kinds) <= MAX_GROUPS:
+            raise InvalidArgument(f"a lookup names 1..{MAX_GROUPS} layer groups, got {len(self.shape.kinds)}")
+        for kind, window in zip(self.shape.kinds, self.shape.windows):
+            if (kind is GroupKind.SLIDING_WINDOW) != (window is not None) or (window is not None and window <= 0):
+                raise InvalidArgument("a positive window is given exactly for sliding-window groups")
+        expected = max(self.prompt_tokens - 1, 0) // n + 1
+        if len(self.boundaries) != expected:
+            raise InvalidArgument(f"a prompt of {self.prompt_tokens} tokens needs {expected} boundary hashes, "
+                                  f"got {len(self.boundaries)}")
+        hashes = list(self.boundaries) + list(self.positions.values())
+        if any(len(h) != HASH_BYTES for h in hashes):
+            raise InvalidArgument(f"chain hashes are {HASH_BYTES} bytes")
+        if any(not 1 <= p < self.prompt_tokens or p % n == 0 for p in self.positions):
+            raise InvalidArgument("positions lie inside the prompt, between chunk boundaries")
+
+    def at(self, p: int) -> bytes:
+        """h(p); KeyError when the client did not send it."""
+        n = self.shape.chunk_tokens
+        return self.boundaries[p // n] if p % n == 0 else self.positions[p]
+
+
+@dataclass(frozen=True)
+class Found:
+    """The search's answer: resume at `tokens`, loading the objects hybrid.required_objects names for it, which lie
+    in `tiers` (in that order)."""
+
+    tokens: int
+    tiers: tuple[str, ...] = ()
+    chain_chunks: int = 0  # kv chunks every attention group holds from the prompt's start
+    unverified: tuple[int, ...] = ()  # checkpoint positions deeper than the hit whose hash the query lacked
+
+    def tokens_by_tier(self, shape: ChainShape) -> dict[str, int]:
+        return tokens_by_tier(self.tokens, _described(shape, self.tokens, self.tiers)) if self.tokens else {}
+
+
+def find_hit(query: Query, index: ChainIndex) -> Found:
+    shape = query.shape
+    n = shape.chunk_tokens
+    last = query.prompt_tokens - 1
+    if last < 1:
+        return Found(0)
+    chains = _KvChains(query, index)
+    unverified: list[int] = []
+    for k in range(chains.top, -1, -1):
+        for p in _candidates(query, index, k):
+            if not chains.complete_for(p):
+                continue
+            if p % n == 0 and not shape.recurrent:
+                return Found(p, chains.tiers_for(p, {}), chains.reach, tuple(unverified))
+            try:
+                refs = checkpoint_objects(shape, query, p)
+            except KeyError:
+                unverified.append(p)
+                continue
+            where = index.locate([r.key for r in refs])
+            if all(where):
+                checkpoints = {r.group: tier for r, tier in zip(refs, where)}
+                return Found(p, chains.tiers_for(p, checkpoints), chains.reach, tuple(unverified))
+    return Found(0, (), chains.reach, tuple(unverified))
+
+
+class _KvChains:
+    """Where each attention group's kv chunks of the prompt lie, and how far each reaches without a gap."""
+
+    def __init__(self, query: Query, index: ChainIndex) -> None:
+        shape = query.shape
+        deepest = len(query.boundaries) - 1
+        self.n = shape.chunk_tokens
+        self.shape = shape
+        keys = [object_key(query.boundaries[k], ObjectKind.KV, g)
+                for g in shape.attention for k in range(1, deepest + 1)]
+        where = index.locate(keys) if keys else []
+        self._where: dict[int, list[str | None]] = {}  # group -> tier of chunk k at index k - 1
+        self._missing_before: dict[int, list[int]] = {}  # group -> prefix counts of missing chunks
+        runs = []
+        for i, group in enumerate(shape.attention):
+            tiers = where[i * deepest:(i + 1) * deepest]
+            counts = [0]
+            for tier in tiers:
+                counts.append(counts[-1] + (tier is None))
+            self._where[group] = tiers
+            self._missing_before[group] = counts
+            runs.append(counts.index(1) - 1 if counts[-1] else deepest)
+        self.reach = min(runs, default=0)  # chunks every group holds from the start
+        full = [r for g, r in zip(shape.attention, runs) if shape.kinds[g] is GroupKind.FULL_ATTENTION]
+        self.top = min(full) if full else deepest  # no full-attention group: gaps may be out of every window
+
+    def complete_for(self, p: int) -> bool:
+        """Whether every attention group holds the kv chunks resuming at p needs."""
+        for group, counts in self._missing_before.items():
+            if counts[p // self.n] - counts[self.shape.first_chunk(group, p) - 1]:
+                return False
+        return True
+
+    def tiers_for(self, p: int, checkpoints: Mapping[int, str]) -> tuple[str, ...]:
+        """The tier of each object resuming at p needs, in required_objects order; `checkpoints`: the tier of the
+        tail or state of each group at p."""
+        tiers: list[str] = []
+        for group, kind in enumerate(self.shape.kinds):
+            if kind is not GroupKind.RECURRENT:
+                tiers += self._where[group][self.shape.first_chunk(group, p) - 1:p // self.n]
+            if kind is GroupKind.RECURRENT or p % self.n:
+                tiers.append(checkpoints[group])
+        return tuple(tiers)
+
+
+def _described(shape: ChainShape, p: int, tiers: Sequence[str]):
+    """(kind, group, tokens, tier) of each object resuming at p needs, from the tiers in required_objects order."""
+    n = shape.chunk_tokens
+    position = iter(tiers)
+    for group, kind in enumerate(shape.kinds):
+        if kind is GroupKind.RECURRENT:
+            yield ObjectKind.STATE, group, 0, next(position)
+            continue
+        for _ in range(shape.first_chunk(group, p), p // n + 1):
+            yield ObjectKind.KV, group, n, next(position)
+        if p % n:
+            yield ObjectKind.TAIL, group, p % n, next(position)
+
+
+def _candidates(query: Query, index: ChainIndex, k: int) -> list[int]:
+    """Positions in [kN, (k+1)N) that may hold a checkpoint, deepest first: what the directory holds under chunk k's
+    anchor kv object, the positions the client sent, and the boundary kN itself."""
+    shape = query.shape
+    n = shape.chunk_tokens
+    low, high = k * n, min((k + 1) * n, query.prompt_tokens)  # high: exclusive; p <= L-1
+    found = {low} if k else set()
+    parent = object_key(query.boundaries[k], ObjectKind.KV, shape.anchor)
+    for key, meta in index.children(parent):
+        kind = key[-2] if len(key) >= 2 else 0
+        if kind == ObjectKind.STATE:
+            found.add(meta.prefix_tokens)
+        elif kind == ObjectKind.TAIL:
+            found.add(low + meta.prefix_tokens)
+    found.update(p for p in query.positions if low <= p < high)
+    return sorted((p for p in found if low <= p < high and p >= 1), reverse=True)
