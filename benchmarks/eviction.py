@@ -8,7 +8,9 @@ eviction exposes a new leaf, the expensive case for a chain-aware policy).
 For each configuration the tier is filled to capacity; `filling` is the rate of the last --window puts before it is
 full (the index is as large then as while evicting), `evicting` the rate of the next --window puts, each of which
 evicts. The ratio evicting / filling is the figure of merit (goal: at least 0.5).
-  disk    DiskTier in a temp dir: one file per record (the baseline is the same run's filling, file creation included)
+  disk    DiskTier in a temp dir: one file per record. Baselines in the same directories right after: raw file
+          creation (temp file + rename, as the tier writes) and creation with one unlink of an old file each (what
+          any one-file-per-record store must do while full), and the index alone in memory at the same size.
   host    the host tier in-process (ArenaTier over shared memory), 64 KiB pages
   server  a server process with only a host tier, client.put_many batches of 1,000 chunks (the issue's measurement)
 
@@ -36,6 +38,7 @@ from tiercache.keys import ChunkKey  # noqa: E402
 from tiercache.process import ServerProcess  # noqa: E402
 from tiercache.tiers.disk import DiskTier  # noqa: E402
 from tiercache.tiers.host import host_tier  # noqa: E402
+from tiercache.tiers.index import ChunkIndex  # noqa: E402
 
 NS = "bench-eviction"
 PAYLOAD = bytes(64)
@@ -83,16 +86,63 @@ def fill_then_evict(tier, capacity_records: int, window: int, chain: int) -> dic
 
 
 def disk_case(records_count: int, window: int, chain: int) -> dict:
-    root = tempfile.mkdtemp(prefix="tiercache-evict-")
+    root = tempfile.mkdtemp(prefix="tiercache-evict-", dir=os.environ.get("EVICTION_BENCH_DIR"))
     try:
         sizes = {len(r) for _, r in records(0, 4, chain)}
         tier = DiskTier(DiskTierConfig(path=root, capacity_bytes=records_count * max(sizes),
                                        state_budget_bytes=records_count * max(sizes)))
         # Records differ in size by a few bytes (key lengths): count what the cap actually holds.
         result = fill_then_evict(tier, _records_held(tier, records_count, chain), window, chain)
+        result.update(_raw_files(root, result["window"], max(sizes)))
+        result["index_evicting_per_s"] = _index_alone(result["records"], result["window"], chain)
         return {"tier": "disk", **result}
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _raw_files(root: str, window: int, size: int) -> dict:
+    """File creation (temp + rename) in the tier's own folders, alone and with one unlink of an old file each."""
+    data = bytes(size)
+    folders = sorted(os.path.join(root, d) for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    old = [os.path.join(f, name) for f in folders for name in os.listdir(f)][:window]
+
+    def create(i: int) -> None:
+        path = os.path.join(folders[i % len(folders)], f"raw-{i}.chunk")
+        with open(path + ".tmp", "wb", buffering=0) as f:
+            f.write(data)
+        os.replace(path + ".tmp", path)
+
+    began = time.perf_counter()
+    for i in range(window):
+        create(i)
+    created = window / (time.perf_counter() - began)
+    began = time.perf_counter()
+    for i, path in enumerate(old):
+        create(window + i)
+        os.unlink(path)
+    churned = len(old) / (time.perf_counter() - began)
+    return {"raw_create_per_s": created, "raw_create_unlink_per_s": churned}
+
+
+def _index_alone(records_count: int, window: int, chain: int) -> float:
+    """The policy alone: ChunkIndex with as many entries, one eviction per insert (no I/O)."""
+
+    class _Entry:
+        __slots__ = ("record_bytes", "meta")
+
+        def __init__(self, meta: ChunkMeta) -> None:
+            self.record_bytes, self.meta = 100, meta
+
+    index: ChunkIndex = ChunkIndex()
+    for i in range(records_count):
+        name, meta = chained(i, chain)
+        index.add(ChunkKey(NS, name), _Entry(meta))
+    began = time.perf_counter()
+    for i in range(records_count, records_count + window):
+        name, meta = chained(i, chain)
+        index.victims(100, 0)
+        index.add(ChunkKey(NS, name), _Entry(meta))
+    return window / (time.perf_counter() - began)
 
 
 def _records_held(tier, wanted: int, chain: int) -> int:
@@ -173,6 +223,11 @@ def _print(row: dict) -> None:
     print(f"{row['tier']}{size} {row['records']:>9,} records: filling {row['filling_per_s']:>9,.0f} puts/s, "
           f"evicting {row['evicting_per_s']:>9,.0f} puts/s: ratio {row['ratio']:.2f} "
           f"(fill took {row['fill_s']:.0f} s)", flush=True)
+    if "raw_create_per_s" in row:
+        raw_ratio = row["raw_create_unlink_per_s"] / row["raw_create_per_s"]
+        print(f"    same folders, raw files: create {row['raw_create_per_s']:,.0f}/s, create + unlink an old one "
+              f"{row['raw_create_unlink_per_s']:,.0f}/s (ratio {raw_ratio:.2f}); the index alone evicting: "
+              f"{row['index_evicting_per_s']:,.0f}/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -305,3 +305,27 @@ def test_under_pressure_what_survives_is_reachable_and_recent_prompts_still_hit(
         assert parent[:16] in roots or ChunkKey(k.namespace, parent) in keys, "an unreachable object kept its room"
     for prompt in prompts[-3:]:
         assert cache.lookup(prompt).hit.tokens == len(prompt) - 1
+
+
+@pytest.mark.parametrize("touched", [True, False])
+def test_a_hit_touched_by_its_lookup_survives_the_load_that_promotes_its_chain(tmp_path, touched):
+    """Loading a hit from disk promotes its kv chunks to the host tier, whose demotions make the disk tier evict.
+    The Lookup touches the hit's checkpoints (store.touch), so the oldest leaves on disk that go are not the hit's
+    own state and, behind it, the deep end of its chain; without the touch they are (which is why the Lookup does
+    it)."""
+    host = host_tier(HostTierConfig(capacity_bytes=64 * KiB, page_bytes=4 * KiB))  # five records
+    items = [("c1", ChunkMeta()), ("c2", ChunkMeta(CLASS_KV, 16, b"c1")), ("c3", ChunkMeta(CLASS_KV, 16, b"c2")),
+             ("s", ChunkMeta(CLASS_STATE, 48, b"c3")), ("x1", ChunkMeta()), ("x2", ChunkMeta()), ("x3", ChunkMeta())]
+    records = [record(name, meta) for name, meta in items]
+    disk = DiskTier(DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=sum(len(r) for _, r in records)))
+    for k, r in records:
+        disk.put(k, r, return_evicted=False)
+    store = TieredStore([host, disk])
+    for i in range(5):
+        store.put_record(*record(f"h{i}", ChunkMeta()))
+    if touched:
+        store.touch([key("s")])
+    loaded = [store.get(key(name)) is not None for name in ("c1", "c2", "c3", "s")]
+    assert all(loaded) == touched, loaded
+    host.check()
+    disk.check()

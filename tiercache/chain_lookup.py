@@ -83,6 +83,7 @@ class Found:
     tiers: tuple[str, ...] = ()
     chain_chunks: int = 0  # kv chunks every attention group holds from the prompt's start
     unverified: tuple[int, ...] = ()  # checkpoint positions deeper than the hit whose hash the query lacked
+    checkpoints: tuple[bytes, ...] = ()  # keys of the hit's tails and state (the leaves a load must not evict)
 
     def tokens_by_tier(self, shape: ChainShape) -> dict[str, int]:
         return tokens_by_tier(self.tokens, _described(shape, self.tokens, self.tiers)) if self.tokens else {}
@@ -110,7 +111,8 @@ def find_hit(query: Query, index: ChainIndex) -> Found:
             where = index.locate([r.key for r in refs])
             if all(where):
                 checkpoints = {r.group: tier for r, tier in zip(refs, where)}
-                return Found(p, chains.tiers_for(p, checkpoints), chains.reach, tuple(unverified))
+                return Found(p, chains.tiers_for(p, checkpoints), chains.reach, tuple(unverified),
+                             tuple(r.key for r in refs))
     return Found(0, (), chains.reach, tuple(unverified))
 
 

@@ -225,6 +225,8 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         namespaces = [_namespace(tenant, ns) for ns in (request.namespace, *request.rank_namespaces)]
         query = lookup_query(request)
         found = find_hit(query, _StoreChain(self.store, namespaces))
+        if found.checkpoints:  # the load that follows promotes the kv chunks; their demotions must not evict these
+            self.store.touch([ChunkKey(ns, key) for ns in namespaces for key in found.checkpoints])
         if request.report and not found.unverified:  # a lookup with unverified positions is asked again
             self.store.record_lookup(query.prompt_tokens, found.tokens_by_tier(query.shape))
         names = sorted(set(found.tiers))

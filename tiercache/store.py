@@ -213,6 +213,14 @@ class TieredStore:
             pending = [i for i, hit in zip(pending, present) if not hit]
         return where
 
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        """Mark keys most recently used wherever they are held (a hit about to be loaded), moving no bytes."""
+        for tier in self.tiers:
+            try:
+                tier.touch(keys)
+            except TierDown:
+                self._count(tier, errors=1)
+
     def children(self, parent: ChunkKey) -> list[tuple[ChunkKey, chunk.ChunkMeta]]:
         """The chunks any tier holds whose parent is `parent` (tiercache.chain_lookup's directory)."""
         found: dict[ChunkKey, chunk.ChunkMeta] = {}

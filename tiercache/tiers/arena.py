@@ -231,6 +231,11 @@ class ArenaTier:
         with self._lock:
             return index_usage(self._index, self.capacity_bytes, self.state_budget_bytes)
 
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._index.touch(key)
+
     def children(self, parent: ChunkKey) -> list[tuple[ChunkKey, chunk.ChunkMeta]]:
         with self._lock:
             return [(key, entry.meta) for key, entry in self._index.children(parent)]

@@ -17,6 +17,8 @@ Contract (every method is thread-safe):
 - contains(keys): one bool per key, without reading records or changing recency.
 - delete(keys): remove what exists, return how many were removed. Deleting a missing key is not an error.
 - usage(): a TierUsage snapshot.
+- touch(keys): mark the keys held most recently used (and read once more), without reading them. A no-op for a tier
+  that keeps no index.
 - children(parent): the keys (and metas) of the records held whose parent is `parent`: the directory the Lookup call
   searches for checkpoints. [] for a tier that keeps no index (Redis).
 - orphan(parent): the store lost `parent` for good; records descending from it become unreachable and are evicted
@@ -84,6 +86,8 @@ class Tier(Protocol):
     def delete(self, keys: Sequence[ChunkKey]) -> int: ...
 
     def usage(self) -> TierUsage: ...
+
+    def touch(self, keys: Sequence[ChunkKey]) -> None: ...
 
     def children(self, parent: ChunkKey) -> list[tuple[ChunkKey, ChunkMeta]]:
         """The chunks held here whose parent is `parent` (the directory; [] for a tier without one)."""

@@ -9,12 +9,21 @@ disk tier then survives a crash or power loss (a put acknowledged in a memory ti
 
 The byte cap counts record bytes (what `stats` shows), and space is reserved before a write starts, so concurrent
 writers together never exceed it. File I/O runs outside the metadata lock.
+
+Evicted files are unlinked by a background thread. With a million files, a create and an unlink interleaved on one
+thread ran at 7.0K pairs/s against 18.3K creates/s alone (ext4, this machine); with the unlinks on a second thread
+the creates kept their rate and the unlinks kept up (`benchmarks/eviction.py`). A file counts against the cap until
+it is unlinked, so eviction frees a little ahead — down to the cap less a headroom of 1/1000 of it (at most 64 MiB,
+and only for records of at most a quarter of that) — and puts do not wait for the unlinker while it keeps up; when it does not, a put waits for room rather than exceed
+the cap. Explicit deletes and replaced records are unlinked before the call returns.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +37,11 @@ from tiercache.keys import ChunkKey
 from tiercache.tiers.index import ChunkIndex, Victim, parent_of
 from tiercache.tiers.base import Evicted, TierUsage, index_usage
 
+log = logging.getLogger(__name__)
+
 _SUFFIX = ".chunk"
+_MAX_HEADROOM_BYTES = 64 << 20
+_ROOM_WAIT_S = 1.0  # a put waiting for the unlinker re-checks at least this often
 _TEMP_SUFFIX = ".tmp"
 _HEADER_PROBE_BYTES = 4096  # covers the largest header (fixed part + 256-char namespace + 64-byte key)
 
@@ -55,9 +68,14 @@ class DiskTier:
         self._index: ChunkIndex[_Entry] = ChunkIndex(config.state_value_weight)
         self._reserved_bytes = 0
         self._releasing_bytes = 0
+        self._headroom = min(config.capacity_bytes // 1000, _MAX_HEADROOM_BYTES)
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified as the unlinker frees bytes
         self._prepare_root()
         self._sequence = itertools.count(self._rebuild_index() + 1)
+        self._unlinks: queue.SimpleQueue[_Entry | None] = queue.SimpleQueue()
+        self._unlinker = threading.Thread(target=self._unlink_loop, name="tiercache-disk-unlink", daemon=True)
+        self._unlinker.start()
 
     # -- contract ---------------------------------------------------------------------------------------------------
 
@@ -79,9 +97,12 @@ class DiskTier:
                     self._index.state_reserved += state
                     break
                 victims = self._choose_victims(key, meta, size, state)
-            if not victims:  # the rest of the room is reserved by writes in flight
-                raise TierFull(f"disk tier has no room for {size} bytes right now", evicted)
-            evicted += self._discard(victims, read=return_evicted)
+                if not victims:
+                    if not self._releasing_bytes:  # the rest of the room is reserved by writes in flight
+                        raise TierFull(f"disk tier has no room for {size} bytes right now", evicted)
+                    self._room.wait(_ROOM_WAIT_S)  # room is on its way out: wait for the unlinker
+                    continue
+            evicted += self._discard(victims, read=return_evicted, background=True)
         sequence = next(self._sequence)
         entry = _Entry(self._path_for(key, sequence), size, sequence, meta)
         try:
@@ -127,6 +148,11 @@ class DiskTier:
         with self._lock:
             return index_usage(self._index, self.capacity_bytes, self.state_budget_bytes)
 
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._index.touch(key)
+
     def children(self, parent: ChunkKey) -> list[tuple[ChunkKey, chunk.ChunkMeta]]:
         with self._lock:
             return [(key, entry.meta) for key, entry in self._index.children(parent)]
@@ -136,13 +162,16 @@ class DiskTier:
             return self._index.orphan(parent)
 
     def close(self) -> None:
-        pass  # every file is complete on disk once put returns
+        """Every file is complete on disk once put returns; evicted ones are unlinked before close returns."""
+        if self._unlinker.is_alive():
+            self._unlinks.put(None)
+            self._unlinker.join()
 
     # -- placement --------------------------------------------------------------------------------------------------
 
     # Space accounting. A file counts against the cap from the moment its write is reserved until it is unlinked:
     # `used` (indexed files) + `reserved` (writes in flight) + `releasing` (files taken out of the index but not yet
-    # unlinked) never exceeds capacity_bytes, so the files on disk never do either.
+    # unlinked, e.g. queued for the unlinker) never exceeds capacity_bytes, so the files on disk never do either.
 
     def _committed_bytes(self) -> int:
         return self._index.used_bytes + self._reserved_bytes + self._releasing_bytes
@@ -155,26 +184,46 @@ class DiskTier:
 
     def _choose_victims(self, key: ChunkKey, meta: chunk.ChunkMeta, size: int,
                         state_bytes: int) -> list[Victim[_Entry]]:
-        """Under the lock: take out what the index says goes first until the record for `key` will fit once they
-        are unlinked."""
-        victims = self._index.victims(self._committed_bytes() + size - self.capacity_bytes,
-                                      self._index.state_excess(state_bytes, self.state_budget_bytes),
-                                      keep=parent_of(key, meta))
+        """Under the lock: take out what the index says goes first until the record for `key` fits within the cap
+        less the headroom, counting what is already on its way out as gone; [] when that is so already."""
+        headroom = self._headroom if self._headroom >= 4 * size else 0  # small records only: big ones go one by one
+        over = self._index.used_bytes + self._reserved_bytes + size - (self.capacity_bytes - headroom)
+        state_over = self._index.state_excess(state_bytes, self.state_budget_bytes)
+        if over <= 0 and state_over <= 0:
+            return []
+        victims = self._index.victims(over, state_over, keep=parent_of(key, meta))
         self._releasing_bytes += sum(v.entry.record_bytes for v in victims)
         return victims
 
-    def _discard(self, victims: list[Victim[_Entry]], read: bool) -> list[Evicted]:
-        """Outside the lock: (read and) unlink taken-out files, then stop counting their bytes. Unreachable
-        objects are not read: nothing below wants them."""
+    def _discard(self, victims: list[Victim[_Entry]], read: bool, background: bool = False) -> list[Evicted]:
+        """Outside the lock: (read and) unlink taken-out files — now, or on the unlinker thread — and stop counting
+        their bytes once unlinked. Unreachable objects are not read: nothing below wants them."""
         evicted = []
         for victim in victims:
             record = self._read_file(victim.entry.path) if read and victim.reachable else None
-            _unlink(victim.entry.path)
-            with self._lock:
-                self._releasing_bytes -= victim.entry.record_bytes
+            if background:
+                self._unlinks.put(victim.entry)
+            else:
+                self._release(victim.entry)
             if not read or not victim.reachable or record is not None:
                 evicted.append(Evicted(victim.key, record, victim.reachable))
         return evicted
+
+    def _release(self, entry: _Entry) -> None:
+        _unlink(entry.path)
+        with self._lock:
+            self._releasing_bytes -= entry.record_bytes
+            self._room.notify_all()
+
+    def _unlink_loop(self) -> None:
+        while (entry := self._unlinks.get()) is not None:
+            try:
+                self._release(entry)
+            except OSError as exc:  # EIO and the like: the bytes are counted as freed; the file is left behind
+                log.warning("disk tier could not remove %s: %s", entry.path, exc)
+                with self._lock:
+                    self._releasing_bytes -= entry.record_bytes
+                    self._room.notify_all()
 
     def _path_for(self, key: ChunkKey, sequence: int) -> str:
         digest = key.digest

@@ -111,6 +111,9 @@ class RedisTier:
         return TierUsage(keys, sum(n.get("used_memory", 0) for n in per_node),
                          sum(n.get("maxmemory", 0) for n in per_node))
 
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        pass  # Redis keeps its own recency
+
     def children(self, parent: ChunkKey) -> list:
         return []  # no directory in Redis: checkpoints other servers saved are found at the positions clients send
 
