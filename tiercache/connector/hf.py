@@ -59,6 +59,7 @@ class Options:
     chunk_tokens: int | None = None  # default: unified_block_size of the derived layout
     salt: str = ""
     verify_continuation: bool = True
+    max_boundary_states: int = 0  # boundary states saved per prompt, the deepest first; 0: one at every chunk boundary
 
 
 class CachedPrefill:
@@ -70,7 +71,8 @@ class CachedPrefill:
         revision = self.options.revision or getattr(config, "_commit_hash", None) or weights_digest(model)
         self.layout = derive_layout(model, name, revision)
         self.spec = CacheSpec.for_layout(self.layout, match_unit=self.options.match_unit,
-                                         chunk_tokens=self.options.chunk_tokens, salt=self.options.salt)
+                                         chunk_tokens=self.options.chunk_tokens, salt=self.options.salt,
+                                         max_boundary_states=self.options.max_boundary_states)
         self.cache = PrefixCache(client, self.spec)
         self.refusal = continuation_refusal(model, verify=self.options.verify_continuation)
         self.last_timings: dict[str, float] = {}  # seconds of the last prefill: lookup, load, compute, save

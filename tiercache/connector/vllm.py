@@ -10,8 +10,8 @@
 `kv_connector_extra_config` keys (all optional): `url` (default $TIERCACHE_URL, else grpc://127.0.0.1:50051),
 `token`, `tls_ca_file`, `model_name` (default: the served model), `revision`, `match_unit` (u, default 16 when it
 divides the block size, else the block size), `salt`, `weights_id`, `timeout_s`, `lookup_timeout_s`,
-`offline_backoff_s`, `max_pending_save_bytes`. The rules (what is loaded, what is saved, when) are in
-tiercache.connector.vllm_plan; the copies in tiercache.connector.vllm_transfer; the namespace's identity in
+`offline_backoff_s`, `max_pending_save_bytes`, `max_boundary_states`. The rules (what is loaded, what is saved,
+when) are in tiercache.connector.vllm_plan; the copies in tiercache.connector.vllm_transfer; the namespace's identity in
 tiercache.connector.vllm_identity.
 """
 
@@ -56,6 +56,7 @@ class Settings:
     lookup_timeout_s: float = 0.5  # the scheduler's one lookup call per request: vLLM's scheduler thread waits on it
     offline_backoff_s: float = 2.0  # after a lookup that could not reach the server, no lookups for this long
     max_pending_save_bytes: int = 1 << 30
+    max_boundary_states: int = 0  # block-boundary states saved per prompt, the deepest first; 0: every one offered
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> "Settings":
@@ -116,7 +117,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                                    identity=engine_identity(vllm_config, self.groups, settings.weights_id))
         block = self.groups.block_size
         unit = settings.match_unit or (16 if block % 16 == 0 else block)
-        self.spec = CacheSpec(self.layout, block, unit, salt=settings.salt)
+        self.spec = CacheSpec(self.layout, block, unit, salt=settings.salt,
+                              max_boundary_states=settings.max_boundary_states)
         self.client = Client.from_url(settings.url, token=settings.token, tls_ca_file=settings.tls_ca_file,
                                       timeout_s=settings.timeout_s)
         self._planner: Planner | None = None

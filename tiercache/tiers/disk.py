@@ -14,8 +14,9 @@ Evicted files are unlinked by a background thread. With a million files, a creat
 thread ran at 7.0K pairs/s against 18.3K creates/s alone (ext4, this machine); with the unlinks on a second thread
 the creates kept their rate and the unlinks kept up (`benchmarks/eviction.py`). A file counts against the cap until
 it is unlinked, so eviction frees a little ahead — down to the cap less a headroom of 1/1000 of it (at most 64 MiB,
-and only for records of at most a quarter of that) — and puts do not wait for the unlinker while it keeps up; when it does not, a put waits for room rather than exceed
-the cap. Explicit deletes and replaced records are unlinked before the call returns.
+and only for records of at most a quarter of that) — and puts do not wait for the unlinker while it keeps up; when
+it does not, a put waits for room rather than exceed the cap. Explicit deletes and replaced records are unlinked
+before the call returns.
 """
 
 from __future__ import annotations
