@@ -98,7 +98,8 @@ def _lookup(rng: random.Random) -> bytes:
     return pb.LookupRequest(namespace=rng.choice(["ok-namespace", ""]), chunk_tokens=n, groups=groups,
                             prompt_tokens=prompt_tokens, boundaries=boundaries, positions=positions,
                             rank_namespaces=rng.choice([[], ["ok-other"], ["bad\x00"]]),
-                            report=rng.random() < 0.5).SerializeToString()
+                            last_chunk_tokens=rng.randbytes(rng.choice([0, 0, 3, 4 * rng.randint(1, 40)])),
+                            match_unit=rng.choice([0, 1, 8, 16, 7]), report=rng.random() < 0.5).SerializeToString()
 
 
 def _one_request(rng: random.Random, channel: grpc.Channel, max_chunk: int) -> tuple[str, grpc.StatusCode, set]:

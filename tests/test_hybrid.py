@@ -10,6 +10,7 @@ import pytest
 from tiercache.chain_lookup import Query, find_hit
 from tiercache.hybrid import (CacheSpec, Hit, Located, ObjectKind, object_meta, plan_finish_admission,
                               plan_prompt_admission, plan_step_admission, required_objects)
+from tiercache.keys import InsideChunk
 from tiercache.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
 
 N, U = 32, 8
@@ -46,8 +47,7 @@ class FakeCache:
 
     def lookup(self, tokens):
         hashes = self.spec.hashes(tokens)
-        last = hashes.length - 1
-        positions = {last: hashes.at(last)} if last % N else {}
+        positions: dict[int, bytes] = {}
         found = self._find(hashes, positions)
         if found.unverified:
             positions.update((p, hashes.at(p)) for p in found.unverified)
@@ -61,9 +61,11 @@ class FakeCache:
     def _find(self, hashes, positions):
         self.calls += 1
         n = self.spec.chunk_tokens
-        deepest = max(hashes.length - 1, 0) // n
+        last = max(hashes.length - 1, 0)
+        deepest = last // n
         boundaries = [hashes.at(k * n) for k in range(deepest + 1)]
-        return find_hit(Query(self.spec.shape, hashes.length, boundaries, positions), self)
+        last_chunk = InsideChunk(boundaries[-1], hashes.chunk_tokens_bytes(deepest, last), self.spec.match_unit)
+        return find_hit(Query(self.spec.shape, hashes.length, boundaries, positions, last_chunk), self)
 
     def prefill(self, tokens) -> int:
         """Look up, then save what admission plans, as an engine would; returns the hit."""
@@ -147,6 +149,16 @@ def test_previous_end_far_back_is_found_in_two_calls(cache):
     longer = np.concatenate([prompt, tokens(40, seed=2)])  # the end at 70 is 40 tokens (> N) back
     assert cache.prefill(longer) == 70
     assert cache.calls == 2  # the first names 70 (and 69) unverified, the second checks their hashes
+
+
+def test_other_prompts_checkpoints_in_the_last_chunk_cost_no_second_call(cache):
+    """Questions on one document leave their ends in the document's last chunk; the server hashes that chunk's
+    positions itself (the request carries its tokens), so the next question is answered in one call."""
+    document = tokens(100)
+    for q in range(4):
+        cache.calls = 0
+        hit = cache.prefill(np.concatenate([document, tokens(5 + q, seed=30 + q)]))
+        assert cache.calls == 1 and hit == (96 if q else 0)
 
 
 @pytest.mark.parametrize("added", [int(1.2 * N), 2 * N, 3 * N, 5 * N + 3])

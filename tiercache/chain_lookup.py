@@ -1,14 +1,16 @@
 """The search behind the Lookup call: the deepest position a prompt can resume at, over the objects a store holds.
 
 The client sends what it can hash cheaply — the chain hashes at every chunk boundary h(0), h(N), ..., h(KN) with
-K = (L-1)//N (~0.3 ms for 262,144 tokens) and h(L-1) — and its layout's shape (tiercache.hybrid.ChainShape). The server
+K = (L-1)//N (~0.3 ms for 262,144 tokens) — the tokens of the last chunk (at most N: the server hashes any position
+there itself), and its layout's shape (tiercache.hybrid.ChainShape). The server
 1. walks the kv chains: one presence check of K keys per attention group, giving how far each chain reaches;
 2. goes down the chain from the deepest chunk it can resume in, and in each chunk asks the store's *directory* — the
    tails and states saved under that chunk's kv object (their parent) — which positions hold checkpoints; the
    boundary itself is a candidate too;
 3. checks each candidate, deepest first, against the hit rule: the tails and the state of the prompt's own hash at
    that position must be present (a checkpoint of another prompt that shares the chunk has another hash).
-A candidate the client sent no hash for (an earlier turn's end, far back from the prompt's end) cannot be checked:
+A candidate before the last chunk that the client sent no hash for (an earlier turn's end, more than N back) cannot
+be checked:
 the answer names it `unverified` along with the best hit found without it, and the client asks again with its hash.
 So any saved checkpoint is reachable in at most two round trips, whatever the prompt's length, and the hit rule runs
 where the presence is, once.
@@ -22,7 +24,7 @@ from typing import Iterable, Mapping, Protocol, Sequence
 from tiercache.chunk import ChunkMeta
 from tiercache.errors import InvalidArgument
 from tiercache.hybrid import ChainShape, ObjectKind, checkpoint_objects, object_key, tokens_by_tier
-from tiercache.keys import HASH_BYTES
+from tiercache.keys import HASH_BYTES, InsideChunk
 from tiercache.layout import GroupKind
 
 MAX_GROUPS = 255  # a group is one byte of an object's key
@@ -48,6 +50,7 @@ class Query:
     prompt_tokens: int
     boundaries: Sequence[bytes]  # h(kN) for k = 0 .. (L-1)//N
     positions: Mapping[int, bytes]  # h(p) at other positions (p not a multiple of N)
+    last_chunk: InsideChunk | None = None  # hashes any position of the last chunk, up to L-1
 
     def __post_init__(self) -> None:
         n = self.shape.chunk_tokens
@@ -69,9 +72,14 @@ class Query:
             raise InvalidArgument("positions lie inside the prompt, between chunk boundaries")
 
     def at(self, p: int) -> bytes:
-        """h(p); KeyError when the client did not send it."""
+        """h(p); KeyError when the client sent neither it nor the tokens to compute it."""
         n = self.shape.chunk_tokens
-        return self.boundaries[p // n] if p % n == 0 else self.positions[p]
+        if p % n == 0:
+            return self.boundaries[p // n]
+        deepest = (len(self.boundaries) - 1) * n
+        if self.last_chunk is not None and p > deepest:
+            return self.last_chunk.at(p - deepest)
+        return self.positions[p]
 
 
 @dataclass(frozen=True)
@@ -190,4 +198,6 @@ def _candidates(query: Query, index: ChainIndex, k: int) -> list[int]:
         elif kind == ObjectKind.TAIL:
             found.add(low + meta.prefix_tokens)
     found.update(p for p in query.positions if low <= p < high)
+    if query.last_chunk is not None and k == len(query.boundaries) - 1:
+        found.add(query.prompt_tokens - 1)  # an exact repeat, whether or not its checkpoint names a parent
     return sorted((p for p in found if low <= p < high and p >= 1), reverse=True)

@@ -219,12 +219,13 @@ class Client:
         return self._call(lambda timeout: self._stub.Delete(request, timeout=timeout)).deleted
 
     def lookup(self, namespace: str, shape: ChainShape, prompt_tokens: int, boundaries: bytes,
-               positions: Mapping[int, bytes], *, rank_namespaces: Sequence[str] = (),
-               report: bool = True) -> "LookupAnswer":
+               positions: Mapping[int, bytes], *, rank_namespaces: Sequence[str] = (), report: bool = True,
+               last_chunk_tokens: bytes = b"", match_unit: int = 0) -> "LookupAnswer":
         """The server's hit for a prompt under the hybrid hit rule (see tiercache.chain_lookup; PrefixCache is the
-        usual caller): `boundaries` = h(0), h(N), ... h(KN) concatenated, `positions` other hashes it may check."""
+        usual caller): `boundaries` = h(0), h(N), ... h(KN) concatenated, `positions` other hashes it may check,
+        `last_chunk_tokens` the token bytes of [KN, L-1) with u (the server hashes positions there itself)."""
         request = lookup_request(validate_namespace(namespace), shape, prompt_tokens, boundaries, positions,
-                                 rank_namespaces, report)
+                                 rank_namespaces, report, last_chunk_tokens, match_unit)
         response = self._call(lambda timeout: self._stub.Lookup(request, timeout=timeout))
         names = list(response.tier_names)
         return LookupAnswer(response.hit_tokens, [names[i] for i in response.tiers], tuple(response.unverified),

@@ -110,22 +110,35 @@ class PrefixHashes:
         k, offset = divmod(p, self.n)
         if offset == 0:
             return self._boundaries[k]
-        aligned = self._units(k)
+        chunk = self._inside.get(k)
+        if chunk is None:
+            start = 4 * k * self.n
+            chunk = self._inside[k] = InsideChunk(self._boundaries[k], self._bytes[start:start + 4 * self.n], self.u)
+        return chunk.at(offset)
+
+    def chunk_tokens_bytes(self, k: int, end: int) -> bytes:
+        """The token bytes of [kN, end): what a Lookup request carries for the prompt's last chunk."""
+        return self._bytes[4 * k * self.n:4 * end]
+
+
+class InsideChunk:
+    """Hashes of the positions inside one chunk, from its boundary hash h(kN) and its token bytes: the u-aligned
+    links computed once, a ragged link per other position."""
+
+    def __init__(self, boundary: bytes, data: bytes, u: int) -> None:
+        self.u = u
+        self._data = data
+        self._units = _chain(boundary, data, 4 * u)  # [h(kN), h(kN+u), ...] as far as the tokens go
+
+    def at(self, offset: int) -> bytes:
+        """h(kN + offset), for 0 <= offset <= the tokens given."""
+        if not 0 <= offset <= len(self._data) // 4:
+            raise KeyError(offset)
         base = offset - offset % self.u
-        h = aligned[base // self.u]
+        h = self._units[base // self.u]
         if base == offset:
             return h
-        start = 4 * (k * self.n + base)
-        return xxhash.xxh3_128_digest(h + self._bytes[start:4 * p])
-
-    def _units(self, k: int) -> list[bytes]:
-        """u-aligned hashes inside chunk k: [h(kN), h(kN+u), ...] as far as the tokens go."""
-        units = self._inside.get(k)
-        if units is None:
-            start = 4 * k * self.n
-            units = _chain(self._boundaries[k], self._bytes[start:start + 4 * (self.n - self.u)], 4 * self.u)
-            self._inside[k] = units
-        return units
+        return xxhash.xxh3_128_digest(h + self._data[4 * base:4 * offset])
 
 
 def _chain(h0: bytes, data: bytes, step: int) -> list[bytes]:

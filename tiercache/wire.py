@@ -15,7 +15,7 @@ from tiercache.errors import (CapacityExceeded, InvalidArgument, NotFound, Permi
 from tiercache.chunk import CLASS_KV, CLASS_STATE, MAX_PARENT_BYTES, ChunkMeta
 from tiercache.chain_lookup import Query
 from tiercache.hybrid import ChainShape
-from tiercache.keys import HASH_BYTES
+from tiercache.keys import HASH_BYTES, InsideChunk
 from tiercache.layout import GroupKind
 from tiercache.store import StoreStats
 
@@ -101,13 +101,14 @@ MAX_RANK_NAMESPACES = 256
 
 
 def lookup_request(namespace: str, shape: ChainShape, prompt_tokens: int, boundaries: bytes,
-                   positions: Mapping[int, bytes], rank_namespaces: Sequence[str] = (),
-                   report: bool = True) -> pb.LookupRequest:
+                   positions: Mapping[int, bytes], rank_namespaces: Sequence[str] = (), report: bool = True,
+                   last_chunk_tokens: bytes = b"", match_unit: int = 0) -> pb.LookupRequest:
     groups = [pb.LayerGroupShape(kind=_GROUP_KINDS[kind], window=window or 0)
               for kind, window in zip(shape.kinds, shape.windows)]
     return pb.LookupRequest(namespace=namespace, rank_namespaces=list(rank_namespaces),
                             chunk_tokens=shape.chunk_tokens, groups=groups, prompt_tokens=prompt_tokens,
-                            boundaries=boundaries, report=report,
+                            boundaries=boundaries, report=report, last_chunk_tokens=last_chunk_tokens,
+                            match_unit=match_unit,
                             positions=[pb.PositionHash(position=p, hash=h) for p, h in positions.items()])
 
 
@@ -126,7 +127,15 @@ def lookup_query(request: pb.LookupRequest) -> Query:
     shape = ChainShape(request.chunk_tokens, tuple(kinds), windows)
     data = request.boundaries
     boundaries = [data[i:i + HASH_BYTES] for i in range(0, len(data), HASH_BYTES)]
-    return Query(shape, request.prompt_tokens, boundaries, {p.position: p.hash for p in request.positions})
+    last_chunk = None
+    if request.last_chunk_tokens:
+        u, n = request.match_unit, request.chunk_tokens
+        tokens = request.last_chunk_tokens
+        if not boundaries or u <= 0 or not n or n % u or len(tokens) % 4 or len(tokens) > 4 * n:
+            raise InvalidArgument("last_chunk_tokens needs boundaries, a match unit dividing N, and at most N tokens")
+        last_chunk = InsideChunk(boundaries[-1], tokens, u)
+    return Query(shape, request.prompt_tokens, boundaries, {p.position: p.hash for p in request.positions},
+                 last_chunk)
 
 
 class Malformed:

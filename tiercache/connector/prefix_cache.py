@@ -82,9 +82,7 @@ class PrefixCache:
         length = hashes.length
         if length < 2:
             return Lookup(hashes, Hit(0, length))
-        n = self.spec.chunk_tokens
-        last = length - 1
-        positions = {last: hashes.at(last)} if last % n else {}
+        positions: dict[int, bytes] = {}
         try:
             answer = self._ask(hashes, positions)
             if answer.unverified:  # checkpoints further back than the hashes sent: one more call, with theirs
@@ -99,9 +97,12 @@ class PrefixCache:
                       attention_groups=self.spec.shape.attention)
 
     def _ask(self, hashes: PrefixHashes, positions: dict[int, bytes]) -> LookupAnswer:
-        deepest = (hashes.length - 1) // self.spec.chunk_tokens
+        last = hashes.length - 1
+        deepest = last // self.spec.chunk_tokens
         return self.client.lookup(self.namespace, self.spec.shape, hashes.length, hashes.boundaries(deepest),
-                                  positions, rank_namespaces=self._other_ranks, report=self._report)
+                                  positions, rank_namespaces=self._other_ranks, report=self._report,
+                                  last_chunk_tokens=hashes.chunk_tokens_bytes(deepest, last),
+                                  match_unit=self.spec.match_unit)
 
     def load(self, hit: Hit) -> dict[ObjectRef, bytes] | None:
         """The bytes of every object of the hit, or None when any is gone or failed its checksum (then recompute)."""
