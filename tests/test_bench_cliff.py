@@ -31,4 +31,10 @@ def test_cliff_quick(tmp_path):
     document = report["long_context"][0]["document_tokens"]
     for row in report["long_context"][1:]:
         assert row["hit_tokens"] >= document - n, row
+    for row in report["multi_turn_long"][1:]:  # turns adding 1.2 N to 3 N tokens: the previous end, exactly
+        assert row["hit_tokens"] == row["previous_turn_end"], row
+    assert [row["share"] for row in report["branches"]] == [k / 10 for k in range(1, 10)]
+    for row in report["branches"]:
+        assert row["shared_tokens"] - n < row["hit_tokens"] <= row["shared_tokens"], row
+    assert report["lookup_ms_262144"] is None and report["lookup_ms_16384"] > 0  # --quick: a 16K document
     assert plot.stat().st_size > 10_000
