@@ -329,3 +329,45 @@ def test_a_hit_touched_by_its_lookup_survives_the_load_that_promotes_its_chain(t
     assert all(loaded) == touched, loaded
     host.check()
     disk.check()
+
+
+def test_a_chain_left_unread_on_disk_outlives_what_is_saved_above_it(tmp_path):
+    """c1 -> c2 sit on disk, unread (a lookup found them, but no state to resume from: nothing was loaded); the request
+    then saves a state under each and the next chunk c3, in the host tier, above their parents. The disk tier must not
+    drop c2 and c1 (leaves down there, and its oldest) while those are held: that loses the chain from its head, and
+    with it everything just saved."""
+    host = host_tier(HostTierConfig(capacity_bytes=64 * KiB, page_bytes=4 * KiB))  # five records
+    disk = DiskTier(DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=6 * len(record("a0", ChunkMeta())[1])))
+    store = TieredStore([host, disk])
+    store.put_record(*record("c1", ChunkMeta()))
+    store.put_record(*record("c2", ChunkMeta(CLASS_KV, 16, b"c1")))
+    for i in range(6):
+        store.put_record(*record(f"a{i}", ChunkMeta()))
+    assert store.locate([key("c1"), key("c2")]) == ["disk", "disk"]
+    store.put_record(*record("s1", ChunkMeta(CLASS_STATE, 16, b"c1")))
+    store.put_record(*record("s2", ChunkMeta(CLASS_STATE, 32, b"c2")))
+    store.put_record(*record("c3", ChunkMeta(CLASS_KV, 16, b"c2")))
+    for i in range(4):
+        store.put_record(*record(f"b{i}", ChunkMeta()))
+    c1, c2, c3 = store.locate([key("c1"), key("c2"), key("c3")])
+    assert c1 is not None and (c2 is not None or c3 is None)  # the chain shrinks from its deep end
+    host.check()
+    disk.check()
+
+
+def test_an_object_saved_after_its_parent_was_lost_is_unreachable_from_the_start(tmp_path):
+    """A save can race the eviction of the chain it extends (a lookup found c1; the save's own demotions drop it
+    before c2 arrives). c2 is then unreachable, like the children held when c1 went, and goes first."""
+    host = host_tier(HostTierConfig(capacity_bytes=64 * KiB, page_bytes=4 * KiB))  # five records
+    disk = DiskTier(DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=1 * MiB))
+    store = TieredStore([host, disk])
+    store.put_record(*record("c1", ChunkMeta()))
+    for i in range(3):
+        store.put_record(*record(f"x{i}", ChunkMeta()))
+    store.delete([key("c1")])
+    store.put_record(*record("c2", ChunkMeta(CLASS_KV, 16, b"c1")))
+    store.put_record(*record("y0", ChunkMeta()))
+    store.put_record(*record("y1", ChunkMeta()))  # the host is full: its first victim is c2, dropped, not demoted
+    assert store.locate([key("c2"), key("x0")]) == [None, "host"]
+    host.check()
+    disk.check()

@@ -11,6 +11,8 @@ The store holds no lock around tier calls; tiers lock their own metadata, and th
 
 from __future__ import annotations
 
+import collections
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -20,6 +22,8 @@ from tiercache.config import Config
 from tiercache.errors import CapacityExceeded, ChunkCorrupt, TierDown, TierFull, TierWriteFailed, Unavailable
 from tiercache.keys import ChunkKey
 from tiercache.tiers.base import Evicted, Tier
+
+LOST_KEYS_REMEMBERED = 1 << 16  # keys lost for good that the store remembers (see _after_placement)
 
 
 @dataclass
@@ -90,6 +94,11 @@ class TieredStore:
         self._counters = {t.name: TierCounters() for t in self.tiers}
         self._lookups = LookupStats()
         self._lock = threading.Lock()
+        self._gone: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()  # lost, not stored again
+        for level, tier in enumerate(self.tiers):  # a parent held below its children is no leaf (tiers/index.py)
+            above = [t for t in self.tiers[:level] if not t.shared]
+            if above and hasattr(tier, "needed_above"):
+                tier.needed_above = functools.partial(self._has_children, above)
 
     @classmethod
     def from_config(cls, config: Config) -> "TieredStore":
@@ -120,7 +129,7 @@ class TieredStore:
     def put_record(self, key: ChunkKey, record: bytearray) -> str:
         """Store an already sealed record (the server assembles records in place to save a copy)."""
         placed = self._place(key, record, 0)
-        self._after_placement(key, placed, lambda: record)
+        self._after_placement(key, chunk.read_meta(record), placed, lambda: record)
         return self.tiers[placed].name
 
     # -- the same-host path: records written and read in place in the host tier's shared memory ---------------
@@ -145,7 +154,8 @@ class TieredStore:
     def commit(self, reservation) -> str:
         tier = self.shared_tier
         tier.commit(reservation)
-        self._after_placement(reservation.key, self.tiers.index(tier), lambda: tier.get(reservation.key))
+        self._after_placement(reservation.key, reservation.meta, self.tiers.index(tier),
+                              lambda: tier.get(reservation.key))
         return tier.name
 
     def abort(self, reservation) -> None:
@@ -167,8 +177,21 @@ class TieredStore:
             return None
         return tier.pin(key), found.tier
 
-    def _after_placement(self, key: ChunkKey, placed: int, record) -> None:
-        """Drop older copies below the tier a record landed in, and copy it to the shared tier (write-through)."""
+    def _after_placement(self, key: ChunkKey, meta: chunk.ChunkMeta, placed: int, record) -> None:
+        """Drop older copies below the tier a record landed in, and copy it to the shared tier (write-through).
+
+        A record whose parent the store lost before it arrived (a save racing the eviction of the chain it extends)
+        is unreachable from the start: it is marked so, like the children held when a key is lost (_lost), or it
+        would keep its room, a chain's deep end outliving its head."""
+        parent = ChunkKey(key.namespace, meta.parent) if meta.parent else None
+        with self._lock:
+            self._gone.pop(key, None)
+            parent_gone = parent in self._gone
+        if parent_gone:
+            try:
+                self.tiers[placed].orphan(parent)
+            except TierDown:
+                self._count(self.tiers[placed], errors=1)
         below = [t for t in self.tiers[placed + 1:] if not t.shared]
         for tier in below:  # an older copy further down would shadow nothing but waste room; drop it
             if tier.contains([key])[0]:
@@ -341,6 +364,12 @@ class TieredStore:
 
     def _lost(self, keys: Sequence[ChunkKey]) -> None:
         """Keys no tier holds any more: whatever descends from them in a chain is unreachable now (evicted first)."""
+        with self._lock:
+            for key in keys:
+                self._gone[key] = None
+                self._gone.move_to_end(key)
+            while len(self._gone) > LOST_KEYS_REMEMBERED:
+                self._gone.popitem(last=False)
         for tier in self.tiers:
             if tier.shared:
                 continue
@@ -359,6 +388,16 @@ class TieredStore:
         self._count(source, promotions=1)
         if not source.shared:
             self._forget(source, key)
+
+    def _has_children(self, tiers: Sequence[Tier], key: ChunkKey) -> bool:
+        """Whether any of `tiers` holds an object whose parent is `key`."""
+        for tier in tiers:
+            try:
+                if tier.children(key):
+                    return True
+            except TierDown:
+                self._count(tier, errors=1)
+        return False
 
     def _for_tier(self, tier: Tier, key: ChunkKey, record):
         """The record as `tier` stores it: sealed before it leaves memory for a verifying tier, in its codec."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from tiercache import chunk
 from tiercache.allocator import Extent, ExtentAllocator
@@ -113,6 +113,7 @@ class ArenaTier:
         self._allocator = ExtentAllocator(pages)
         self._index: ChunkIndex[_Entry] = ChunkIndex(state_value_weight)
         self._lock = threading.Lock()
+        self.needed_above: Callable[[ChunkKey], bool] = lambda key: False  # set by the store (tiers/base.py)
 
     @property
     def shared_path(self) -> str | None:
@@ -266,7 +267,8 @@ class ArenaTier:
         budget) would fit; pin them for the copy-out. Entries being read stay."""
         victims = self._index.victims(pages - self._allocator.free_pages,
                                       self._index.state_excess(state_bytes, self.state_budget_bytes),
-                                      units=_pages, evictable=lambda e: e.pins == 0, keep=parent_of(key, meta))
+                                      units=_pages, evictable=lambda e: e.pins == 0, keep=parent_of(key, meta),
+                                      needed_above=self.needed_above)
         for victim in victims:
             victim.entry.pins, victim.entry.dead = 1, True
         return victims

@@ -23,6 +23,9 @@ Contract (every method is thread-safe):
   searches for checkpoints. [] for a tier that keeps no index (Redis).
 - orphan(parent): the store lost `parent` for good; records descending from it become unreachable and are evicted
   first. A no-op for a tier that keeps no index.
+- needed_above (an attribute of a tier with an index, set by the store): needed_above(key) says whether a tier above
+  holds a child of `key`; the tier then keeps `key` (tiercache.tiers.index: a chain shrinks from its deep end across
+  tiers too). Called under the tier's lock; it takes the locks of tiers above it only.
 - close(): release resources; idempotent.
 Reads (get, contains) of a tier that is down raise TierDown; the store turns that into a miss.
 

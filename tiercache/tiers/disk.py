@@ -28,7 +28,7 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tiercache import chunk
 from tiercache.codec import codec_id
@@ -67,6 +67,7 @@ class DiskTier:
         self.state_budget_bytes = state_budget(config.capacity_bytes, config.state_budget_bytes)
         self._fsync = config.fsync
         self._index: ChunkIndex[_Entry] = ChunkIndex(config.state_value_weight)
+        self.needed_above: Callable[[ChunkKey], bool] = lambda key: False  # set by the store (tiers/base.py)
         self._reserved_bytes = 0
         self._releasing_bytes = 0
         self._headroom = min(config.capacity_bytes // 1000, _MAX_HEADROOM_BYTES)
@@ -192,7 +193,7 @@ class DiskTier:
         state_over = self._index.state_excess(state_bytes, self.state_budget_bytes)
         if over <= 0 and state_over <= 0:
             return []
-        victims = self._index.victims(over, state_over, keep=parent_of(key, meta))
+        victims = self._index.victims(over, state_over, keep=parent_of(key, meta), needed_above=self.needed_above)
         self._releasing_bytes += sum(v.entry.record_bytes for v in victims)
         return victims
 

@@ -10,7 +10,9 @@ with the chain in mind:
    descendants here can never be part of a hit again (`orphan`); they go before anything else, oldest first.
 2. *A chain shrinks from its deep end.* Only a leaf — an object none of whose children is held here — is evicted;
    a kv chunk therefore outlives every deeper kv, tail and state that needs it, and the first chunk of a prompt,
-   shared by all its continuations, goes last. A chunk without a parent is its own chain.
+   shared by all its continuations, goes last. A chunk without a parent is its own chain. Across tiers the same
+   holds: a leaf here whose children the store holds in a tier above (`needed_above`: saved or promoted above a
+   parent left unread below) is not evicted but counts as used now, and is asked again when it next comes up.
 3. When the tier is full, the least recently used leaf goes, whatever its class: a chain nobody reads shrinks, a
    chain being read keeps its depth. (Preferring KV to states here would let every old chain's states pin it while
    the newest prompts' tails went.)
@@ -187,20 +189,25 @@ class ChunkIndex(Generic[E]):
     # -- eviction -----------------------------------------------------------------------------------------------
 
     def victims(self, units_over: int, state_over: int, units: Callable[[E], int] = lambda e: e.record_bytes,
-                evictable: Callable[[E], bool] = lambda e: True, keep: ChunkKey | None = None) -> list[Victim[E]]:
+                evictable: Callable[[E], bool] = lambda e: True, keep: ChunkKey | None = None,
+                needed_above: Callable[[ChunkKey], bool] = lambda key: False) -> list[Victim[E]]:
         """Remove and return entries, in eviction order, until `state_over` state bytes and `units_over` units of the
         tier's room (bytes, pages) are freed — or nothing evictable is left. States over their budget go first
         (unreachable ones, then by value); then unreachable objects, then leaves by recency.
 
         `keep` — the parent of the record being made room for — is never chosen: evicting a chunk to make room for
         the object that extends it would leave that object unreachable. (When nothing else can go, the tier refuses
-        the deeper object instead, and the store tries the tier below.)"""
+        the deeper object instead, and the store tries the tier below.) Nor is a leaf whose children a tier above
+        holds (`needed_above`): it is marked used now instead, so each such leaf is asked once per pass of the
+        recency order, not on every eviction."""
         chosen: list[Victim[E]] = []
         held: list[tuple[ChunkKey, _Node[E]]] = []  # not evictable right now (pinned, kept): back in place afterwards
 
-        def allowed(key: ChunkKey, node: _Node[E]) -> bool:
+        def allowed(key: ChunkKey, node: _Node[E], leaf: bool = False) -> bool:
             if key != keep and evictable(node.entry):
-                return True
+                if not (leaf and needed_above(key)):
+                    return True
+                node.stamp = next(self._clock)  # as recent as the children above that need it
             held.append((key, node))
             return False
 
@@ -248,7 +255,7 @@ class ChunkIndex(Generic[E]):
             if node is None or getattr(node, field) != seq:
                 continue  # stale: read, removed, orphaned or no longer a leaf since it was pushed
             node.seq = node.value_seq = -1
-            if not allowed(key, node):
+            if not allowed(key, node, leaf=True):
                 continue
             if heap is self._by_value:
                 self._inflation = max(self._inflation, priority)
