@@ -60,3 +60,18 @@ def test_cross_node_tiny():
     for result in report["results"]:
         b_first = result["steps"]["B first (from Redis)"]
         assert b_first["hit_tokens"] > 0 and result["node_b_hit_tokens_from_redis"] >= b_first["hit_tokens"]
+
+
+def test_eviction_and_hybrid_soak_scripts_run(tmp_path):
+    evicted = tmp_path / "e.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "eviction.py"), "--disk", "2000",
+                             "--host-gib", "0.0625", "--server-gib", "0.0625", "--window", "500",
+                             "--json-out", str(evicted)], capture_output=True, text=True, env=python_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert [row["tier"] for row in json.loads(evicted.read_text())] == ["disk", "host", "server"]
+    soak, png = tmp_path / "s.json", tmp_path / "s.png"
+    command = [sys.executable, str(ROOT / "benchmarks" / "hybrid_soak.py"), "--requests", "300", "--host-mem", "32MiB",
+               "--disk-size", "64MiB", "--json-out", str(soak), "--plot", str(png)]
+    result = subprocess.run(command, capture_output=True, text=True, env=python_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert png.stat().st_size > 10_000 and soak.stat().st_size > 1000
