@@ -111,13 +111,13 @@ def test_questions_branching_inside_a_long_document_resume_within_n_of_the_branc
     there. vLLM alone reading the document in one step keeps no state there."""
     one_step, _, fresh, n = trio
     reader, alone = readers
-    document = prompt(500, 6 * n + 37)
-    question = prompt(501, 40)
+    document = prompt(1100, 6 * n + 37)  # seeds no other test uses: the cache server is shared by the session
+    question = prompt(1101, 40)
     for engine in (reader, alone, one_step):
         engine.one(document + question, max_tokens=1)
     shared = int(share * len(document))
     boundary = shared // n * n
-    branch = document[:shared] + prompt(502 + int(10 * share), 30)
+    branch = document[:shared] + prompt(1102 + int(10 * share), 30)
     own = alone.one(branch, max_tokens=4)
     assert own.cached == boundary, f"vLLM's own hit is {own.cached}"
     resumed = fresh.one(branch, max_tokens=4)
