@@ -84,17 +84,21 @@ class Query:
 
 @dataclass(frozen=True)
 class Found:
-    """The search's answer: resume at `tokens`, loading the objects hybrid.required_objects names for it, which lie
-    in `tiers` (in that order)."""
+    """The search's answer: resume at `tokens`, loading the objects hybrid.required_objects names for it, described
+    in that order as (kind, group, tokens of KV held, tier)."""
 
     tokens: int
-    tiers: tuple[str, ...] = ()
+    objects: tuple[tuple[ObjectKind, int, int, str], ...] = ()
     chain_chunks: int = 0  # kv chunks every attention group holds from the prompt's start
     unverified: tuple[int, ...] = ()  # checkpoint positions deeper than the hit whose hash the query lacked
     checkpoints: tuple[bytes, ...] = ()  # keys of the hit's tails and state (the leaves a load must not evict)
 
-    def tokens_by_tier(self, shape: ChainShape) -> dict[str, int]:
-        return tokens_by_tier(self.tokens, _described(shape, self.tokens, self.tiers)) if self.tokens else {}
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        return tuple(tier for *_, tier in self.objects)
+
+    def tokens_by_tier(self) -> dict[str, int]:
+        return tokens_by_tier(self.tokens, self.objects)
 
 
 def find_hit(query: Query, index: ChainIndex) -> Found:
@@ -110,7 +114,7 @@ def find_hit(query: Query, index: ChainIndex) -> Found:
             if not chains.complete_for(p):
                 continue
             if p % n == 0 and not shape.recurrent:
-                return Found(p, chains.tiers_for(p, {}), chains.reach, tuple(unverified))
+                return Found(p, chains.objects_at(p, {}), chains.reach, tuple(unverified))
             try:
                 refs = checkpoint_objects(shape, query, p)
             except KeyError:
@@ -119,7 +123,7 @@ def find_hit(query: Query, index: ChainIndex) -> Found:
             where = index.locate([r.key for r in refs])
             if all(where):
                 checkpoints = {r.group: tier for r, tier in zip(refs, where)}
-                return Found(p, chains.tiers_for(p, checkpoints), chains.reach, tuple(unverified),
+                return Found(p, chains.objects_at(p, checkpoints), chains.reach, tuple(unverified),
                              tuple(r.key for r in refs))
     return Found(0, (), chains.reach, tuple(unverified))
 
@@ -157,30 +161,20 @@ class _KvChains:
                 return False
         return True
 
-    def tiers_for(self, p: int, checkpoints: Mapping[int, str]) -> tuple[str, ...]:
-        """The tier of each object resuming at p needs, in required_objects order; `checkpoints`: the tier of the
-        tail or state of each group at p."""
-        tiers: list[str] = []
+    def objects_at(self, p: int, checkpoints: Mapping[int, str]) -> tuple[tuple[ObjectKind, int, int, str], ...]:
+        """(kind, group, tokens of KV held, tier) of each object resuming at p needs, in required_objects order;
+        `checkpoints`: the tier of the tail or state of each group at p."""
+        n = self.n
+        objects: list[tuple[ObjectKind, int, int, str]] = []
         for group, kind in enumerate(self.shape.kinds):
-            if kind is not GroupKind.RECURRENT:
-                tiers += self._where[group][self.shape.first_chunk(group, p) - 1:p // self.n]
-            if kind is GroupKind.RECURRENT or p % self.n:
-                tiers.append(checkpoints[group])
-        return tuple(tiers)
-
-
-def _described(shape: ChainShape, p: int, tiers: Sequence[str]):
-    """(kind, group, tokens, tier) of each object resuming at p needs, from the tiers in required_objects order."""
-    n = shape.chunk_tokens
-    position = iter(tiers)
-    for group, kind in enumerate(shape.kinds):
-        if kind is GroupKind.RECURRENT:
-            yield ObjectKind.STATE, group, 0, next(position)
-            continue
-        for _ in range(shape.first_chunk(group, p), p // n + 1):
-            yield ObjectKind.KV, group, n, next(position)
-        if p % n:
-            yield ObjectKind.TAIL, group, p % n, next(position)
+            if kind is GroupKind.RECURRENT:
+                objects.append((ObjectKind.STATE, group, 0, checkpoints[group]))
+                continue
+            objects += [(ObjectKind.KV, group, n, tier)
+                        for tier in self._where[group][self.shape.first_chunk(group, p) - 1:p // n]]
+            if p % n:
+                objects.append((ObjectKind.TAIL, group, p % n, checkpoints[group]))
+        return tuple(objects)
 
 
 def _candidates(query: Query, index: ChainIndex, k: int) -> list[int]:

@@ -228,11 +228,12 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         if found.checkpoints:  # the load that follows promotes the kv chunks; their demotions must not evict these
             self.store.touch([ChunkKey(ns, key) for ns in namespaces for key in found.checkpoints])
         if request.report and not found.unverified:  # a lookup with unverified positions is asked again
-            self.store.record_lookup(query.prompt_tokens, found.tokens_by_tier(query.shape))
-        names = sorted(set(found.tiers))
+            self.store.record_lookup(query.prompt_tokens, found.tokens_by_tier())
+        tiers = found.tiers
+        names = sorted(set(tiers))
         index = {name: i for i, name in enumerate(names)}
         return pb.LookupResponse(hit_tokens=found.tokens, tier_names=names,
-                                 tiers=bytes(index[tier] for tier in found.tiers), unverified=found.unverified,
+                                 tiers=bytes(index[tier] for tier in tiers), unverified=found.unverified,
                                  chain_chunks=found.chain_chunks)
 
     # -- the same-host path (tiercache.shm) ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from tiercache import chunk
 from tiercache.config import Config
 from tiercache.errors import CapacityExceeded, ChunkCorrupt, TierDown, TierFull, TierWriteFailed, Unavailable
 from tiercache.keys import ChunkKey
-from tiercache.tiers.base import Evicted, Tier
+from tiercache.tiers.base import Evicted, IndexedTier, Tier
 
 LOST_KEYS_REMEMBERED = 1 << 16  # keys lost for good that the store remembers (see _after_placement)
 
@@ -97,7 +97,7 @@ class TieredStore:
         self._gone: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()  # lost, not stored again
         for level, tier in enumerate(self.tiers):  # a parent held below its children is no leaf (tiers/index.py)
             above = [t for t in self.tiers[:level] if not t.shared]
-            if above and hasattr(tier, "needed_above"):
+            if above and isinstance(tier, IndexedTier):
                 tier.needed_above = functools.partial(self._has_children, above)
 
     @classmethod

@@ -1,7 +1,8 @@
 """PrefixCache: the I/O around tiercache.hybrid's rules, shared by every engine connector.
 
-lookup = hash the prompt's chunk boundaries and its last token, ONE Lookup call: the server applies the hit rule over
-         the chain and counts the lookup (a second call when it names checkpoints whose hash it needs);
+lookup = hash the prompt's chunk boundaries, ONE Lookup call with them and the last chunk's tokens: the server
+         applies the hit rule over the chain and counts the lookup (a second call when it names checkpoints further
+         back whose hash it needs);
 load   = ONE Get stream for the hit's objects (a missing or corrupt object turns the hit into a miss);
 save   = ONE Put stream for what admission planned (states marked so the server keeps them under the state budget).
 The engine-specific part (which bytes an object holds) stays in the adapter.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 from tiercache import chunk
 from tiercache.allocator import Extent, ExtentAllocator
@@ -22,7 +22,7 @@ from tiercache.config import state_budget
 from tiercache.errors import TierFull
 from tiercache.keys import ChunkKey
 from tiercache.tiers.index import ChunkIndex, Victim, parent_of
-from tiercache.tiers.base import Evicted, TierUsage, index_usage
+from tiercache.tiers.base import Evicted, IndexedTier
 
 
 @dataclass(slots=True)
@@ -97,7 +97,7 @@ def payload_ranges(key: ChunkKey, meta: chunk.ChunkMeta, ranges: Sequence[tuple[
     return _shift(ranges, chunk.header_bytes(key, meta))
 
 
-class ArenaTier:
+class ArenaTier(IndexedTier):
     checksum_on_read = False  # the bytes never leave this process's memory
     shared = False
     codec = 0  # memory tiers hold raw records: readers copy payloads straight out
@@ -113,7 +113,6 @@ class ArenaTier:
         self._allocator = ExtentAllocator(pages)
         self._index: ChunkIndex[_Entry] = ChunkIndex(state_value_weight)
         self._lock = threading.Lock()
-        self.needed_above: Callable[[ChunkKey], bool] = lambda key: False  # set by the store (tiers/base.py)
 
     @property
     def shared_path(self) -> str | None:
@@ -227,23 +226,6 @@ class ArenaTier:
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         with self._lock:
             return sum(self._unlink(k) for k in keys)
-
-    def usage(self) -> TierUsage:
-        with self._lock:
-            return index_usage(self._index, self.capacity_bytes, self.state_budget_bytes)
-
-    def touch(self, keys: Sequence[ChunkKey]) -> None:
-        with self._lock:
-            for key in keys:
-                self._index.touch(key)
-
-    def children(self, parent: ChunkKey) -> list[tuple[ChunkKey, chunk.ChunkMeta]]:
-        with self._lock:
-            return [(key, entry.meta) for key, entry in self._index.children(parent)]
-
-    def orphan(self, parent: ChunkKey) -> int:
-        with self._lock:
-            return self._index.orphan(parent)
 
     def close(self) -> None:
         with self._lock:

@@ -23,7 +23,7 @@ Contract (every method is thread-safe):
   searches for checkpoints. [] for a tier that keeps no index (Redis).
 - orphan(parent): the store lost `parent` for good; records descending from it become unreachable and are evicted
   first. A no-op for a tier that keeps no index.
-- needed_above (an attribute of a tier with an index, set by the store): needed_above(key) says whether a tier above
+- needed_above (an attribute of an IndexedTier, set by the store): needed_above(key) says whether a tier above
   holds a child of `key`; the tier then keeps `key` (tiercache.tiers.index: a chain shrinks from its deep end across
   tiers too). Called under the tier's lock; it takes the locks of tiers above it only.
 - close(): release resources; idempotent.
@@ -38,8 +38,9 @@ Two attributes tell the store how to treat a tier (data, not capability probes):
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from tiercache.chunk import ChunkMeta
 from tiercache.keys import ChunkKey
@@ -66,12 +67,40 @@ class TierUsage:
     chunks_by_namespace: dict[str, int] = field(default_factory=dict)
 
 
-def index_usage(index: ChunkIndex, capacity_bytes: int, state_budget_bytes: int) -> TierUsage:
-    """The usage of a tier that keeps a ChunkIndex (host, disk). Call under the tier's lock."""
-    return TierUsage(len(index), index.used_bytes, capacity_bytes, state_chunks=index.state_chunks,
-                     state_bytes=index.state_bytes, state_budget_bytes=state_budget_bytes,
-                     bytes_by_namespace=dict(index.bytes_by_namespace),
-                     chunks_by_namespace=dict(index.chunks_by_namespace))
+def _nothing_above(key: ChunkKey) -> bool:
+    return False
+
+
+class IndexedTier:
+    """The contract methods every tier that keeps a ChunkIndex (GPU, host, disk) answers from it, written once.
+    The tier provides `_lock`, `_index`, `capacity_bytes` and `state_budget_bytes`."""
+
+    _lock: threading.Lock
+    _index: ChunkIndex
+    capacity_bytes: int
+    state_budget_bytes: int
+    needed_above: Callable[[ChunkKey], bool] = staticmethod(_nothing_above)  # the store sets it (see above)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            index = self._index
+            return TierUsage(len(index), index.used_bytes, self.capacity_bytes, state_chunks=index.state_chunks,
+                             state_bytes=index.state_bytes, state_budget_bytes=self.state_budget_bytes,
+                             bytes_by_namespace=dict(index.bytes_by_namespace),
+                             chunks_by_namespace=dict(index.chunks_by_namespace))
+
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._index.touch(key)
+
+    def children(self, parent: ChunkKey) -> list[tuple[ChunkKey, ChunkMeta]]:
+        with self._lock:
+            return [(key, entry.meta) for key, entry in self._index.children(parent)]
+
+    def orphan(self, parent: ChunkKey) -> int:
+        with self._lock:
+            return self._index.orphan(parent)
 
 
 class Tier(Protocol):

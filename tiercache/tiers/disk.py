@@ -28,7 +28,7 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from tiercache import chunk
 from tiercache.codec import codec_id
@@ -36,7 +36,7 @@ from tiercache.config import DiskTierConfig, state_budget
 from tiercache.errors import ChunkCorrupt, ConfigError, TierDown, TierFull, TierWriteFailed
 from tiercache.keys import ChunkKey
 from tiercache.tiers.index import ChunkIndex, Victim, parent_of
-from tiercache.tiers.base import Evicted, TierUsage, index_usage
+from tiercache.tiers.base import Evicted, IndexedTier
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class _Entry:
     meta: chunk.ChunkMeta
 
 
-class DiskTier:
+class DiskTier(IndexedTier):
     name = "disk"
     checksum_on_read = True
     shared = False
@@ -67,7 +67,6 @@ class DiskTier:
         self.state_budget_bytes = state_budget(config.capacity_bytes, config.state_budget_bytes)
         self._fsync = config.fsync
         self._index: ChunkIndex[_Entry] = ChunkIndex(config.state_value_weight)
-        self.needed_above: Callable[[ChunkKey], bool] = lambda key: False  # set by the store (tiers/base.py)
         self._reserved_bytes = 0
         self._releasing_bytes = 0
         self._headroom = min(config.capacity_bytes // 1000, _MAX_HEADROOM_BYTES)
@@ -145,23 +144,6 @@ class DiskTier:
             removed = self._take_out(keys)
         self._discard(removed, read=False)
         return len(removed)
-
-    def usage(self) -> TierUsage:
-        with self._lock:
-            return index_usage(self._index, self.capacity_bytes, self.state_budget_bytes)
-
-    def touch(self, keys: Sequence[ChunkKey]) -> None:
-        with self._lock:
-            for key in keys:
-                self._index.touch(key)
-
-    def children(self, parent: ChunkKey) -> list[tuple[ChunkKey, chunk.ChunkMeta]]:
-        with self._lock:
-            return [(key, entry.meta) for key, entry in self._index.children(parent)]
-
-    def orphan(self, parent: ChunkKey) -> int:
-        with self._lock:
-            return self._index.orphan(parent)
 
     def close(self) -> None:
         """Every file is complete on disk once put returns; evicted ones are unlinked before close returns."""
