@@ -21,9 +21,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from tiercache import codec  # noqa: E402
-from tiercache.connector.hf_cache import attention_payload, derive_layout, state_payload  # noqa: E402
+from tiercache.connector.hf.cache import attention_payload, derive_layout, state_payload  # noqa: E402
 from tiercache.demo import qwen35_model  # noqa: E402
+from tiercache.record import codec  # noqa: E402
 
 
 def write_gbps(data: bytes) -> float:

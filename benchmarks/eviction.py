@@ -30,12 +30,12 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from tiercache import chunk  # noqa: E402
-from tiercache.chunk import CLASS_KV, CLASS_STATE, ChunkMeta  # noqa: E402
 from tiercache.client import Chunk, Client  # noqa: E402
-from tiercache.config import GiB, KiB, DiskTierConfig, HostTierConfig  # noqa: E402
-from tiercache.keys import ChunkKey  # noqa: E402
+from tiercache.config import DiskTierConfig, GiB, HostTierConfig, KiB  # noqa: E402
 from tiercache.process import ServerProcess  # noqa: E402
+from tiercache.record import encoding  # noqa: E402
+from tiercache.record.encoding import CLASS_KV, CLASS_STATE, ChunkMeta  # noqa: E402
+from tiercache.record.keys import ChunkKey  # noqa: E402
 from tiercache.tiers.disk import DiskTier  # noqa: E402
 from tiercache.tiers.host import host_tier  # noqa: E402
 from tiercache.tiers.index import ChunkIndex  # noqa: E402
@@ -59,7 +59,7 @@ def records(start: int, count: int, chain: int):
     for i in range(start, start + count):
         name, meta = chained(i, chain)
         key = ChunkKey(NS, name)
-        yield key, chunk.encode(key, PAYLOAD, meta)
+        yield key, encoding.encode(key, PAYLOAD, meta)
 
 
 def rate(tier, start: int, count: int, chain: int) -> float:

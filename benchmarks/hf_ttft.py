@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from tiercache.client import Client  # noqa: E402
-from tiercache.connector.hf import CachedPrefill  # noqa: E402
+from tiercache.connector.hf.prefill import CachedPrefill  # noqa: E402
 from tiercache.demo import qwen35_model  # noqa: E402
 from tiercache.process import RedisProcess, ServerProcess  # noqa: E402
 

@@ -16,7 +16,7 @@ server): chat turn: the previous turn's end (prompt + reply, 0 for a first turn)
 boundary state and kv chunks a first read saved below the branch point); repeat: L - 1. The figure is hit tokens /
 ideal tokens per window of requests, before and after the request at which the last tier starts evicting (bytes
 leave the cache; the host tier's evictions before that are demotions to disk). When a hit falls short of `ideal`,
-the objects tiercache.hybrid.required_objects names for `ideal` were located (client.locate, no recency change)
+the objects tiercache.prefix.hit.required_objects names for `ideal` were located (client.locate, no recency change)
 just before the request, so the report says which kind of object was missing (kv chunk, tail, state); when the
 lookup found the hit but loading it failed (SimulatedEngine then recomputes everything), where the hit's objects were
 right after the failed load (`load_failed`).
@@ -56,9 +56,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from tiercache.bench import VOCAB, SimulatedEngine  # noqa: E402
 from tiercache.client import Client  # noqa: E402
 from tiercache.connector.prefix_cache import PrefixCache  # noqa: E402
-from tiercache.hybrid import CacheSpec, ObjectKind, required_objects  # noqa: E402
-from tiercache.layout import ModelLayout  # noqa: E402
-from tiercache.presets import gated_deltanet_layout, preset  # noqa: E402
+from tiercache.prefix.hit import required_objects  # noqa: E402
+from tiercache.prefix.layout import ModelLayout  # noqa: E402
+from tiercache.prefix.objects import CacheSpec, ObjectKind  # noqa: E402
+from tiercache.prefix.presets import gated_deltanet_layout, preset  # noqa: E402
 from tiercache.process import ServerProcess  # noqa: E402
 
 KINDS = ("chat", "doc", "branch", "repeat")
@@ -180,7 +181,7 @@ def _ranges(values: list[int]) -> str:
 
 
 def ideal_objects(client: Client, spec: CacheSpec, item: Item) -> dict:
-    """Where the objects the ideal hit needs (tiercache.hybrid.required_objects) are, just before the request."""
+    """Where the objects the ideal hit needs (tiercache.prefix.hit.required_objects) are, just before the request."""
     refs = required_objects(spec, spec.hashes(item.prompt), item.ideal)
     return where_objects(refs, client.locate(spec.namespace, [r.key for r in refs]), spec.chunk_tokens)
 

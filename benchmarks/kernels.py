@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 from tiercache import kernels  # noqa: E402
-from tiercache.hybrid import CacheSpec  # noqa: E402
-from tiercache.presets import preset  # noqa: E402
+from tiercache.prefix.objects import CacheSpec  # noqa: E402
+from tiercache.prefix.presets import preset  # noqa: E402
 
 
 def timed_gbps(action, size: int, repeat: int) -> float:

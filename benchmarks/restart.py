@@ -19,10 +19,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from tiercache import chunk  # noqa: E402
 from tiercache.config import DiskTierConfig  # noqa: E402
-from tiercache.keys import ChunkKey  # noqa: E402
 from tiercache.process import ServerProcess  # noqa: E402
+from tiercache.record import encoding  # noqa: E402
+from tiercache.record.keys import ChunkKey  # noqa: E402
 from tiercache.tiers.disk import DiskTier  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def fill(path: str, chunks: int, chunk_bytes: int) -> None:
     payload = os.urandom(chunk_bytes)
     for i in range(chunks):
         key = ChunkKey("bench/restart", i.to_bytes(18, "big"))
-        tier.put(key, chunk.encode(key, payload), return_evicted=False)
+        tier.put(key, encoding.encode(key, payload), return_evicted=False)
     tier.close()
 
 

@@ -23,7 +23,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from tiercache.client import Client, Retry  # noqa: E402
+from tiercache.client import Client  # noqa: E402
+from tiercache.client.retry import RetryPolicy  # noqa: E402
 from tiercache.config import parse_size  # noqa: E402
 from tiercache.errors import TierCacheError  # noqa: E402
 from tiercache.process import ServerProcess  # noqa: E402
@@ -56,7 +57,7 @@ class Tally:
 
 def client_loop(url: str, n: int, keys: int, deadline: float, tally: Tally) -> None:
     rng = random.Random(n)
-    with Client.from_url(url, timeout_s=30, retry=Retry(attempts=2)) as client:
+    with Client.from_url(url, timeout_s=30, retry=RetryPolicy(attempts=2)) as client:
         while time.monotonic() < deadline:
             # A hot set (5% of the keys get half the traffic) and a long tail that cycles through the tiers.
             index = rng.randrange(keys // 20) if rng.random() < 0.5 else rng.randrange(keys)

@@ -44,12 +44,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
-from tiercache import chunk  # noqa: E402
-from tiercache.allocation import tune_allocator  # noqa: E402
 from tiercache.client import Client  # noqa: E402
 from tiercache.config import DiskTierConfig, MiB, RedisTierConfig  # noqa: E402
-from tiercache.keys import ChunkKey  # noqa: E402
+from tiercache.malloc import tune_allocator  # noqa: E402
 from tiercache.process import RedisProcess, ServerProcess  # noqa: E402
+from tiercache.record import encoding  # noqa: E402
+from tiercache.record.keys import ChunkKey  # noqa: E402
 from tiercache.tiers.disk import DiskTier  # noqa: E402
 from tiercache.tiers.redis import RedisTier  # noqa: E402
 
@@ -155,7 +155,7 @@ def tiercache_paths(payloads, repeat, url, same_host: bool):
 
 def tier_in_process(tier, payloads, repeat):
     keys = [ChunkKey("bench", b"t-%d" % i) for i in range(len(payloads))]
-    records = [chunk.encode(k, p) for k, p in zip(keys, payloads)]
+    records = [encoding.encode(k, p) for k, p in zip(keys, payloads)]
     total = sum(len(r) for r in records)
 
     def put():
@@ -164,7 +164,7 @@ def tier_in_process(tier, payloads, repeat):
 
     def get():  # each record is verified, then dropped, as the server does after sending it
         for k in keys:
-            chunk.decode(tier.get(k), k)
+            encoding.decode(tier.get(k), k)
 
     put_gbps, get_gbps = rate(total, put, repeat), rate(total, get, repeat)
     tier.delete(keys)

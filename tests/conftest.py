@@ -3,9 +3,8 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import RedisProcess
-from tiercache.config import (Config, DiskTierConfig, HostTierConfig, MiB, RedisTierConfig, SecurityConfig,
-                              ServerConfig)
-from tiercache.server import CacheServer
+from tiercache.config import Config, DiskTierConfig, HostTierConfig, MiB, RedisTierConfig, SecurityConfig, ServerConfig
+from tiercache.server.servicer import CacheServer
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 import random
 
-from tiercache.allocator import ExtentAllocator
+from tiercache.tiers.allocator import ExtentAllocator
 
 
 def test_best_fit_keeps_large_runs_whole():

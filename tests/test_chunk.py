@@ -2,58 +2,58 @@ import os
 
 import pytest
 
-from tiercache import chunk
 from tiercache.errors import ChunkCorrupt, InvalidArgument
-from tiercache.keys import ChunkKey
+from tiercache.record import encoding
+from tiercache.record.keys import ChunkKey
 
 KEY = ChunkKey("model@rev/layout", b"\x01" * 16)
 
 
 def test_round_trip_returns_the_payload():
     payload = os.urandom(12345)
-    record = chunk.encode(KEY, payload)
-    assert len(record) == chunk.header_bytes(KEY) + len(payload)
-    assert bytes(chunk.decode(record, KEY)) == payload
+    record = encoding.encode(KEY, payload)
+    assert len(record) == encoding.header_bytes(KEY) + len(payload)
+    assert bytes(encoding.decode(record, KEY)) == payload
 
 
 def test_empty_payload_round_trips():
-    assert bytes(chunk.decode(chunk.encode(KEY, b""), KEY)) == b""
+    assert bytes(encoding.decode(encoding.encode(KEY, b""), KEY)) == b""
 
 
 def test_header_carries_the_key():
-    header = chunk.read_header(chunk.encode(KEY, b"abc"))
+    header = encoding.read_header(encoding.encode(KEY, b"abc"))
     assert header.key == KEY and header.payload_bytes == 3
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_every_single_bit_flip_is_detected(seed):
     rng = __import__("random").Random(seed)
-    record = chunk.encode(KEY, os.urandom(4096))
+    record = encoding.encode(KEY, os.urandom(4096))
     position = rng.randrange(len(record) * 8)
     record[position // 8] ^= 1 << (position % 8)
     with pytest.raises(ChunkCorrupt):
-        chunk.decode(record, KEY)
+        encoding.decode(record, KEY)
 
 
 def test_truncated_record_is_corrupt():
-    record = chunk.encode(KEY, os.urandom(100))
-    for cut in (0, 5, chunk.FIXED_HEADER_BYTES + 3, len(record) - 1):
+    record = encoding.encode(KEY, os.urandom(100))
+    for cut in (0, 5, encoding.FIXED_HEADER_BYTES + 3, len(record) - 1):
         with pytest.raises(ChunkCorrupt):
-            chunk.decode(record[:cut], KEY)
+            encoding.decode(record[:cut], KEY)
 
 
 def test_record_under_another_key_is_corrupt():
-    record = chunk.encode(KEY, b"payload")
+    record = encoding.encode(KEY, b"payload")
     with pytest.raises(ChunkCorrupt):
-        chunk.decode(record, ChunkKey(KEY.namespace, b"\x02" * 16))
+        encoding.decode(record, ChunkKey(KEY.namespace, b"\x02" * 16))
 
 
 def test_seal_in_place_equals_encode():
     payload = os.urandom(999)
-    buf = bytearray(chunk.header_bytes(KEY) + len(payload))
-    buf[chunk.header_bytes(KEY):] = payload
-    chunk.seal(buf, KEY)
-    assert buf == chunk.encode(KEY, payload)
+    buf = bytearray(encoding.header_bytes(KEY) + len(payload))
+    buf[encoding.header_bytes(KEY):] = payload
+    encoding.seal(buf, KEY)
+    assert buf == encoding.encode(KEY, payload)
 
 
 @pytest.mark.parametrize("namespace,key", [("", b"k"), ("x" * 257, b"k"), ("tab\there", b"k"), ("ns", b""),
@@ -72,28 +72,28 @@ def test_digest_is_stable():
 
 def test_unsealed_record_is_trusted_only_in_memory_and_sealed_on_the_way_out():
     payload = os.urandom(5000)
-    head = chunk.header(KEY, chunk.ChunkMeta(), [payload], seal=False)
+    head = encoding.header(KEY, encoding.ChunkMeta(), [payload], seal=False)
     record = head + payload
-    assert bytes(chunk.decode(record, KEY, verify=False)) == payload
+    assert bytes(encoding.decode(record, KEY, verify=False)) == payload
     with pytest.raises(ChunkCorrupt):
-        chunk.decode(record, KEY)  # a verifying tier never accepts an unsealed record
-    assert chunk.sealed(record, KEY) is record
-    assert record == chunk.encode(KEY, payload) and bytes(chunk.decode(record, KEY)) == payload
-    assert chunk.sealed(bytes(record), KEY) == record  # already sealed: unchanged
+        encoding.decode(record, KEY)  # a verifying tier never accepts an unsealed record
+    assert encoding.sealed(record, KEY) is record
+    assert record == encoding.encode(KEY, payload) and bytes(encoding.decode(record, KEY)) == payload
+    assert encoding.sealed(bytes(record), KEY) == record  # already sealed: unchanged
     readonly = bytes(head + payload)
-    assert chunk.sealed(readonly, KEY) == chunk.encode(KEY, payload)  # read-only input: a sealed copy
+    assert encoding.sealed(readonly, KEY) == encoding.encode(KEY, payload)  # read-only input: a sealed copy
 
 
 def test_every_single_bit_flip_of_a_record_is_detected():
     """Header (magic, lengths, flags, the reserved byte, meta, checksum), key and payload: no flip decodes."""
     key = ChunkKey("model@rev#fp", b"k" * 18)
-    record = chunk.encode(key, bytes(range(100)), chunk.ChunkMeta(chunk.CLASS_STATE, 544))
+    record = encoding.encode(key, bytes(range(100)), encoding.ChunkMeta(encoding.CLASS_STATE, 544))
     undetected = []
     for bit in range(len(record) * 8):
         flipped = bytearray(record)
         flipped[bit // 8] ^= 1 << (bit % 8)
         try:
-            chunk.decode(flipped, key)
+            encoding.decode(flipped, key)
         except ChunkCorrupt:
             continue
         undetected.append((bit // 8, bit % 8))

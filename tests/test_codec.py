@@ -7,11 +7,11 @@ import os
 import numpy as np
 import pytest
 
-from tiercache import chunk, codec
 from tiercache.config import Config, DiskTierConfig, HostTierConfig, KiB, MiB, RedisTierConfig
 from tiercache.errors import ChunkCorrupt, ConfigError
-from tiercache.keys import ChunkKey
-from tiercache.store import TieredStore
+from tiercache.record import codec, encoding
+from tiercache.record.keys import ChunkKey
+from tiercache.store.tiered import TieredStore
 
 
 def bf16_like(n_bytes: int, seed: int = 0) -> bytes:
@@ -37,16 +37,16 @@ def test_shuffle_makes_bf16_compress():
 def test_transcoded_record_decodes_to_the_same_payload_and_catches_corruption():
     key = ChunkKey("ns", b"k")
     payload = bf16_like(256 * KiB)
-    raw = chunk.encode(key, payload)
-    packed = chunk.transcode(raw, key, codec.LZ4_SHUFFLE2)
-    assert len(packed) < len(raw) and chunk.read_header(packed).codec == codec.LZ4_SHUFFLE2
-    assert bytes(chunk.decode(packed, key)) == payload
-    assert chunk.transcode(packed, key, codec.LZ4_SHUFFLE2) is packed
-    assert bytes(chunk.transcode(packed, key, codec.RAW)) == bytes(raw)
+    raw = encoding.encode(key, payload)
+    packed = encoding.transcode(raw, key, codec.LZ4_SHUFFLE2)
+    assert len(packed) < len(raw) and encoding.read_header(packed).codec == codec.LZ4_SHUFFLE2
+    assert bytes(encoding.decode(packed, key)) == payload
+    assert encoding.transcode(packed, key, codec.LZ4_SHUFFLE2) is packed
+    assert bytes(encoding.transcode(packed, key, codec.RAW)) == bytes(raw)
     damaged = bytearray(packed)
     damaged[len(damaged) // 2] ^= 0x08
     with pytest.raises(ChunkCorrupt):
-        chunk.decode(damaged, key)
+        encoding.decode(damaged, key)
 
 
 def test_store_compresses_on_demotion_and_restores_on_promotion(tmp_path, redis_url):

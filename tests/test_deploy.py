@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from tiercache.cli import build_parser, config_from_args
-from tiercache.config import GiB, Config, parse_size
-from tiercache.wire import SERVICE_NAME
+from tiercache.config import Config, GiB, parse_size
+from tiercache.protocol.wire import SERVICE_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 OVERLAYS = ("cpu", "gpu", "redis-cluster")

@@ -10,21 +10,20 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from tiercache import chunk
-from tiercache.chunk import CLASS_KV, CLASS_STATE, ChunkMeta
+from tests.conftest import make_config
 from tiercache.client import Client
 from tiercache.config import DiskTierConfig, HostTierConfig, KiB, MiB
 from tiercache.connector.prefix_cache import PrefixCache
-from tiercache.hybrid import CacheSpec
-from tiercache.keys import ChunkKey
-from tiercache.presets import gated_deltanet_layout
-from tiercache.server import CacheServer
-from tiercache.store import TieredStore
+from tiercache.prefix.objects import CacheSpec
+from tiercache.prefix.presets import gated_deltanet_layout
+from tiercache.record import encoding
+from tiercache.record.encoding import CLASS_KV, CLASS_STATE, ChunkMeta
+from tiercache.record.keys import ChunkKey
+from tiercache.server.servicer import CacheServer
+from tiercache.store.tiered import TieredStore
 from tiercache.tiers.disk import DiskTier
 from tiercache.tiers.host import host_tier
 from tiercache.tiers.index import ChunkIndex
-
-from tests.conftest import make_config
 
 
 @dataclass
@@ -207,7 +206,7 @@ def test_heaps_stay_bounded_under_reads():
 
 def record(name: str, meta: ChunkMeta, size: int = 10 * KiB) -> tuple[ChunkKey, bytearray]:
     k = key(name)
-    return k, chunk.encode(k, bytes(size), meta)
+    return k, encoding.encode(k, bytes(size), meta)
 
 
 def make_tier(kind: str, tmp_path, capacity: int):
@@ -226,7 +225,7 @@ def test_tiers_evict_chains_from_the_deep_end_and_keep_the_parent_in_the_record(
     assert tier.put(*record("other", ChunkMeta()), return_evicted=True) == []
     evicted = tier.put(*record("other2", ChunkMeta()), return_evicted=True)
     assert [e.key.key for e in evicted] == [b"c3"]  # the deep end, though c0 is the oldest
-    assert chunk.read_header(evicted[0].record).meta.parent == b"c2"
+    assert encoding.read_header(evicted[0].record).meta.parent == b"c2"
     assert [k.key for k, _ in tier.children(key("c0"))] == [b"c1"]
     tier.check()
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import errno
 import hashlib
 import random
-import threading
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,11 +16,12 @@ import grpc
 import pytest
 
 from tests.helpers import wait_for
-from tiercache.client import Client, Retry
+from tiercache.client import Client
+from tiercache.client.retry import RetryPolicy
 from tiercache.config import KiB, MiB
 from tiercache.errors import CapacityExceeded, TierCacheError
 from tiercache.process import ServerProcess
-from tiercache.wire import pb
+from tiercache.protocol.wire import pb
 
 NS = "faults"
 
@@ -42,7 +43,7 @@ def test_redis_killed_and_restarted_under_eight_client_threads(start_server, red
 
     def worker(n: int) -> None:
         rng = random.Random(n)
-        with Client.from_url(server.url, timeout_s=10, retry=Retry(attempts=1)) as client:
+        with Client.from_url(server.url, timeout_s=10, retry=RetryPolicy(attempts=1)) as client:
             while not stop.is_set():
                 key = rng.choice(list(local))
                 try:
@@ -98,7 +99,7 @@ def test_sigkill_mid_write_loses_no_acknowledged_durable_put(tmp_path):
     stop = threading.Event()
 
     def writer(n: int) -> None:
-        with Client.from_url(server.url, timeout_s=5, retry=Retry(attempts=1)) as client:
+        with Client.from_url(server.url, timeout_s=5, retry=RetryPolicy(attempts=1)) as client:
             i = 0
             while not stop.is_set():
                 key = b"w%d-%d" % (n, i)
@@ -209,14 +210,14 @@ def test_a_crashed_same_host_client_leaks_nothing(tmp_path):
                        "--config", str(_lease_config(tmp_path))) as server:
         script = ("import sys\nfrom tiercache.client import Client\n"
                   f"c = Client.from_url({server.url!r}, same_host=True)\n"
-                  "from tiercache.wire import pb\n"
+                  "from tiercache.protocol.wire import pb\n"
                   "r = c._stub.Reserve(pb.ReserveRequest(namespace='ns', chunks=[pb.ChunkHeader(key=b'k%d' % i, "
                   "size_bytes=1 << 20) for i in range(6)]))\n"
                   "print('reserved', flush=True)\nsys.stdin.read()\n")  # holds the leases until killed
         child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  text=True)
         assert child.stdout.readline().strip() == "reserved"
-        with Client.from_url(server.url, same_host=False, retry=Retry(attempts=1)) as client:
+        with Client.from_url(server.url, same_host=False, retry=RetryPolicy(attempts=1)) as client:
             child.kill()
             child.wait()
             # Meanwhile others are not blocked: puts still work (the arena has room beyond the reservations)...

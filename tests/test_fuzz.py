@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tiercache.client import Client
 from tiercache.config import MiB
-from tiercache.wire import SERVICE_NAME, pb
+from tiercache.protocol.wire import SERVICE_NAME, pb
 
 ROUNDS = 10_500
 UNARY = {"Exists": "KeysRequest", "Delete": "KeysRequest", "Stats": "StatsRequest", "ReportLookup": "LookupReport",

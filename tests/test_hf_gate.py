@@ -15,11 +15,11 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.hf_models import VOCAB, reference_greedy, reference_logits, tiny_model  # noqa: E402
-from tiercache import chunk  # noqa: E402
 from tiercache.client import Client  # noqa: E402
-from tiercache.connector import hf as hf_connector  # noqa: E402
-from tiercache.connector.hf import CachedPrefill, continuation_refusal  # noqa: E402
-from tiercache.layout import GroupKind  # noqa: E402
+from tiercache.connector.hf import prefill as hf_prefill  # noqa: E402
+from tiercache.connector.hf.prefill import CachedPrefill, continuation_refusal  # noqa: E402
+from tiercache.prefix.layout import GroupKind  # noqa: E402
+from tiercache.record import encoding  # noqa: E402
 
 TIERS = {
     "host": dict(host_bytes=64 << 20, disk_bytes=0),
@@ -184,7 +184,7 @@ def test_corrupt_state_leads_to_recompute_never_wrong_logits(connect, tmp_path):
     corrupted = 0
     for path in (tmp_path / "disk").glob("*/*.chunk"):
         data = bytearray(path.read_bytes())
-        if chunk.read_header(data).meta.object_class == chunk.CLASS_STATE:
+        if encoding.read_header(data).meta.object_class == encoding.CLASS_STATE:
             data[-5] ^= 0x40
             path.write_bytes(data)
             corrupted += 1
@@ -215,7 +215,7 @@ def test_jamba_is_refused_hits_with_a_reason(connect):
 
 
 def test_self_test_catches_a_broken_continuation_without_the_known_list(monkeypatch):
-    monkeypatch.setattr(hf_connector, "KNOWN_BROKEN_CONTINUATION", {})
+    monkeypatch.setattr(hf_prefill, "KNOWN_BROKEN_CONTINUATION", {})
     assert "changes the logits" in continuation_refusal(tiny_model("jamba"))
     assert continuation_refusal(tiny_model("qwen3_5")) is None
 

@@ -7,11 +7,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tiercache.chain_lookup import Query, find_hit
-from tiercache.hybrid import (CacheSpec, Hit, Located, ObjectKind, object_meta, plan_finish_admission,
-                              plan_prompt_admission, plan_step_admission, required_objects)
-from tiercache.keys import InsideChunk
-from tiercache.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
+from tiercache.prefix.admission import plan_finish_admission, plan_prompt_admission, plan_step_admission
+from tiercache.prefix.hashes import InsideChunk
+from tiercache.prefix.hit import Hit, Located, required_objects
+from tiercache.prefix.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
+from tiercache.prefix.lookup import Query, find_hit
+from tiercache.prefix.objects import CacheSpec, ObjectKind, object_meta
 
 N, U = 32, 8
 STATE = (StateTensor("ssm", (2, 4, 4), "float32"),)

@@ -148,14 +148,14 @@ def test_state_buffer_shape_is_checked():
 
 
 def test_copy_unit_is_the_widest_that_divides_everything():
-    assert kernels._width(128, 4096, 256) == 16
-    assert kernels._width(160, 24) == 8
-    assert kernels._width(6, 4) == 2
-    assert kernels._width(3) == 1
+    assert kernels.copy._width(128, 4096, 256) == 16
+    assert kernels.copy._width(160, 24) == 8
+    assert kernels.copy._width(6, 4) == 2
+    assert kernels.copy._width(3) == 1
 
 
 NVCC = shutil.which("nvcc")
-SOURCES = sorted(p.name for p in resources.files("tiercache.native").iterdir() if p.name.endswith(".cu"))
+SOURCES = sorted(p.name for p in resources.files("tiercache.kernels.native").iterdir() if p.name.endswith(".cu"))
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -163,7 +163,7 @@ SOURCES = sorted(p.name for p in resources.files("tiercache.native").iterdir() i
 def test_cuda_sources_compile(source, arch, tmp_path):
     if NVCC is None:
         pytest.skip("nvcc is not installed: CUDA sources were not compiled")
-    path = resources.files("tiercache.native").joinpath(source)
+    path = resources.files("tiercache.kernels.native").joinpath(source)
     result = subprocess.run([NVCC, f"-arch={arch}", "-cubin", "-Werror", "all-warnings", "-o",
                              str(tmp_path / "out.cubin"), str(path)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -251,7 +251,7 @@ def test_cuda_sources_compile_with_nvrtc_as_cupy_does(source, arch):
     nvrtc = _nvrtc()
     if nvrtc is None:
         pytest.skip("libnvrtc is not installed (nvidia-cuda-nvrtc, dev extra on x86_64)")
-    text = resources.files("tiercache.native").joinpath(source).read_text().encode()
+    text = resources.files("tiercache.kernels.native").joinpath(source).read_text().encode()
     program = ctypes.c_void_p()
     assert nvrtc.nvrtcCreateProgram(ctypes.byref(program), text, source.encode(), 0, None, None) == 0
     options = [b"--std=c++17", f"--gpu-architecture={arch}".encode()]

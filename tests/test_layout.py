@@ -1,9 +1,9 @@
 import pytest
 
 from tiercache.errors import InvalidArgument
-from tiercache.hybrid import CacheSpec
-from tiercache.layout import GroupKind, LayerGroup, ModelLayout, StateTensor, unified_block_size
-from tiercache.presets import gated_deltanet_layout, preset
+from tiercache.prefix.layout import GroupKind, LayerGroup, ModelLayout, StateTensor, unified_block_size
+from tiercache.prefix.objects import CacheSpec
+from tiercache.prefix.presets import gated_deltanet_layout, preset
 
 
 @pytest.mark.parametrize("name,n,attention,recurrent", [

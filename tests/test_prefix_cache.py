@@ -9,9 +9,9 @@ import pytest
 
 from tiercache.client import Client
 from tiercache.connector.prefix_cache import PrefixCache, save_objects
-from tiercache.hybrid import CacheSpec, ObjectKind, object_ref
-from tiercache.layout import GroupKind, LayerGroup, ModelLayout
-from tiercache.presets import gated_deltanet_layout
+from tiercache.prefix.layout import GroupKind, LayerGroup, ModelLayout
+from tiercache.prefix.objects import CacheSpec, ObjectKind, object_ref
+from tiercache.prefix.presets import gated_deltanet_layout
 
 LAYOUT = gated_deltanet_layout("tiny/hybrid", layers=4, full_attention_interval=2, kv_heads=1, head_dim=8,
                                key_heads=1, value_heads=2, key_dim=4, value_dim=4, conv_kernel=4)
@@ -131,10 +131,10 @@ def test_object_sizes_follow_the_layout():
 
 def test_a_cache_outage_is_a_miss_never_a_failed_request(start_server, caplog):
     """The server going away mid-traffic: lookups miss, loads recompute, saves are skipped, nothing raises."""
-    from tiercache.client import Retry
+    from tiercache.client.retry import RetryPolicy
 
     server = start_server()
-    with Client.from_url(server.url, timeout_s=1, retry=Retry(attempts=1)) as client:
+    with Client.from_url(server.url, timeout_s=1, retry=RetryPolicy(attempts=1)) as client:
         cache = PrefixCache(client, spec())
         prompt = tokens(100)
         assert prefill(cache, prompt) == 0

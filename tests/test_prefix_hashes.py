@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tiercache.errors import InvalidArgument
-from tiercache.keys import PrefixHashes
+from tiercache.prefix.hashes import PrefixHashes
 
 TOKENS = np.random.default_rng(3).integers(0, 150_000, 5000)
 
@@ -44,7 +44,7 @@ def test_a_longer_sequence_does_not_change_earlier_hashes():
 
 
 def test_deterministic_across_processes():
-    script = ("import numpy as np; from tiercache.keys import PrefixHashes;"
+    script = ("import numpy as np; from tiercache.prefix.hashes import PrefixHashes;"
               "t=np.random.default_rng(3).integers(0,150000,5000);h=PrefixHashes('ns',t,544,16);"
               "print(','.join(h.at(p).hex() for p in (0,17,544,1100,4999)))")
     runs = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,

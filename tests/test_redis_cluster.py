@@ -9,13 +9,13 @@ import threading
 import pytest
 
 from tests.helpers import wait_for
-from tiercache import chunk
 from tiercache.client import Client
 from tiercache.config import Config, DiskTierConfig, HostTierConfig, KiB, MiB, RedisTierConfig
 from tiercache.errors import TierDown
-from tiercache.keys import ChunkKey
 from tiercache.process import RedisClusterProcess
-from tiercache.store import TieredStore
+from tiercache.record import encoding
+from tiercache.record.keys import ChunkKey
+from tiercache.store.tiered import TieredStore
 from tiercache.tiers.redis import RedisTier
 
 
@@ -30,12 +30,12 @@ def test_chunks_spread_over_the_slots(cluster):
     tier = RedisTier(RedisTierConfig(url=cluster.url, cluster=True))
     keys = [ChunkKey("ns", b"k%d" % i) for i in range(60)]
     for k in keys:
-        tier.put(k, chunk.encode(k, os.urandom(2000)), return_evicted=False)
+        tier.put(k, encoding.encode(k, os.urandom(2000)), return_evicted=False)
     per_master = [m.client().dbsize() for m in cluster.masters()]
     assert sum(per_master) == 60 and min(per_master) > 0
     assert tier.contains(keys + [ChunkKey("ns", b"missing")]) == [True] * 60 + [False]
     assert tier.usage().chunks == 60 and tier.usage().up
-    assert all(bytes(chunk.decode(tier.get(k), k)) for k in keys[:5])
+    assert all(bytes(encoding.decode(tier.get(k), k)) for k in keys[:5])
     assert tier.delete(keys[:10]) == 10  # split per slot by the client
 
 
@@ -74,7 +74,7 @@ def test_master_killed_mid_load_no_errors_no_wrong_bytes(cluster, tmp_path):
         # The tier's `up` flag can still be True from before the kill (no call has hit the dead primary yet), or be
         # inside its backoff when asked: the tier is back when a write through it succeeds.
         try:
-            store.tiers[1].put(key, chunk.encode(key, b"written after the failover"), return_evicted=False)
+            store.tiers[1].put(key, encoding.encode(key, b"written after the failover"), return_evicted=False)
         except TierDown:
             return False
         return True
@@ -84,7 +84,7 @@ def test_master_killed_mid_load_no_errors_no_wrong_bytes(cluster, tmp_path):
     for w in workers:
         w.join()
     assert errors == [] and wrong == []
-    assert bytes(chunk.decode(store.tiers[1].get(key), key)) == b"written after the failover"
+    assert bytes(encoding.decode(store.tiers[1].get(key), key)) == b"written after the failover"
 
 
 def test_two_nodes_share_chunks_through_the_cluster(cluster, start_server):

@@ -9,10 +9,10 @@ import pytest
 
 from tests.helpers import wait_for
 from tiercache.client import Client
+from tiercache.client.shared_arena import SharedArena
 from tiercache.config import MiB
 from tiercache.errors import InvalidArgument, Unavailable
-from tiercache.shm import SharedArena
-from tiercache.wire import pb, pb_grpc
+from tiercache.protocol.wire import pb, pb_grpc
 
 NS = "same-host"
 
@@ -165,7 +165,7 @@ def test_a_reservation_that_lapsed_cannot_be_committed(start_server, monkeypatch
 
 
 def test_lease_table_quarantines_expired_reservations_and_reports_lapsed_reads():
-    from tiercache.shm import LeaseTable
+    from tiercache.server.leases import LeaseTable
 
     released = []
     table = LeaseTable(ttl_s=60)

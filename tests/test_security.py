@@ -13,11 +13,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.certs import make_pki
 from tests.helpers import RedisProcess
-from tiercache.auth import TenantTable
-from tiercache.client import Client, Retry
+from tiercache.client import Client
+from tiercache.client.retry import RetryPolicy
 from tiercache.config import SecurityConfig
 from tiercache.errors import CapacityExceeded, ConfigError, PermissionDenied, TierCacheError, Unauthenticated
-from tiercache.keys import salt_suffix
+from tiercache.record.keys import salt_suffix
+from tiercache.server.auth import TenantTable
 
 TOKEN_A, TOKEN_B, TOKEN_OPS = "token-of-team-a-0123456789", "token-of-team-b-0123456789", "token-of-ops-0123456789"
 SALT_A, SALT_B = "salt-a-9f8e7d", "salt-b-1a2b3c"
@@ -50,7 +51,7 @@ tenants:
 
 
 def _client(server, **options) -> Client:
-    return Client.from_url(server.url, timeout_s=10, retry=Retry(attempts=1), **options)
+    return Client.from_url(server.url, timeout_s=10, retry=RetryPolicy(attempts=1), **options)
 
 
 # -- TLS ------------------------------------------------------------------------------------------------------------
@@ -62,7 +63,8 @@ def test_tls_round_trip_and_plaintext_refused(start_server, pki):
         client.put("ns", b"k", b"over tls")
         assert client.get("ns", b"k") == b"over tls"
     plaintext = f"grpc://127.0.0.1:{server.port}"
-    with Client.from_url(plaintext, timeout_s=2, retry=Retry(attempts=1)) as client, pytest.raises(TierCacheError):
+    with (Client.from_url(plaintext, timeout_s=2, retry=RetryPolicy(attempts=1)) as client,
+          pytest.raises(TierCacheError)):
         client.get("ns", b"k")
 
 

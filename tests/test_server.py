@@ -10,10 +10,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.helpers import free_port, wait_for
-from tiercache.client import Client, Retry
+from tiercache.client import Client
+from tiercache.client.retry import RetryPolicy
 from tiercache.config import KiB, MiB
 from tiercache.errors import CapacityExceeded, InvalidArgument, Unavailable
-from tiercache.wire import SERVICE_NAME, pb, pb_grpc
+from tiercache.protocol.wire import SERVICE_NAME, pb, pb_grpc
 
 NS = "test-model@main/kv-bf16-N544-u16"
 
@@ -179,7 +180,8 @@ def test_client_side_validation():
 
 
 def test_unreachable_server_is_unavailable_after_retries():
-    client = Client.from_url(f"grpc://127.0.0.1:{free_port()}", timeout_s=2, retry=Retry(attempts=3, backoff_s=0.01))
+    client = Client.from_url(f"grpc://127.0.0.1:{free_port()}", timeout_s=2,
+                             retry=RetryPolicy(attempts=3, backoff_s=0.01))
     with pytest.raises(Unavailable):
         client.get(NS, b"k")
 

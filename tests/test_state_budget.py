@@ -6,11 +6,11 @@ import os
 
 import pytest
 
-from tiercache import chunk
-from tiercache.chunk import CLASS_KV, CLASS_STATE, ChunkMeta
 from tiercache.config import Config, DiskTierConfig, HostTierConfig, KiB, MiB
-from tiercache.keys import ChunkKey
-from tiercache.store import TieredStore
+from tiercache.record import encoding
+from tiercache.record.encoding import CLASS_KV, CLASS_STATE, ChunkMeta
+from tiercache.record.keys import ChunkKey
+from tiercache.store.tiered import TieredStore
 from tiercache.tiers.disk import DiskTier
 from tiercache.tiers.host import host_tier
 
@@ -26,12 +26,12 @@ def make(kind, tmp_path, capacity=2 * MiB, budget=500 * KiB, weight=0.5):
 
 def state(name: str, prefix_tokens: int) -> tuple[ChunkKey, bytearray]:
     key = ChunkKey("ns", name.encode())
-    return key, chunk.encode(key, os.urandom(SIZE), ChunkMeta(CLASS_STATE, prefix_tokens))
+    return key, encoding.encode(key, os.urandom(SIZE), ChunkMeta(CLASS_STATE, prefix_tokens))
 
 
 def kv(name: str) -> tuple[ChunkKey, bytearray]:
     key = ChunkKey("ns", name.encode())
-    return key, chunk.encode(key, os.urandom(SIZE), ChunkMeta(CLASS_KV, 544))
+    return key, encoding.encode(key, os.urandom(SIZE), ChunkMeta(CLASS_KV, 544))
 
 
 @pytest.mark.parametrize("kind", ["host", "disk"])
@@ -53,7 +53,7 @@ def test_shallow_old_state_goes_before_deep_recent_one(kind, tmp_path):
     tier.get(ChunkKey("ns", b"deep"))  # oldest by insertion, but just used
     evicted = tier.put(*state("incoming", 120_000), return_evicted=True)
     assert [e.key.key for e in evicted] == [b"shallow"]
-    assert bytes(chunk.decode(evicted[0].record, evicted[0].key)) is not None
+    assert bytes(encoding.decode(evicted[0].record, evicted[0].key)) is not None
 
 
 @pytest.mark.parametrize("kind", ["host", "disk"])

@@ -10,8 +10,8 @@ import pytest
 from tests.helpers import wait_for
 from tiercache.config import Config, DiskTierConfig, HostTierConfig, KiB, MiB, RedisTierConfig
 from tiercache.errors import CapacityExceeded
-from tiercache.keys import ChunkKey
-from tiercache.store import TieredStore
+from tiercache.record.keys import ChunkKey
+from tiercache.store.tiered import TieredStore
 
 CHUNK = 256 * KiB - 200  # header and all, one record fills 4 pages of 64 KiB
 

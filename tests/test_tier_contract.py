@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from tiercache import chunk
 from tiercache.config import DiskTierConfig, HostTierConfig, KiB, MiB, RedisTierConfig
 from tiercache.errors import TierFull
-from tiercache.keys import ChunkKey
+from tiercache.record import encoding
+from tiercache.record.keys import ChunkKey
 from tiercache.tiers.disk import DiskTier
 from tiercache.tiers.host import host_tier
 from tiercache.tiers.redis import RedisTier
@@ -53,7 +53,7 @@ def key(i: int, namespace: str = "ns") -> ChunkKey:
 
 
 def record(i: int, size: int = 10 * KiB, namespace: str = "ns") -> bytearray:
-    return chunk.encode(key(i, namespace), os.urandom(size))
+    return encoding.encode(key(i, namespace), os.urandom(size))
 
 
 @pytest.mark.parametrize("kind", ALL_TIERS)
@@ -114,7 +114,7 @@ class TestEveryTier:
                 got = tier.get(key(i))
                 if got is not None:
                     try:
-                        chunk.decode(got, key(i))
+                        encoding.decode(got, key(i))
                     except Exception as exc:  # noqa: BLE001
                         errors.append(exc)
 
@@ -175,8 +175,8 @@ class TestBoundedTiers:
         tier = make_tier(kind, capacity_bytes=1 * MiB)
 
         def linked(i: int, parent: int | None) -> bytearray:
-            meta = chunk.ChunkMeta(chunk.CLASS_KV, 16, key(parent).key if parent is not None else b"")
-            return chunk.encode(key(i), os.urandom(250 * KiB), meta)
+            meta = encoding.ChunkMeta(encoding.CLASS_KV, 16, key(parent).key if parent is not None else b"")
+            return encoding.encode(key(i), os.urandom(250 * KiB), meta)
 
         for i, parent in ((0, None), (1, 0), (2, 1), (3, None)):  # 4 fit; chain 0 -> 1 -> 2, and 3 alone
             tier.put(key(i), linked(i, parent), return_evicted=False)
@@ -191,5 +191,5 @@ class TestBoundedTiers:
 
 def test_a_tier_without_an_index_has_no_directory(make_tier):
     tier = make_tier("redis")
-    tier.put(key(1), chunk.encode(key(1), b"x", chunk.ChunkMeta(parent=key(0).key)), return_evicted=False)
+    tier.put(key(1), encoding.encode(key(1), b"x", encoding.ChunkMeta(parent=key(0).key)), return_evicted=False)
     assert tier.children(key(0)) == [] and tier.orphan(key(0)) == 0

@@ -1,4 +1,4 @@
-"""The weights' identity that goes into a vLLM engine's namespace (tiercache.connector.vllm_identity): read from the
+"""The weights' identity that goes into a vLLM engine's namespace (tiercache.connector.vllm.identity): read from the
 files, remembered across starts, and the hub's content-named blobs used as they are."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from tiercache.connector.vllm_identity import model_directory, weights_identity
+from tiercache.connector.vllm.identity import model_directory, weights_identity
 
 
 def _model(directory, weights: bytes, config: str = '{"hidden_size": 64}'):

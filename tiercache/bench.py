@@ -27,8 +27,8 @@ from tqdm import tqdm
 
 from tiercache.client import Client
 from tiercache.connector.prefix_cache import PrefixCache
-from tiercache.hybrid import CacheSpec, ObjectRef
-from tiercache.presets import preset
+from tiercache.prefix.objects import CacheSpec, ObjectRef
+from tiercache.prefix.presets import preset
 
 REPEATED_LENGTHS = (32, 64, 128, 256, 384, 479, 512, 527, 528, 529, 543, 544, 545, 552, 600, 800, 979, 1024,
                     1055, 1087, 1088, 1089, 1500, 2048, 3000, 4096)

@@ -118,8 +118,8 @@ def serve(args: argparse.Namespace) -> int:
     # condition half-released when signals came in quick succession (tests/test_cli.py covers both).
     signals = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    from tiercache.allocation import tune_allocator
-    from tiercache.server import CacheServer
+    from tiercache.malloc import tune_allocator
+    from tiercache.server.servicer import CacheServer
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tune_allocator()
@@ -139,9 +139,10 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def show_stats(args: argparse.Namespace) -> int:
-    from tiercache.client import Client, Retry
+    from tiercache.client import Client
+    from tiercache.client.retry import RetryPolicy
 
-    with Client.from_url(args.server, timeout_s=10, retry=Retry(attempts=1)) as client:
+    with Client.from_url(args.server, timeout_s=10, retry=RetryPolicy(attempts=1)) as client:
         stats = client.stats()
     if args.json:
         print(json.dumps(stats, indent=2))

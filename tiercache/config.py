@@ -66,7 +66,7 @@ def _check_state_budget(tier: str, capacity: int, budget: int | None, weight: fl
 
 
 def _check_codec(tier: str, name: str) -> None:
-    from tiercache.codec import NAMES
+    from tiercache.record.codec import NAMES
 
     _require(name in NAMES, f"{tier}.codec must be one of {', '.join(NAMES)}, got {name!r}")
 
@@ -120,7 +120,7 @@ class DiskTierConfig:
     path: str = field(default_factory=default_disk_dir)
     capacity_bytes: int = 4 * GiB
     fsync: bool = False  # fsync each file before it becomes visible: survives power loss, costs write bandwidth
-    codec: str = "none"  # none | lz4 | lz4-shuffle2 | lz4-shuffle4 (see tiercache.codec: off unless it pays)
+    codec: str = "none"  # none | lz4 | lz4-shuffle2 | lz4-shuffle4 (see tiercache.record.codec: off unless it pays)
     state_budget_bytes: int | None = None  # most bytes of recurrent states held; default half the capacity
     state_value_weight: float = 0.5
 
@@ -187,7 +187,7 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class SecurityConfig:
-    """TLS for the gRPC port, and the tenants file that turns on bearer-token authentication (tiercache.auth)."""
+    """TLS for the gRPC port, and the tenants file that turns on bearer-token authentication (tiercache.server.auth)."""
 
     tls_cert_file: str | None = None  # PEM certificate chain; with tls_key_file, the gRPC port speaks TLS only
     tls_key_file: str | None = None

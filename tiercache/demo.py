@@ -34,7 +34,7 @@ def qwen35_model(hidden: int = 256, layers: int = 8, vocab: int = 4096, seed: in
 def run_demo(server_url: str | None, turns: int, show_progress: bool) -> int:
     import numpy as np
 
-    from tiercache.connector.hf import CachedPrefill
+    from tiercache.connector.hf.prefill import CachedPrefill
     from tiercache.process import ServerProcess
 
     server = None

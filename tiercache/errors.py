@@ -1,4 +1,4 @@
-"""The error hierarchy. Each class names one gRPC status code; the mapping lives in `tiercache.wire` alone."""
+"""The error hierarchy. Each class names one gRPC status code; the mapping lives in `tiercache.protocol.wire` alone."""
 
 
 class TierCacheError(Exception):

@@ -16,7 +16,6 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_MALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 

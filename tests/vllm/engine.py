@@ -24,8 +24,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from transformers import Qwen3NextConfig  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,  # noqa: E402
-                         VllmConfig)
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs  # noqa: E402
@@ -39,7 +38,7 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache, copy_kv_cache_blocks_inplace  # noqa: E402
 
-from tiercache.connector.vllm import TierCacheConnector  # noqa: E402
+from tiercache.connector.vllm.connector import TierCacheConnector  # noqa: E402
 
 BLOCK = 32  # N: one attention page (32 tokens x 1 head x 16 x 2 x fp32 = 4 KiB) holds one GDN state (3.1 KiB)
 HASH_BLOCK = 16  # vLLM's prefix_match_unit: its own prefix cache hits land on multiples of 16

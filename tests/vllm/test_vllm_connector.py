@@ -12,9 +12,9 @@ import torch
 
 from tests.vllm.engine import ATTENTION, BLOCK, GDN, Engine, kv_value, next_token, prompt, state_value
 from tiercache.client import Client
-from tiercache.connector.vllm import Settings
+from tiercache.connector.vllm.connector import Settings
 from tiercache.errors import InvalidArgument
-from tiercache.hybrid import ObjectKind, object_ref
+from tiercache.prefix.objects import ObjectKind, object_ref
 
 
 @pytest.fixture

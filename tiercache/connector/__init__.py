@@ -1,4 +1,6 @@
-"""Engine connectors: the engine-neutral PrefixCache, and adapters for specific engines (hf, later vllm)."""
+"""Engine connectors: the engine-neutral PrefixCache (`prefix_cache`), and one package per engine (`hf`, `vllm`).
+
+The top of the client side: imports `client`, `prefix`, `kernels`, `record`, `errors`."""
 
 from tiercache.connector.prefix_cache import Lookup, PrefixCache, SaveResult
 

@@ -1,4 +1,4 @@
-"""PrefixCache: the I/O around tiercache.hybrid's rules, shared by every engine connector.
+"""PrefixCache: the I/O around tiercache.prefix's rules, shared by every engine connector.
 
 lookup = hash the prompt's chunk boundaries, ONE Lookup call with them and the last chunk's tokens: the server
          applies the hit rule over the chain and counts the lookup (a second call when it names checkpoints further
@@ -22,9 +22,10 @@ from typing import Mapping, Sequence
 
 from tiercache.client import Chunk, Client, LookupAnswer
 from tiercache.errors import CapacityExceeded, Unavailable
-from tiercache.hybrid import (CacheSpec, Hit, Located, ObjectKind, ObjectRef, SavePlan, plan_finish_admission,
-                              object_key, object_meta, plan_prompt_admission, required_objects)
-from tiercache.keys import HASH_BYTES, PrefixHashes
+from tiercache.prefix.admission import SavePlan, plan_finish_admission, plan_prompt_admission
+from tiercache.prefix.hashes import HASH_BYTES, PrefixHashes
+from tiercache.prefix.hit import Hit, Located, required_objects
+from tiercache.prefix.objects import CacheSpec, ObjectKind, ObjectRef, object_key, object_meta
 
 log = logging.getLogger(__name__)
 

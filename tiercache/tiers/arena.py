@@ -2,7 +2,7 @@
 
 The arena is allocated once at start, never per chunk: fresh memory costs a page fault per 4 KiB on first touch
 (1-2 GB/s on our machines against ~12 GB/s into reused memory), and a dict of `bytes` would fragment the heap.
-Records are placed by tiercache.allocator (one page of waste per record at most). The memory itself is a small
+Records are placed by tiercache.tiers.allocator (one page of waste per record at most). The memory itself is a small
 object with read / write / close (`ArenaMemory`); everything else — index, eviction, pins, budgets — is here, once.
 
 Copies in and out of the arena happen outside the metadata lock. A reader pins its entry, so the pages it is copying
@@ -16,19 +16,19 @@ import threading
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from tiercache import chunk
-from tiercache.allocator import Extent, ExtentAllocator
 from tiercache.config import state_budget
 from tiercache.errors import TierFull
-from tiercache.keys import ChunkKey
-from tiercache.tiers.index import ChunkIndex, Victim, parent_of
+from tiercache.record import encoding
+from tiercache.record.keys import ChunkKey
+from tiercache.tiers.allocator import Extent, ExtentAllocator
 from tiercache.tiers.base import Evicted, IndexedTier
+from tiercache.tiers.index import ChunkIndex, Victim, parent_of
 
 
 @dataclass(slots=True)
 class _Entry:
     record_bytes: int
-    meta: chunk.ChunkMeta
+    meta: encoding.ChunkMeta
     extents: tuple[Extent, ...]
     pins: int = 0
     dead: bool = False  # removed from the index while pinned: free the pages at the last unpin
@@ -52,7 +52,7 @@ class ArenaMemory(Protocol):
 class Reservation:
     key: ChunkKey
     size: int  # record bytes: header + payload
-    meta: chunk.ChunkMeta
+    meta: encoding.ChunkMeta
     extents: tuple[Extent, ...]
     ranges: tuple[tuple[int, int], ...]  # (byte offset, length) in the arena, in record order
 
@@ -60,7 +60,7 @@ class Reservation:
 @dataclass(frozen=True)
 class Pinned:
     key: ChunkKey
-    meta: chunk.ChunkMeta
+    meta: encoding.ChunkMeta
     size: int
     ranges: tuple[tuple[int, int], ...]
     entry: object = field(repr=False, compare=False)
@@ -93,8 +93,8 @@ def _shift(ranges: Sequence[tuple[int, int]], start: int) -> list[tuple[int, int
     return out
 
 
-def payload_ranges(key: ChunkKey, meta: chunk.ChunkMeta, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    return _shift(ranges, chunk.header_bytes(key, meta))
+def payload_ranges(key: ChunkKey, meta: encoding.ChunkMeta, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    return _shift(ranges, encoding.header_bytes(key, meta))
 
 
 class ArenaTier(IndexedTier):
@@ -131,15 +131,15 @@ class ArenaTier(IndexedTier):
 
     def put(self, key: ChunkKey, record, *, return_evicted: bool) -> list[Evicted]:
         record = memoryview(record).cast("B")
-        meta = chunk.read_meta(record)
+        meta = encoding.read_meta(record)
         extents, evicted = self._allocate(key, len(record), meta, return_evicted)
         self._write(extents, record)
         self._commit_entry(key, len(record), meta, extents)
         return evicted
 
-    # -- same-host writes and reads (tiercache.shm): the client copies the payload itself ---------------------------
+    # -- same-host writes and reads (store.same_host): the client copies the payload itself ---------------------------
 
-    def reserve(self, key: ChunkKey, size: int, meta: chunk.ChunkMeta, *,
+    def reserve(self, key: ChunkKey, size: int, meta: encoding.ChunkMeta, *,
                 return_evicted: bool) -> tuple["Reservation", list[Evicted]]:
         """Room for a record of `size` bytes, invisible until `commit` (or freed by `abort`)."""
         extents, evicted = self._allocate(key, size, meta, return_evicted)
@@ -148,16 +148,16 @@ class ArenaTier(IndexedTier):
     def commit(self, reservation: "Reservation") -> None:
         """Write the record's header over the reserved front and make it visible. The header is left unsealed:
         memory records are trusted, and the store seals a record when it leaves for a verifying tier."""
-        start = chunk.header_bytes(reservation.key, reservation.meta)
+        start = encoding.header_bytes(reservation.key, reservation.meta)
         payload = self._memory.views(_shift(reservation.ranges, start))
-        head = chunk.header(reservation.key, reservation.meta, payload, seal=False)
+        head = encoding.header(reservation.key, reservation.meta, payload, seal=False)
         self._memory.write(_cut(reservation.ranges, start), memoryview(head))
         self._commit_entry(reservation.key, reservation.size, reservation.meta, reservation.extents)
 
     def abort(self, reservation: "Reservation") -> None:
         with self._lock:
             self._allocator.free(reservation.extents)
-            if reservation.meta.object_class == chunk.CLASS_STATE:
+            if reservation.meta.object_class == encoding.CLASS_STATE:
                 self._index.state_reserved -= reservation.size
 
     def pin(self, key: ChunkKey) -> "Pinned | None":
@@ -173,10 +173,10 @@ class ArenaTier(IndexedTier):
         with self._lock:
             self._unpin(pinned.entry)
 
-    def _allocate(self, key: ChunkKey, size: int, meta: chunk.ChunkMeta,
+    def _allocate(self, key: ChunkKey, size: int, meta: encoding.ChunkMeta,
                   return_evicted: bool) -> tuple[tuple[Extent, ...], list[Evicted]]:
         """Pages for a record, evicting as needed; counts it against the state budget until _commit_entry."""
-        state = size if meta.object_class == chunk.CLASS_STATE else 0
+        state = size if meta.object_class == encoding.CLASS_STATE else 0
         pages = -(-size // self.page_bytes)
         if pages > self._allocator.total_pages or state > self.state_budget_bytes:
             raise TierFull(f"{size} bytes exceed what the {self.name} tier may hold")
@@ -200,9 +200,9 @@ class ArenaTier(IndexedTier):
                 for victim in victims:
                     self._unpin(victim.entry)  # frees their pages; the next round allocates (or evicts more if raced)
 
-    def _commit_entry(self, key: ChunkKey, size: int, meta: chunk.ChunkMeta, extents: tuple[Extent, ...]) -> None:
+    def _commit_entry(self, key: ChunkKey, size: int, meta: encoding.ChunkMeta, extents: tuple[Extent, ...]) -> None:
         with self._lock:
-            if meta.object_class == chunk.CLASS_STATE:
+            if meta.object_class == encoding.CLASS_STATE:
                 self._index.state_reserved -= size
             self._unlink(key)  # a concurrent put of the same key may have committed meanwhile: last one wins
             self._index.add(key, _Entry(size, meta, extents))
@@ -243,7 +243,7 @@ class ArenaTier(IndexedTier):
             self._allocator.free(entry.extents)
         return True
 
-    def _choose_victims(self, key: ChunkKey, meta: chunk.ChunkMeta, pages: int,
+    def _choose_victims(self, key: ChunkKey, meta: encoding.ChunkMeta, pages: int,
                         state_bytes: int) -> list[Victim[_Entry]]:
         """Unlink what the index says goes first until the record for `key` of `pages` (and `state_bytes` of state
         budget) would fit; pin them for the copy-out. Entries being read stay."""

@@ -1,6 +1,6 @@
 """The tier contract, written once. Host, disk and Redis implement it; the store is the only caller.
 
-A tier stores *records* (see tiercache.chunk) under ChunkKeys. It is mechanism only: it keeps its own recency order
+A tier stores *records* (see record.encoding) under ChunkKeys. It is mechanism only: it keeps its own recency order
 and capacity, and hands back what it evicted; whether evicted records move down, and whether hits move up, is the
 store's decision.
 
@@ -33,7 +33,7 @@ Two attributes tell the store how to treat a tier (data, not capability probes):
 - checksum_on_read: records that crossed a disk or network are verified on every read; records that never left
   this process's memory are trusted.
 - shared: other servers read this tier too (Redis), so a promotion copies rather than moves the record.
-- codec: how records are stored there (tiercache.codec; 0 = raw). The store transcodes records on their way in.
+- codec: how records are stored there (tiercache.record.codec; 0 = raw). The store transcodes records on their way in.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
-from tiercache.chunk import ChunkMeta
-from tiercache.keys import ChunkKey
+from tiercache.record.encoding import ChunkMeta
+from tiercache.record.keys import ChunkKey
 from tiercache.tiers.index import ChunkIndex
 
 

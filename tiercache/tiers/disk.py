@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from tiercache import chunk
-from tiercache.codec import codec_id
 from tiercache.config import DiskTierConfig, state_budget
 from tiercache.errors import ChunkCorrupt, ConfigError, TierDown, TierFull, TierWriteFailed
-from tiercache.keys import ChunkKey
-from tiercache.tiers.index import ChunkIndex, Victim, parent_of
+from tiercache.record import encoding
+from tiercache.record.codec import codec_id
+from tiercache.record.keys import ChunkKey
 from tiercache.tiers.base import Evicted, IndexedTier
+from tiercache.tiers.index import ChunkIndex, Victim, parent_of
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class _Entry:
     path: str
     record_bytes: int
     sequence: int
-    meta: chunk.ChunkMeta
+    meta: encoding.ChunkMeta
 
 
 class DiskTier(IndexedTier):
@@ -82,8 +82,8 @@ class DiskTier(IndexedTier):
 
     def put(self, key: ChunkKey, record, *, return_evicted: bool) -> list[Evicted]:
         size = len(memoryview(record).cast("B"))
-        meta = chunk.read_meta(record)
-        state = size if meta.object_class == chunk.CLASS_STATE else 0
+        meta = encoding.read_meta(record)
+        state = size if meta.object_class == encoding.CLASS_STATE else 0
         if size > self.capacity_bytes or state > self.state_budget_bytes:
             raise TierFull(f"{size} bytes exceed what the disk tier may hold")
         with self._lock:
@@ -166,7 +166,7 @@ class DiskTier(IndexedTier):
         self._releasing_bytes += sum(v.entry.record_bytes for v in taken)
         return taken
 
-    def _choose_victims(self, key: ChunkKey, meta: chunk.ChunkMeta, size: int,
+    def _choose_victims(self, key: ChunkKey, meta: encoding.ChunkMeta, size: int,
                         state_bytes: int) -> list[Victim[_Entry]]:
         """Under the lock: take out what the index says goes first until the record for `key` fits within the cap
         less the headroom, counting what is already on its way out as gone; [] when that is so already."""
@@ -268,7 +268,7 @@ class DiskTier(IndexedTier):
                 sequence = int(name[:-len(_SUFFIX)].rsplit("-", 1)[1], 16)
                 stat = path.stat()
                 with open(path, "rb") as f:
-                    header = chunk.read_header(f.read(_HEADER_PROBE_BYTES))
+                    header = encoding.read_header(f.read(_HEADER_PROBE_BYTES))
             except (ValueError, IndexError, OSError, ChunkCorrupt):
                 _unlink(str(path))
                 continue

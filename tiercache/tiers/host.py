@@ -1,5 +1,5 @@
 """The host-memory tier: an ArenaTier over one mmap, in POSIX shared memory (/dev/shm) so that clients on the same
-host can write and read chunks in place (tiercache.shm), and page-locked for fast DMA when CUDA is present.
+host can write and read chunks in place (tiercache.store.same_host), and page-locked for fast DMA when CUDA is present.
 
 The shared-memory file is created with mode 0600 (only the server's user may map it), fully allocated up front with
 posix_fallocate (a tmpfs that is too small fails here, at start, instead of raising SIGBUS on a write later), and

@@ -3,7 +3,7 @@
 Every tier with an index evicts through `ChunkIndex.victims`; each eviction costs O(log n) whatever the number of
 records (heaps with lazy deletion; a touch pushes a new heap item and the old one is skipped when it surfaces).
 
-Chains. A chunk may name its *parent* (chunk.ChunkMeta.parent): the object it extends (tiercache.hybrid). The index
+Chains. A chunk may name its *parent* (chunk.ChunkMeta.parent): the object it extends (tiercache.prefix). The index
 keeps, per parent key, the children it holds — the server's directory of checkpoints under a kv chunk — and evicts
 with the chain in mind:
 1. *Unreachable objects first.* When the store loses a key for good (evicted from its last tier, deleted), its
@@ -43,8 +43,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Generic, Protocol, TypeVar
 
-from tiercache.chunk import CLASS_STATE, ChunkMeta
-from tiercache.keys import ChunkKey
+from tiercache.record.encoding import CLASS_STATE, ChunkMeta
+from tiercache.record.keys import ChunkKey
 
 
 class Entry(Protocol):

@@ -22,10 +22,10 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ClusterError
 from redis.retry import Retry
 
-from tiercache.codec import codec_id
 from tiercache.config import RedisTierConfig
 from tiercache.errors import ConfigError, TierDown
-from tiercache.keys import ChunkKey
+from tiercache.record.codec import codec_id
+from tiercache.record.keys import ChunkKey
 from tiercache.tiers.base import Evicted, TierUsage
 
 T = TypeVar("T")

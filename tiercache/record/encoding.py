@@ -28,9 +28,9 @@ from typing import NamedTuple
 
 import xxhash
 
-from tiercache import codec
 from tiercache.errors import ChunkCorrupt
-from tiercache.keys import ChunkKey
+from tiercache.record import codec
+from tiercache.record.keys import ChunkKey
 
 MAGIC = b"TCHK"
 FORMAT_VERSION = 1

@@ -116,7 +116,7 @@ class ModelLayout:
     tp_size: int = 1
     num_layers: int = field(default=0)
     # What else decides the bytes and is not a shape: the weights' identity, quantization, the engine's page layout
-    # (an engine connector fills it in; see tiercache.connector.vllm_identity). Part of the fingerprint.
+    # (an engine connector fills it in; see tiercache.connector.vllm.identity). Part of the fingerprint.
     identity: str = ""
 
     def __post_init__(self) -> None:

@@ -14,75 +14,25 @@ from __future__ import annotations
 import collections
 import functools
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from tiercache import chunk
 from tiercache.config import Config
 from tiercache.errors import CapacityExceeded, ChunkCorrupt, TierDown, TierFull, TierWriteFailed, Unavailable
-from tiercache.keys import ChunkKey
+from tiercache.record import encoding
+from tiercache.record.keys import ChunkKey
+from tiercache.store.stats import LookupStats, NamespaceUsage, StoreStats, TierCounters, TierStats
 from tiercache.tiers.base import Evicted, IndexedTier, Tier
 
 LOST_KEYS_REMEMBERED = 1 << 16  # keys lost for good that the store remembers (see _after_placement)
 
 
-@dataclass
-class TierCounters:
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    promotions: int = 0  # chunks promoted *out of* this tier
-    demotions: int = 0  # chunks demoted *into* this tier
-    checksum_failures: int = 0
-    errors: int = 0  # calls that failed because the tier was down or refused
-
-
 @dataclass(frozen=True)
 class Found:
+    """A chunk's payload, and the tier it was read from."""
+
     payload: memoryview
     tier: str
-
-
-@dataclass(frozen=True)
-class TierStats:
-    name: str
-    up: bool
-    chunks: int
-    used_bytes: int
-    capacity_bytes: int
-    hits: int
-    misses: int
-    evictions: int
-    promotions: int
-    demotions: int
-    checksum_failures: int
-    errors: int
-    state_chunks: int
-    state_bytes: int
-    state_budget_bytes: int
-
-
-@dataclass(frozen=True)
-class LookupStats:
-    """Prefix lookups reported by connectors: tokens asked for, and tokens hit per tier the hit came from."""
-
-    lookups: int = 0
-    requested_tokens: int = 0
-    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class NamespaceUsage:
-    namespace: str
-    used_bytes: int
-    chunks: int
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    tiers: tuple[TierStats, ...]
-    namespaces: tuple[NamespaceUsage, ...]
-    lookups: LookupStats = LookupStats()
 
 
 class TieredStore:
@@ -122,14 +72,14 @@ class TieredStore:
 
     # -- the store's operations ------------------------------------------------------------------------------------
 
-    def put(self, key: ChunkKey, payload, meta: chunk.ChunkMeta = chunk.ChunkMeta()) -> str:
+    def put(self, key: ChunkKey, payload, meta: encoding.ChunkMeta = encoding.ChunkMeta()) -> str:
         """Store a copy of `payload`; returns the name of the tier that holds it."""
-        return self.put_record(key, chunk.encode(key, payload, meta))
+        return self.put_record(key, encoding.encode(key, payload, meta))
 
     def put_record(self, key: ChunkKey, record: bytearray) -> str:
         """Store an already sealed record (the server assembles records in place to save a copy)."""
         placed = self._place(key, record, 0)
-        self._after_placement(key, chunk.read_meta(record), placed, lambda: record)
+        self._after_placement(key, encoding.read_meta(record), placed, lambda: record)
         return self.tiers[placed].name
 
     # -- the same-host path: records written and read in place in the host tier's shared memory ---------------
@@ -139,7 +89,7 @@ class TieredStore:
         """The tier whose arena same-host clients can map (the host tier in /dev/shm), or None."""
         return next((t for t in self.tiers if getattr(t, "shared_path", None)), None)
 
-    def reserve(self, key: ChunkKey, size: int, meta: chunk.ChunkMeta):
+    def reserve(self, key: ChunkKey, size: int, meta: encoding.ChunkMeta):
         """Room for a record in the shared arena, invisible until commit; what it evicts is demoted as usual."""
         tier = self.shared_tier
         level = self.tiers.index(tier)
@@ -177,7 +127,7 @@ class TieredStore:
             return None
         return tier.pin(key), found.tier
 
-    def _after_placement(self, key: ChunkKey, meta: chunk.ChunkMeta, placed: int, record) -> None:
+    def _after_placement(self, key: ChunkKey, meta: encoding.ChunkMeta, placed: int, record) -> None:
         """Drop older copies below the tier a record landed in, and copy it to the shared tier (write-through).
 
         A record whose parent the store lost before it arrived (a save racing the eviction of the chain it extends)
@@ -207,7 +157,7 @@ class TieredStore:
             if record is None:
                 continue
             try:
-                payload = chunk.decode(record, key, verify=tier.checksum_on_read)
+                payload = encoding.decode(record, key, verify=tier.checksum_on_read)
             except ChunkCorrupt:
                 self._count(tier, checksum_failures=1, misses=1)
                 self._forget(tier, key)
@@ -244,9 +194,9 @@ class TieredStore:
             except TierDown:
                 self._count(tier, errors=1)
 
-    def children(self, parent: ChunkKey) -> list[tuple[ChunkKey, chunk.ChunkMeta]]:
-        """The chunks any tier holds whose parent is `parent` (tiercache.chain_lookup's directory)."""
-        found: dict[ChunkKey, chunk.ChunkMeta] = {}
+    def children(self, parent: ChunkKey) -> list[tuple[ChunkKey, encoding.ChunkMeta]]:
+        """The chunks any tier holds whose parent is `parent` (tiercache.prefix.lookup's directory)."""
+        found: dict[ChunkKey, encoding.ChunkMeta] = {}
         for tier in self.tiers:
             try:
                 found.update(tier.children(parent))
@@ -402,8 +352,8 @@ class TieredStore:
     def _for_tier(self, tier: Tier, key: ChunkKey, record):
         """The record as `tier` stores it: sealed before it leaves memory for a verifying tier, in its codec."""
         if tier.checksum_on_read:
-            record = chunk.sealed(record, key)
-        return chunk.transcode(record, key, tier.codec)
+            record = encoding.sealed(record, key)
+        return encoding.transcode(record, key, tier.codec)
 
     def _copy_to(self, tier: Tier, key: ChunkKey, record) -> None:
         try:

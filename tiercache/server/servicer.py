@@ -1,6 +1,6 @@
 """The gRPC cache server: each RPC decodes its request, makes one store call, and encodes the answer.
 
-Errors are turned into status codes by one wrapper (`_rpc`) using tiercache.wire's mapping; an unexpected exception
+Errors are turned into status codes by one wrapper (`_rpc`) using protocol.wire's mapping; an unexpected exception
 becomes INTERNAL with a log line, never a dead server.
 """
 
@@ -20,18 +20,19 @@ import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tiercache import __version__, chunk
-from tiercache.auth import Tenant, TenantTable
-from tiercache.chain_lookup import find_hit
+from tiercache import __version__
 from tiercache.config import Config, SecurityConfig
 from tiercache.errors import ConfigError, InvalidArgument
-from tiercache.keys import ChunkKey, validate_key, validate_namespace
-from tiercache.metrics import Metrics
-from tiercache.shm import LeaseTable
-from tiercache.store import TieredStore
+from tiercache.prefix.lookup import find_hit
+from tiercache.protocol.wire import (SERVICE_NAME, Malformed, chunk_meta, frames, lookup_query, pb, pb_grpc,
+                                     service_handler, stats_message, status_for)
+from tiercache.record import encoding
+from tiercache.record.keys import ChunkKey, validate_key, validate_namespace
+from tiercache.server.auth import Tenant, TenantTable
+from tiercache.server.leases import LeaseTable
+from tiercache.server.metrics import Metrics
+from tiercache.store.tiered import TieredStore
 from tiercache.tiers.arena import payload_ranges
-from tiercache.wire import (SERVICE_NAME, Malformed, chunk_meta, frames, lookup_query, pb, pb_grpc, service_handler,
-                            stats_message, status_for)
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class _ChunkAssembler:
         self.key = ChunkKey.checked(header.namespace, header.key)
         tenant.check_namespace(self.key.namespace)
         self.meta = chunk_meta(header)
-        self.start = chunk.header_bytes(self.key, self.meta)
+        self.start = encoding.header_bytes(self.key, self.meta)
         self.record = bytearray(self.start + header.size_bytes)
         self.filled = self.start
 
@@ -114,12 +115,12 @@ class _ChunkAssembler:
         self.filled = end
 
     def sealed(self) -> bytearray:
-        chunk.seal(self.record, self.key, self.meta)
+        encoding.seal(self.record, self.key, self.meta)
         return self.record
 
 
 class _StoreChain:
-    """The store seen by the Lookup search (tiercache.chain_lookup.ChainIndex), in one namespace or in every
+    """The store seen by the Lookup search (tiercache.prefix.lookup.ChainIndex), in one namespace or in every
     tensor-parallel rank's: an object counts only when each rank holds its shard; the directory is the first's."""
 
     def __init__(self, store: TieredStore, namespaces: list[str]) -> None:
@@ -236,7 +237,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                                  tiers=bytes(index[tier] for tier in tiers), unverified=found.unverified,
                                  chain_chunks=found.chain_chunks)
 
-    # -- the same-host path (tiercache.shm) ------------------------------------------------------------------------
+    # -- the same-host path (store.same_host) ----------------------------------------------------------------------
 
     @_rpc
     def Attach(self, request: pb.AttachRequest, context, tenant: Tenant) -> pb.AttachResponse:
@@ -261,7 +262,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                 tenant.check_namespace(key.namespace)
                 self._check_quota(tenant, header.size_bytes)
                 meta = chunk_meta(header)
-                reservation = self.store.reserve(key, chunk.header_bytes(key, meta) + header.size_bytes, meta)
+                reservation = self.store.reserve(key, encoding.header_bytes(key, meta) + header.size_bytes, meta)
                 granted.append((self.leases.grant(reservation, self.store.abort, writable=True), reservation))
         except Exception:
             self.leases.release([lease_id for lease_id, _ in granted], writable=True)

@@ -10,7 +10,7 @@ from typing import Iterator
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from tiercache.store import TieredStore
+from tiercache.store.tiered import TieredStore
 
 # name, help, attribute of TierStats; counters get the `_total` suffix from prometheus_client.
 _TIER_COUNTERS = (

@@ -4,26 +4,26 @@ All operations are idempotent (a put of the same key and bytes leaves the same s
 for every call, with a short exponential backoff inside the call's deadline.
 
 Two data paths, chosen per client: on the server's host, payloads are copied in place into the server's shared-memory
-arena (tiercache.shm; gRPC carries only control); elsewhere, or when the arena cannot be mapped, they are streamed in
-1 MiB gRPC frames. `same_host=None` (the default) picks by trying to map the arena the server names.
+arena (client.shared_arena; gRPC carries only control); elsewhere, or when the arena cannot be mapped, they are
+streamed in 1 MiB gRPC frames. `same_host=None` (the default) picks by trying to map the arena the server names.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, NamedTuple, Sequence, TypeVar
 
 import grpc
 
-from tiercache.channel import Security, open_channel, parse_url
-from tiercache.chunk import ChunkMeta
+from tiercache.client.retry import RetryPolicy
+from tiercache.client.shared_arena import SharedArena
+from tiercache.client.transport import Security, open_channel, parse_url
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound, TierCacheError, Unavailable
-from tiercache.hybrid import ChainShape
-from tiercache.keys import validate_key, validate_namespace
-from tiercache.shm import SharedArena
-from tiercache.wire import error_for, frames, lookup_request, pb, pb_grpc, stats_dict
+from tiercache.prefix.objects import ChainShape
+from tiercache.protocol.wire import error_for, frames, lookup_request, pb, pb_grpc, stats_dict
+from tiercache.record.encoding import ChunkMeta
+from tiercache.record.keys import validate_key, validate_namespace
 
 T = TypeVar("T")
 DEFAULT_FRAME_BYTES = 1 << 20
@@ -40,7 +40,7 @@ class Chunk(NamedTuple):
 
 class LookupAnswer(NamedTuple):
     hit_tokens: int
-    tiers: list[str]  # where each object of the hit lies, in tiercache.hybrid.required_objects order
+    tiers: list[str]  # where each object of the hit lies, in tiercache.prefix.hit.required_objects order
     unverified: tuple[int, ...]  # ask again with these positions' hashes
     chain_chunks: int  # kv chunks every attention group holds from the prompt's start
 
@@ -50,23 +50,8 @@ class Fetched(NamedTuple):
     tier: str  # the tier it was read from
 
 
-@dataclass(frozen=True)
-class Retry:
-    """How UNAVAILABLE is retried: `attempts` tries in all, sleeping backoff_s, 2*backoff_s, ... up to max_backoff_s."""
-
-    attempts: int = 4
-    backoff_s: float = 0.05
-    max_backoff_s: float = 1.0
-
-    def delays(self) -> Iterator[float]:
-        delay = self.backoff_s
-        for _ in range(self.attempts - 1):
-            yield delay
-            delay = min(delay * 2, self.max_backoff_s)
-
-
 class Client:
-    def __init__(self, target: str, *, timeout_s: float = 30.0, retry: Retry = Retry(),
+    def __init__(self, target: str, *, timeout_s: float = 30.0, retry: RetryPolicy = RetryPolicy(),
                  frame_bytes: int = DEFAULT_FRAME_BYTES, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                  same_host: bool | None = None, tls: bool = False, security: Security | None = None) -> None:
         """`target` is a gRPC target (host:port, unix:/path); most callers want `Client.from_url`."""
@@ -88,7 +73,7 @@ class Client:
                  tls_server_name: str | None = None, **options) -> "Client":
         """`grpc://host:port` (or plain `host:port`), `grpcs://host:port` (TLS), or `grpc+unix:///path/to/socket`.
 
-        Token and TLS files not given here come from the environment (see tiercache.channel).
+        Token and TLS files not given here come from the environment (see tiercache.client.transport).
         """
         target, tls = parse_url(url)
         security = Security.from_env(token=token, tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file,
@@ -221,7 +206,7 @@ class Client:
     def lookup(self, namespace: str, shape: ChainShape, prompt_tokens: int, boundaries: bytes,
                positions: Mapping[int, bytes], *, rank_namespaces: Sequence[str] = (), report: bool = True,
                last_chunk_tokens: bytes = b"", match_unit: int = 0) -> "LookupAnswer":
-        """The server's hit for a prompt under the hybrid hit rule (see tiercache.chain_lookup; PrefixCache is the
+        """The server's hit for a prompt under the hybrid hit rule (see tiercache.prefix.lookup; PrefixCache is the
         usual caller): `boundaries` = h(0), h(N), ... h(KN) concatenated, `positions` other hashes it may check,
         `last_chunk_tokens` the token bytes of [KN, L-1) with u (the server hashes positions there itself)."""
         request = lookup_request(validate_namespace(namespace), shape, prompt_tokens, boundaries, positions,
@@ -335,4 +320,4 @@ def _joined(parts: list[bytes], size: int) -> bytes:
     return data
 
 
-__all__ = ["Chunk", "ChunkMeta", "Client", "Fetched", "Retry", "TierCacheError"]
+__all__ = ["Chunk", "ChunkMeta", "Client", "Fetched", "RetryPolicy", "TierCacheError"]

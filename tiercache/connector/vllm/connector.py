@@ -11,8 +11,8 @@
 `token`, `tls_ca_file`, `model_name` (default: the served model), `revision`, `match_unit` (u, default 16 when it
 divides the block size, else the block size), `salt`, `weights_id`, `timeout_s`, `lookup_timeout_s`,
 `offline_backoff_s`, `max_pending_save_bytes`, `max_boundary_states`. The rules (what is loaded, what is saved,
-when) are in tiercache.connector.vllm_plan; the copies in tiercache.connector.vllm_transfer; the namespace's identity in
-tiercache.connector.vllm_identity.
+when) are in tiercache.connector.vllm.plan; the copies in tiercache.connector.vllm.transfer; the namespace's identity in
+tiercache.connector.vllm.identity.
 """
 
 from __future__ import annotations
@@ -22,20 +22,20 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                KVConnectorRole, KVConnectorTransferResults,
-                                                                SupportsHMA)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
+                                                               KVConnectorTransferResults, SupportsHMA)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiercache.client import Client, Retry
+from tiercache.client import Client
+from tiercache.client.retry import RetryPolicy
 from tiercache.connector.prefix_cache import PrefixCache
-from tiercache.connector.vllm_identity import engine_identity
-from tiercache.connector.vllm_layout import engine_groups, model_layout, paged_views
-from tiercache.connector.vllm_plan import Planner, StepPlan
-from tiercache.connector.vllm_transfer import Transfers
+from tiercache.connector.vllm.identity import engine_identity
+from tiercache.connector.vllm.layout import engine_groups, model_layout, paged_views
+from tiercache.connector.vllm.plan import Planner, StepPlan
+from tiercache.connector.vllm.transfer import Transfers
 from tiercache.errors import InvalidArgument
-from tiercache.hybrid import CacheSpec
+from tiercache.prefix.objects import CacheSpec
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             # One try within a short deadline: a lookup that cannot be answered quickly is a miss, not a stall. The
             # server counts the lookup itself (no second call for statistics).
             lookups = Client.from_url(settings.url, token=settings.token, tls_ca_file=settings.tls_ca_file,
-                                      timeout_s=settings.lookup_timeout_s, retry=Retry(attempts=1))
+                                      timeout_s=settings.lookup_timeout_s, retry=RetryPolicy(attempts=1))
             cache = PrefixCache(lookups, self.spec, all_ranks=True)
             self._planner = Planner(cache, self.groups, offline_backoff_s=settings.offline_backoff_s)
         else:

@@ -1,6 +1,6 @@
 """The worker half of the vLLM connector: bytes between vLLM's paged cache and tiercache, with tiercache.kernels.
 
-Objects are whole blocks as vLLM keeps them (see tiercache.connector.vllm_layout): a kv or tail object is one
+Objects are whole blocks as vLLM keeps them (see tiercache.connector.vllm.layout): a kv or tail object is one
 attention group's page of one block, for all its layers; a state object is every Mamba layer's state bytes of one
 block per Mamba group.
 
@@ -32,10 +32,10 @@ import torch
 from tiercache import kernels
 from tiercache.client import Client
 from tiercache.connector.prefix_cache import save_objects
-from tiercache.connector.vllm_layout import EngineGroups, PagedViews
-from tiercache.connector.vllm_plan import Job, Transfer
+from tiercache.connector.vllm.layout import EngineGroups, PagedViews
+from tiercache.connector.vllm.plan import Job, Transfer
 from tiercache.errors import TierCacheError
-from tiercache.hybrid import CacheSpec, ObjectKind
+from tiercache.prefix.objects import CacheSpec, ObjectKind
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from tiercache.errors import InvalidArgument
-from tiercache.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
+from tiercache.prefix.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 

@@ -32,7 +32,7 @@ import yaml
 
 from tiercache.config import parse_size
 from tiercache.errors import CapacityExceeded, ConfigError, PermissionDenied, Unauthenticated
-from tiercache.keys import salt_suffix
+from tiercache.record.keys import salt_suffix
 
 AUTHORIZATION = "authorization"  # gRPC metadata key (lower case, as HTTP/2 requires)
 _BEARER = "bearer "

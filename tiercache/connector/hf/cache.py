@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from tiercache.errors import InvalidArgument
-from tiercache.hybrid import CacheSpec, ObjectKind, ObjectRef
-from tiercache.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
+from tiercache.prefix.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
+from tiercache.prefix.objects import CacheSpec, ObjectKind, ObjectRef
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tiercache.errors import InvalidArgument
-from tiercache.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
+from tiercache.prefix.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
 
 
 def gated_deltanet_layout(model: str, *, layers: int, full_attention_interval: int, kv_heads: int, head_dim: int,

@@ -22,9 +22,10 @@ import torch
 import xxhash
 
 from tiercache.client import Client
-from tiercache.connector.hf_cache import build_cache, derive_layout, holds, object_payload, state_payload
+from tiercache.connector.hf.cache import build_cache, derive_layout, holds, object_payload, state_payload
 from tiercache.connector.prefix_cache import PrefixCache
-from tiercache.hybrid import CacheSpec, ObjectKind, plan_prompt_admission
+from tiercache.prefix.admission import plan_prompt_admission
+from tiercache.prefix.objects import CacheSpec, ObjectKind
 
 log = logging.getLogger(__name__)
 

@@ -13,15 +13,13 @@ gRPC carries control only (Attach, Reserve/Commit/Abort, Acquire/Release); the p
 
 from __future__ import annotations
 
-import mmap
-import os
 import secrets
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from tiercache.errors import InvalidArgument, NotFound
+from tiercache.errors import NotFound
 
 DEFAULT_LEASE_TTL_S = 30.0
 
@@ -99,46 +97,3 @@ class LeaseTable:
     def _reap(self) -> None:
         while not self._closed.wait(min(1.0, self.ttl_s / 4)):
             self.expire()
-
-
-class SharedArena:
-    """The server's arena, mapped into a client. Raises OSError when this host cannot see that very file."""
-
-    def __init__(self, path: str, size: int, inode: int) -> None:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            if os.fstat(fd).st_ino != inode:
-                raise OSError(f"{path} is not the server's arena (another host or namespace)")
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(fd)
-        self._view = memoryview(self._map)
-        self.path = path
-        self.batch_bytes = max(size // 4, 1)  # reserve at most a quarter of the arena per round trip
-
-    def write(self, ranges: Sequence[tuple[int, int]], payload: memoryview) -> None:
-        done = 0
-        for offset, n in ranges:
-            self._view[offset:offset + n] = payload[done:done + n]
-            done += n
-        if done != len(payload):
-            raise InvalidArgument(f"ranges hold {done} bytes, the payload has {len(payload)}")
-
-    def read(self, ranges: Sequence[tuple[int, int]], size: int, out: memoryview | None = None):
-        """Copy a leased payload out: into `out` when given (returns the filled view), else into new bytes."""
-        if out is None:
-            if len(ranges) == 1:
-                offset, n = ranges[0]
-                return bytes(self._view[offset:offset + n])  # one copy, straight into the result
-            return b"".join(self._view[offset:offset + n] for offset, n in ranges)
-        if len(out) < size:
-            raise InvalidArgument(f"a {len(out)}-byte buffer cannot hold a {size}-byte chunk")
-        done = 0
-        for offset, n in ranges:
-            out[done:done + n] = self._view[offset:offset + n]
-            done += n
-        return out[:size]
-
-    def close(self) -> None:
-        self._view.release()
-        self._map.close()

@@ -2,7 +2,7 @@
 
 The client sends what it can hash cheaply — the chain hashes at every chunk boundary h(0), h(N), ..., h(KN) with
 K = (L-1)//N (~0.3 ms for 262,144 tokens) — the tokens of the last chunk (at most N: the server hashes any position
-there itself), and its layout's shape (tiercache.hybrid.ChainShape). The server
+there itself), and its layout's shape (tiercache.prefix.objects.ChainShape). The server
 1. walks the kv chains: one presence check of K keys per attention group, giving how far each chain reaches;
 2. goes down the chain from the deepest chunk it can resume in, and in each chunk asks the store's *directory* — the
    tails and states saved under that chunk's kv object (their parent) — which positions hold checkpoints; the
@@ -21,11 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Protocol, Sequence
 
-from tiercache.chunk import ChunkMeta
 from tiercache.errors import InvalidArgument
-from tiercache.hybrid import ChainShape, ObjectKind, checkpoint_objects, object_key, tokens_by_tier
-from tiercache.keys import HASH_BYTES, InsideChunk
-from tiercache.layout import GroupKind
+from tiercache.prefix.hashes import HASH_BYTES, InsideChunk
+from tiercache.prefix.hit import checkpoint_objects, tokens_by_tier
+from tiercache.prefix.layout import GroupKind
+from tiercache.prefix.objects import ChainShape, ObjectKind, object_key
+from tiercache.record.encoding import ChunkMeta
 
 MAX_GROUPS = 255  # a group is one byte of an object's key
 

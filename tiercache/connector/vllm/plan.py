@@ -2,12 +2,12 @@
 
 vLLM calls it from its scheduler process; everything it decides travels to the workers in `StepPlan` (plain
 picklable data). The rules:
-- a hit is tiercache's hybrid hit (tiercache.hybrid): KV chunks, a tail when it ends between blocks, and the
+- a hit is tiercache's hybrid hit (tiercache.prefix): KV chunks, a tail when it ends between blocks, and the
   recurrent state at exactly that position. vLLM copies a request's Mamba state out of block (p-1)//B before the
   connector's per-step hooks run, so every load is asynchronous: the request waits (WAITING_FOR_REMOTE_KVS) until the
   worker reports it, and a failed load is reported as failed (vLLM then recomputes, with
   kv_load_failure_policy=recompute). Blocks vLLM already holds (its own prefix cache) are never written;
-- saves follow the computation, and what is saved is decided by tiercache.hybrid's admission rules, the same ones
+- saves follow the computation, and what is saved is decided by tiercache.prefix's admission rules, the same ones
   the transformers connector follows (`plan_step_admission`, `plan_finish_admission`): a `kv` object as soon as its
   block is computed, a `state` (and the `tail` beside it when it is not block-aligned) when vLLM hands over an
   align-mode boundary state the prompt's admission wants, and tail + state where a request ends (the next chat
@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tiercache.connector.prefix_cache import Lookup, PrefixCache
-from tiercache.connector.vllm_layout import EngineGroups
-from tiercache.hybrid import ObjectKind, ObjectRef, plan_finish_admission, plan_step_admission
+from tiercache.connector.vllm.layout import EngineGroups
+from tiercache.prefix.admission import plan_finish_admission, plan_step_admission
+from tiercache.prefix.objects import ObjectKind, ObjectRef
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ class Planner:
         return True
 
     def _step_saves(self, tracked: _Tracked, block_ids, start: int, end: int, offered) -> list[Transfer]:
-        """What tiercache.hybrid's admission wants saved after a step that computed [start, end) and in which vLLM
+        """What tiercache.prefix's admission wants saved after a step that computed [start, end) and in which vLLM
         committed the boundary states `offered`, and where each object's bytes are."""
         request = tracked.request
         state_blocks = self._complete_states(offered, len(request.all_token_ids))

@@ -12,12 +12,12 @@ import grpc
 
 from tiercache.errors import (CapacityExceeded, InvalidArgument, NotFound, PermissionDenied, TierCacheError,
                               Unauthenticated, Unavailable)
-from tiercache.chunk import CLASS_KV, CLASS_STATE, MAX_PARENT_BYTES, ChunkMeta
-from tiercache.chain_lookup import Query
-from tiercache.hybrid import ChainShape
-from tiercache.keys import HASH_BYTES, InsideChunk
-from tiercache.layout import GroupKind
-from tiercache.store import StoreStats
+from tiercache.prefix.hashes import HASH_BYTES, InsideChunk
+from tiercache.prefix.layout import GroupKind
+from tiercache.prefix.lookup import Query
+from tiercache.prefix.objects import ChainShape
+from tiercache.record.encoding import CLASS_KV, CLASS_STATE, MAX_PARENT_BYTES, ChunkMeta
+from tiercache.store.stats import StoreStats
 
 try:
     from tiercache._proto import tiercache_pb2 as pb

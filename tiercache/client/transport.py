@@ -15,8 +15,8 @@ from urllib.parse import urlparse
 
 import grpc
 
-from tiercache.auth import AUTHORIZATION
 from tiercache.errors import InvalidArgument
+from tiercache.server.auth import AUTHORIZATION
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Copy kernels between an engine's paged GPU buffers and contiguous chunks, with a torch reference for each.
 
-One Python function per kernel family. CUDA tensors go to the CUDA kernels in `tiercache/native/*.cu`, compiled
+One Python function per kernel family. CUDA tensors go to the CUDA kernels in `tiercache/kernels/native/*.cu`, compiled
 once per process with CuPy (`RawModule` from the source text) on first use; CPU tensors go to the torch reference,
 which is also the test oracle. Inputs are checked here, at the boundary (shapes, dtypes, strides, devices, index
 bounds), with a clear error: a launch never runs out of bounds. Importing this module needs neither CUDA nor CuPy.
@@ -206,7 +206,7 @@ def _check_states(pools, slots, buffer) -> list[int]:
 def _module(family: str):
     import cupy
 
-    source = resources.files("tiercache.native").joinpath(f"{family}.cu").read_text()
+    source = resources.files("tiercache.kernels.native").joinpath(f"{family}.cu").read_text()
     return cupy.RawModule(code=source, options=("--std=c++17",))
 
 

@@ -1,0 +1,10 @@
+"""The Python client: what an engine process imports. It loads no store, tier, server, auth or metrics module.
+
+`client` (Client, every call through one `_call`), `retry` (RetryPolicy), `transport` (channel, TLS, tokens),
+`shared_arena` (the same-host path's mapping of the server's arena)."""
+
+from tiercache.client.client import Chunk, Client, Fetched, LookupAnswer
+from tiercache.client.retry import RetryPolicy
+from tiercache.client.transport import Security
+
+__all__ = ["Chunk", "Client", "Fetched", "LookupAnswer", "RetryPolicy", "Security"]

@@ -1,0 +1,58 @@
+"""What the store counts and reports: per-tier counters and usage, lookups, per-namespace usage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TierCounters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    promotions: int = 0  # chunks promoted *out of* this tier
+    demotions: int = 0  # chunks demoted *into* this tier
+    checksum_failures: int = 0
+    errors: int = 0  # calls that failed because the tier was down or refused
+
+
+@dataclass(frozen=True)
+class TierStats:
+    name: str
+    up: bool
+    chunks: int
+    used_bytes: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    promotions: int
+    demotions: int
+    checksum_failures: int
+    errors: int
+    state_chunks: int
+    state_bytes: int
+    state_budget_bytes: int
+
+
+@dataclass(frozen=True)
+class LookupStats:
+    """Prefix lookups reported by connectors: tokens asked for, and tokens hit per tier the hit came from."""
+
+    lookups: int = 0
+    requested_tokens: int = 0
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NamespaceUsage:
+    namespace: str
+    used_bytes: int
+    chunks: int
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    tiers: tuple[TierStats, ...]
+    namespaces: tuple[NamespaceUsage, ...]
+    lookups: LookupStats = LookupStats()
