@@ -4,7 +4,7 @@ import pytest
 
 from tests.helpers import RedisProcess
 from tiercache.config import Config, DiskTierConfig, HostTierConfig, MiB, RedisTierConfig, SecurityConfig, ServerConfig
-from tiercache.server.servicer import CacheServer
+from tiercache.server.app import CacheServer
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from tiercache.prefix.presets import gated_deltanet_layout
 from tiercache.record import encoding
 from tiercache.record.encoding import CLASS_KV, CLASS_STATE, ChunkMeta
 from tiercache.record.keys import ChunkKey
-from tiercache.server.servicer import CacheServer
+from tiercache.server.app import CacheServer
 from tiercache.store.tiered import TieredStore
 from tiercache.tiers.disk import DiskTier
 from tiercache.tiers.host import host_tier

@@ -119,7 +119,7 @@ def serve(args: argparse.Namespace) -> int:
     signals = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     from tiercache.malloc import tune_allocator
-    from tiercache.server.servicer import CacheServer
+    from tiercache.server.app import CacheServer
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tune_allocator()

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 import grpc
 
 from tiercache.errors import InvalidArgument
-from tiercache.server.auth import AUTHORIZATION
+from tiercache.protocol.wire import AUTHORIZATION
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,9 @@ import yaml
 
 from tiercache.config import parse_size
 from tiercache.errors import CapacityExceeded, ConfigError, PermissionDenied, Unauthenticated
+from tiercache.protocol.wire import AUTHORIZATION
 from tiercache.record.keys import salt_suffix
 
-AUTHORIZATION = "authorization"  # gRPC metadata key (lower case, as HTTP/2 requires)
 _BEARER = "bearer "
 _TENANT_KEYS = {"token", "token_sha256", "salt", "quota_bytes", "same_host", "admin"}
 

@@ -1,15 +1,12 @@
-"""The same-host data path: chunks are written and read in place in the host tier's shared-memory arena.
+"""Leases of the same-host path: every reservation and every read pin the server grants expires.
 
-gRPC carries control only (Attach, Reserve/Commit/Abort, Acquire/Release); the payload never crosses a socket.
-- `LeaseTable` (server): every reservation and every read pin is a lease with an expiry, so a client that crashes
-  cannot hold memory forever: an expired read pin is released, an expired reservation is aborted. A chunk under a
-  read lease is never overwritten (the arena does not reuse pinned pages). Because a client cannot be unmapped, the
-  protocol also covers clients that are merely slow: Release reports leases that had already expired, and the client
-  then discards what it copied (the pages may have been reused) and reads the chunk again over gRPC; an expired
-  reservation is quarantined for one more TTL before its pages are reused, so a writer that stalls past its lease
-  writes into pages nobody else holds yet (its Commit then fails and it puts the chunk again over gRPC).
-- `SharedArena` (client): the arena file mapped into the client; it proves it is the server's file by its inode.
-"""
+A client that crashes cannot hold memory forever: an expired read pin is released, an expired reservation is aborted.
+A chunk under a read lease is never overwritten (the arena does not reuse pinned pages). Because a client cannot be
+unmapped, the protocol also covers clients that are merely slow: Release reports leases that had already expired, and
+the client then discards what it copied (the pages may have been reused) and reads the chunk again over gRPC; an
+expired reservation is quarantined for one more TTL before its pages are reused, so a writer that stalls past its
+lease writes into pages nobody else holds yet (its Commit then fails and it puts the chunk again over gRPC).
+What a lease holds is a grant of the store's same-host path (tiercache.store.same_host)."""
 
 from __future__ import annotations
 

@@ -1,93 +1,32 @@
 """The gRPC cache server: each RPC decodes its request, makes one store call, and encodes the answer.
 
-Errors are turned into status codes by one wrapper (`_rpc`) using protocol.wire's mapping; an unexpected exception
-becomes INTERNAL with a log line, never a dead server.
+Errors are turned into status codes by one wrapper (server.rpc) using protocol.wire's mapping; an unexpected exception
+becomes INTERNAL with a log line, never a dead server. The process around it is server.app.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import logging
-import threading
 import time
-from concurrent import futures
-from pathlib import Path
 from typing import Iterable, Iterator
 
-import grpc
-from google.protobuf.message import Message
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
 from tiercache import __version__
-from tiercache.config import Config, SecurityConfig
-from tiercache.errors import ConfigError, InvalidArgument
+from tiercache.config import Config
+from tiercache.errors import InvalidArgument
 from tiercache.prefix.lookup import find_hit
-from tiercache.protocol.wire import (SERVICE_NAME, Malformed, chunk_meta, frames, lookup_query, pb, pb_grpc,
-                                     service_handler, stats_message, status_for)
+from tiercache.protocol.wire import chunk_meta, frames, lookup_query, pb, pb_grpc
 from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey, validate_key, validate_namespace
 from tiercache.server.auth import Tenant, TenantTable
 from tiercache.server.leases import LeaseTable
 from tiercache.server.metrics import Metrics
+from tiercache.server.rpc import rpc
+from tiercache.store.same_host import SameHostPath, WriteGrant
+from tiercache.store.stats import StoreStats
 from tiercache.store.tiered import TieredStore
-from tiercache.tiers.arena import payload_ranges
 
 log = logging.getLogger(__name__)
-
-
-def _rpc(method):
-    """Authenticate the caller, time the RPC, and map every error it raises to a status code in one place.
-
-    The wrapped method receives the caller's Tenant as a third argument.
-    """
-    name = method.__name__
-    streaming = inspect.isgeneratorfunction(method)
-
-    def finish(self, context, started: float, error: BaseException | None) -> None:
-        code = grpc.StatusCode.OK if error is None else status_for(error)
-        self.metrics.rpc_seconds.labels(name, code.name).observe(time.perf_counter() - started)
-        if error is None:
-            return
-        if code == grpc.StatusCode.INTERNAL:
-            log.exception("%s failed", name, exc_info=error)
-            context.abort(code, f"internal error in {name}")
-        context.abort(code, str(error))
-
-    if streaming:
-        @functools.wraps(method)
-        def stream_handler(self, request, context):
-            started = time.perf_counter()
-            try:
-                tenant = self.tenants.authenticate(context.invocation_metadata())
-                yield from method(self, _well_formed(request), context, tenant)
-            except Exception as exc:  # noqa: BLE001 - every error becomes a status code
-                finish(self, context, started, exc)
-            else:
-                finish(self, context, started, None)
-        return stream_handler
-
-    @functools.wraps(method)
-    def unary_handler(self, request, context):
-        started = time.perf_counter()
-        try:
-            tenant = self.tenants.authenticate(context.invocation_metadata())
-            response = method(self, _well_formed(request), context, tenant)
-        except Exception as exc:  # noqa: BLE001 - every error becomes a status code
-            finish(self, context, started, exc)
-        finish(self, context, started, None)
-        return response
-    return unary_handler
-
-
-def _well_formed(request):
-    """The request, or InvalidArgument when its bytes did not decode; a request stream is checked frame by frame."""
-    if isinstance(request, Malformed):
-        request.reject()
-    if isinstance(request, Message):
-        return request
-    return (frame.reject() if isinstance(frame, Malformed) else frame for frame in request)
 
 
 class _ChunkAssembler:
@@ -149,6 +88,17 @@ def _namespace(tenant: Tenant, namespace: str) -> str:
     return namespace
 
 
+def _stats_message(stats: StoreStats, *, version: str, uptime_s: float, max_chunk_bytes: int) -> pb.StatsResponse:
+    return pb.StatsResponse(
+        version=version, uptime_s=uptime_s, max_chunk_bytes=max_chunk_bytes,
+        tiers=[pb.TierStats(**vars(t)) for t in stats.tiers],
+        namespaces=[pb.NamespaceStats(namespace=n.namespace, used_bytes=n.used_bytes, chunks=n.chunks)
+                    for n in stats.namespaces],
+        lookups=stats.lookups.lookups, requested_tokens=stats.lookups.requested_tokens,
+        hit_tokens_by_tier=stats.lookups.hit_tokens_by_tier)
+
+
+
 class TierCacheServicer(pb_grpc.TierCacheServicer):
     def __init__(self, store: TieredStore, config: Config, metrics: Metrics, leases: LeaseTable,
                  tenants: TenantTable) -> None:
@@ -165,7 +115,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         if tenant.quota_bytes is not None:
             tenant.check_quota(self.store.held_bytes(tenant.owns), size_bytes)
 
-    @_rpc
+    @rpc
     def Put(self, request_iterator: Iterator[pb.PutFrame], context, tenant: Tenant) -> pb.PutResponse:
         stored_in = []
         current: _ChunkAssembler | None = None
@@ -190,7 +140,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                                   f"{len(current.record) - current.start} announced bytes")
         return pb.PutResponse(stored_in=stored_in)
 
-    @_rpc
+    @rpc
     def Get(self, request: pb.GetRequest, context, tenant: Tenant) -> Iterator[pb.GetFrame]:
         keys = _chunk_keys(tenant, request.namespace, request.keys)
         for index, key in enumerate(keys):
@@ -203,16 +153,16 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             for data in frames(found.payload, self._frame_bytes):
                 yield pb.GetFrame(data=data)
 
-    @_rpc
+    @rpc
     def Exists(self, request: pb.KeysRequest, context, tenant: Tenant) -> pb.ExistsResponse:
         where = self.store.locate(_chunk_keys(tenant, request.namespace, request.keys))
         return pb.ExistsResponse(tier=[w or "" for w in where])
 
-    @_rpc
+    @rpc
     def Delete(self, request: pb.KeysRequest, context, tenant: Tenant) -> pb.DeleteResponse:
         return pb.DeleteResponse(deleted=self.store.delete(_chunk_keys(tenant, request.namespace, request.keys)))
 
-    @_rpc
+    @rpc
     def ReportLookup(self, request: pb.LookupReport, context, tenant: Tenant) -> pb.LookupReportAck:
         _namespace(tenant, request.namespace)
         hit = dict(request.hit_tokens_by_tier)
@@ -221,7 +171,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         self.store.record_lookup(request.requested_tokens, hit)
         return pb.LookupReportAck()
 
-    @_rpc
+    @rpc
     def Lookup(self, request: pb.LookupRequest, context, tenant: Tenant) -> pb.LookupResponse:
         namespaces = [_namespace(tenant, ns) for ns in (request.namespace, *request.rank_namespaces)]
         query = lookup_query(request)
@@ -239,20 +189,25 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     # -- the same-host path (store.same_host) ----------------------------------------------------------------------
 
-    @_rpc
+    @rpc
     def Attach(self, request: pb.AttachRequest, context, tenant: Tenant) -> pb.AttachResponse:
-        tier = self.store.shared_tier
-        if tier is None or not tenant.same_host:  # not an error: the client falls back to streaming over gRPC
+        same_host = self.store.same_host
+        if same_host is None or not tenant.same_host:  # not an error: the client falls back to streaming over gRPC
             return pb.AttachResponse(available=False)
-        return pb.AttachResponse(available=True, path=tier.shared_path, size_bytes=tier.shared_bytes,
-                                 inode=tier.shared_inode, lease_ttl_s=self.leases.ttl_s)
+        arena = same_host.arena
+        return pb.AttachResponse(available=True, path=arena.path, size_bytes=arena.size_bytes, inode=arena.inode,
+                                 lease_ttl_s=self.leases.ttl_s)
 
-    @_rpc
-    def Reserve(self, request: pb.ReserveRequest, context, tenant: Tenant) -> pb.ReserveResponse:
-        if self.store.shared_tier is None:
-            raise InvalidArgument("this server has no shared-memory arena: use Put")
+    def _same_host(self, tenant: Tenant, instead: str) -> SameHostPath:
+        if self.store.same_host is None:
+            raise InvalidArgument(f"this server has no shared-memory arena: use {instead}")
         tenant.check_same_host()
-        granted = []  # (lease id, reservation)
+        return self.store.same_host
+
+    @rpc
+    def Reserve(self, request: pb.ReserveRequest, context, tenant: Tenant) -> pb.ReserveResponse:
+        same_host = self._same_host(tenant, "Put")
+        granted: list[tuple[int, WriteGrant]] = []
         try:
             for header in request.chunks:
                 if header.size_bytes > self._max_chunk_bytes:
@@ -261,184 +216,56 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                 key = ChunkKey.checked(request.namespace, header.key)
                 tenant.check_namespace(key.namespace)
                 self._check_quota(tenant, header.size_bytes)
-                meta = chunk_meta(header)
-                reservation = self.store.reserve(key, encoding.header_bytes(key, meta) + header.size_bytes, meta)
-                granted.append((self.leases.grant(reservation, self.store.abort, writable=True), reservation))
+                grant = same_host.reserve(key, header.size_bytes, chunk_meta(header))
+                granted.append((self.leases.grant(grant, same_host.abort, writable=True), grant))
         except Exception:
             self.leases.release([lease_id for lease_id, _ in granted], writable=True)
             raise
-        return pb.ReserveResponse(reservations=[
-            pb.Reservation(lease_id=lease_id, payload=_pb_ranges(payload_ranges(r.key, r.meta, r.ranges)))
-            for lease_id, r in granted])
+        return pb.ReserveResponse(reservations=[pb.Reservation(lease_id=lease_id, payload=_pb_ranges(grant.payload))
+                                                for lease_id, grant in granted])
 
-    @_rpc
+    @rpc
     def Commit(self, request: pb.LeaseIds, context, tenant: Tenant) -> pb.PutResponse:
         tenant.check_same_host()
-        return pb.PutResponse(stored_in=[self.store.commit(self.leases.take(i, writable=True))
-                                         for i in request.lease_ids])
+        grants = [self.leases.take(i, writable=True) for i in request.lease_ids]  # NotFound when none was granted
+        return pb.PutResponse(stored_in=[self.store.same_host.commit(grant) for grant in grants])
 
-    @_rpc
+    @rpc
     def Abort(self, request: pb.LeaseIds, context, tenant: Tenant) -> pb.LeaseAck:
         tenant.check_same_host()
         self.leases.release(request.lease_ids, writable=True)
         return pb.LeaseAck()
 
-    @_rpc
+    @rpc
     def Acquire(self, request: pb.KeysRequest, context, tenant: Tenant) -> pb.AcquireResponse:
-        tier = self.store.shared_tier
-        if tier is None:
-            raise InvalidArgument("this server has no shared-memory arena: use Get")
-        tenant.check_same_host()
+        same_host = self._same_host(tenant, "Get")
         leases = []
         for key in _chunk_keys(tenant, request.namespace, request.keys):
-            found = self.store.lease(key)
-            if found is None:
+            read = same_host.pin(key)
+            if read is None:
                 leases.append(pb.Lease(found=False))
-                continue
-            pinned, where = found
-            if pinned is None:
-                leases.append(pb.Lease(found=True, leased=False, tier=where))
-                continue
-            lease_id = self.leases.grant(pinned, tier.unpin, writable=False)
-            payload = payload_ranges(key, pinned.meta, pinned.ranges)
-            leases.append(pb.Lease(found=True, leased=True, lease_id=lease_id, tier=where,
-                                   size_bytes=sum(n for _, n in payload), payload=_pb_ranges(payload)))
+            elif not read.pinned:
+                leases.append(pb.Lease(found=True, leased=False, tier=read.tier))
+            else:
+                lease_id = self.leases.grant(read, same_host.unpin, writable=False)
+                leases.append(pb.Lease(found=True, leased=True, lease_id=lease_id, tier=read.tier,
+                                       size_bytes=read.size_bytes, payload=_pb_ranges(read.payload)))
         return pb.AcquireResponse(leases=leases)
 
-    @_rpc
+    @rpc
     def Release(self, request: pb.LeaseIds, context, tenant: Tenant) -> pb.LeaseAck:
         tenant.check_same_host()
         return pb.LeaseAck(expired=self.leases.release(request.lease_ids, writable=False))
 
-    @_rpc
+    @rpc
     def Stats(self, request: pb.StatsRequest, context, tenant: Tenant) -> pb.StatsResponse:
         stats = self.store.stats()
         if not tenant.admin:  # namespaces name models: a tenant sees its own only
             own = tuple(n for n in stats.namespaces if tenant.owns(n.namespace))
             stats = dataclasses.replace(stats, namespaces=own)
-        return stats_message(stats, version=__version__, uptime_s=time.monotonic() - self._started,
+        return _stats_message(stats, version=__version__, uptime_s=time.monotonic() - self._started,
                              max_chunk_bytes=self._max_chunk_bytes)
 
 
 def _pb_ranges(ranges) -> list:
     return [pb.Range(offset=o, length=n) for o, n in ranges]
-
-
-def _grpc_options(max_chunk_bytes: int) -> list[tuple[str, int]]:
-    # grpc's default 4 MiB receive limit would reject a client that sends a whole chunk in one frame.
-    limit = max_chunk_bytes + (1 << 20)
-    # grpc sets SO_REUSEPORT by default: a second server on the same port would silently share its traffic.
-    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
-            ("grpc.so_reuseport", 0)]
-
-
-def server_credentials(security: SecurityConfig) -> grpc.ServerCredentials | None:
-    """TLS credentials for the gRPC port (None: plaintext); with a client CA, clients must present certificates."""
-    if not security.tls:
-        return None
-    cert, key = _read_pem(security.tls_cert_file), _read_pem(security.tls_key_file)
-    client_ca = _read_pem(security.tls_client_ca_file) if security.tls_client_ca_file else None
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
-                                       require_client_auth=client_ca is not None)
-
-
-def _read_pem(path: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _listen(server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
-    """Bind one address; the bound port (a unix socket gives 1), or a ConfigError saying why not."""
-    try:
-        port = (server.add_insecure_port(address) if credentials is None
-                else server.add_secure_port(address, credentials))
-    except RuntimeError:
-        port = 0
-    if not port:
-        raise ConfigError(f"cannot listen on {address.removeprefix('unix:')} (address in use or not available)")
-    return port
-
-
-class CacheServer:
-    """A running tiercache server: the store, the gRPC service with health checking, and the metrics endpoint."""
-
-    def __init__(self, config: Config, store: TieredStore | None = None) -> None:
-        self.config = config
-        self.store = store or TieredStore.from_config(config)
-        self.metrics = Metrics(self.store)
-        self.leases = LeaseTable(config.server.lease_ttl_s)
-        self.tenants = TenantTable.load(config.security.tenants_file)
-        self._server: grpc.Server | None = None
-        self._health_server: grpc.Server | None = None
-        self._health = health.HealthServicer()
-        self._stopped = threading.Event()
-        self.port = 0
-        self.health_port: int | None = None
-        self.metrics_port: int | None = None
-
-    def start(self) -> "CacheServer":
-        cfg = self.config.server
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="tiercache-rpc"),
-                             options=_grpc_options(cfg.max_chunk_bytes))
-        servicer = TierCacheServicer(self.store, self.config, self.metrics, self.leases, self.tenants)
-        server.add_generic_rpc_handlers((service_handler(servicer),))
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        credentials = server_credentials(self.config.security)
-        self.port = _listen(server, _address(cfg.host, cfg.port), credentials)
-        if cfg.unix_socket:
-            # Only local processes reach a unix socket (file permissions guard it); tokens are still checked.
-            _listen(server, f"unix:{cfg.unix_socket}", None)
-        health_port = self.config.security.health_port
-        if health_port is not None:
-            self._health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
-                                              options=[("grpc.so_reuseport", 0)])
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
-            self.health_port = _listen(self._health_server, _address(cfg.host, health_port), None)
-        if cfg.metrics_port is not None:
-            try:
-                self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
-            except OSError as exc:
-                raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: "
-                                  f"{exc.strerror}") from None
-        server.start()
-        self._server = server
-        if self._health_server is not None:
-            self._health_server.start()
-        for service in ("", SERVICE_NAME):
-            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        return self
-
-    @property
-    def url(self) -> str:
-        host = self.config.server.host
-        host = "127.0.0.1" if host in ("0.0.0.0", "") else ("localhost" if host == "::" else host)
-        return f"{'grpcs' if self.config.security.tls else 'grpc'}://{host}:{self.port}"
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        """Stop accepting RPCs, let running ones finish within `grace_s`, then close the tiers."""
-        if self._stopped.is_set():
-            return
-        self._stopped.set()
-        self._health.enter_graceful_shutdown()
-        if self._server is not None:
-            self._server.stop(grace_s).wait()
-        if self._health_server is not None:
-            self._health_server.stop(0).wait()
-        self.metrics.close()
-        self.leases.close()  # takes back every reservation and read pin before the arena goes away
-        self.store.close()
-
-    def wait(self) -> None:
-        self._stopped.wait()
-
-    def __enter__(self) -> "CacheServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -3,8 +3,8 @@
 Tiers are ordered fastest first (gpu -> host -> disk -> redis; gpu only with --gpu-mem). A put lands in the first
 tier that can take it; what that tier evicts is demoted to the next one (write-back), and so on down; what falls off
 the last tier is gone. A hit below the top is promoted to the top. Local tiers are exclusive (a promoted chunk leaves
-the disk), a shared tier is inclusive (other servers still read it there). With write-through, every put is also
-copied to the shared tier at once, so other nodes see new chunks without waiting for eviction.
+the disk); a tier shared by nodes (Redis) is inclusive (other servers still read it there). With write-through, every
+put is also copied to that tier at once, so other nodes see new chunks without waiting for eviction.
 
 The store holds no lock around tier calls; tiers lock their own metadata, and the store's lock guards counters only.
 """
@@ -21,10 +21,11 @@ from tiercache.config import Config
 from tiercache.errors import CapacityExceeded, ChunkCorrupt, TierDown, TierFull, TierWriteFailed, Unavailable
 from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey
+from tiercache.store.same_host import SameHostPath
 from tiercache.store.stats import LookupStats, NamespaceUsage, StoreStats, TierCounters, TierStats
 from tiercache.tiers.base import Evicted, IndexedTier, Tier
 
-LOST_KEYS_REMEMBERED = 1 << 16  # keys lost for good that the store remembers (see _after_placement)
+LOST_KEYS_REMEMBERED = 1 << 16  # keys lost for good that the store remembers (see after_placement)
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,12 @@ class TieredStore:
         self._lock = threading.Lock()
         self._gone: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()  # lost, not stored again
         for level, tier in enumerate(self.tiers):  # a parent held below its children is no leaf (tiers/index.py)
-            above = [t for t in self.tiers[:level] if not t.shared]
+            above = [t for t in self.tiers[:level] if not t.shared_by_nodes]
             if above and isinstance(tier, IndexedTier):
                 tier.needed_above = functools.partial(self._has_children, above)
+        arena_levels = [level for level, tier in enumerate(self.tiers) if tier.arena_file() is not None]
+        # The same-host path (writes and reads in place), over the first tier whose arena clients can map; or None.
+        self.same_host = SameHostPath(self, arena_levels[0]) if arena_levels else None
 
     @classmethod
     def from_config(cls, config: Config) -> "TieredStore":
@@ -79,56 +83,16 @@ class TieredStore:
     def put_record(self, key: ChunkKey, record: bytearray) -> str:
         """Store an already sealed record (the server assembles records in place to save a copy)."""
         placed = self._place(key, record, 0)
-        self._after_placement(key, encoding.read_meta(record), placed, lambda: record)
+        self.after_placement(key, encoding.read_meta(record), placed, lambda: record)
         return self.tiers[placed].name
 
-    # -- the same-host path: records written and read in place in the host tier's shared memory ---------------
+    def count_hit(self, tier: Tier) -> None:
+        """For the same-host path, which reads the arena tier itself."""
+        self._count(tier, hits=1)
 
-    @property
-    def shared_tier(self):
-        """The tier whose arena same-host clients can map (the host tier in /dev/shm), or None."""
-        return next((t for t in self.tiers if getattr(t, "shared_path", None)), None)
-
-    def reserve(self, key: ChunkKey, size: int, meta: encoding.ChunkMeta):
-        """Room for a record in the shared arena, invisible until commit; what it evicts is demoted as usual."""
-        tier = self.shared_tier
-        level = self.tiers.index(tier)
-        try:
-            reservation, evicted = tier.reserve(key, size, meta, return_evicted=level + 1 < len(self.tiers))
-        except TierFull as full:
-            self._demote(full.evicted, level)
-            raise CapacityExceeded(f"the shared arena has no room for {size} bytes") from None
-        self._demote(evicted, level)
-        return reservation
-
-    def commit(self, reservation) -> str:
-        tier = self.shared_tier
-        tier.commit(reservation)
-        self._after_placement(reservation.key, reservation.meta, self.tiers.index(tier),
-                              lambda: tier.get(reservation.key))
-        return tier.name
-
-    def abort(self, reservation) -> None:
-        self.shared_tier.abort(reservation)
-
-    def lease(self, key: ChunkKey):
-        """Pin a chunk in the shared arena for a same-host reader, promoting it there first when it lives below.
-
-        Returns (Pinned, tier it was found in), or None when absent; (None, tier) when it exists but cannot be pinned
-        in the arena (too large for it, or held above it by the GPU tier): the caller reads it over gRPC.
-        """
-        tier = self.shared_tier
-        pinned = tier.pin(key)
-        if pinned is not None:
-            self._count(tier, hits=1)
-            return pinned, tier.name
-        found = self.get(key)
-        if found is None:
-            return None
-        return tier.pin(key), found.tier
-
-    def _after_placement(self, key: ChunkKey, meta: encoding.ChunkMeta, placed: int, record) -> None:
-        """Drop older copies below the tier a record landed in, and copy it to the shared tier (write-through).
+    def after_placement(self, key: ChunkKey, meta: encoding.ChunkMeta, placed: int, record) -> None:
+        """Drop older copies below the tier a record landed in, and copy it to a tier shared by nodes (write-through).
+        Every put ends here, the same-host path's commits too.
 
         A record whose parent the store lost before it arrived (a save racing the eviction of the chain it extends)
         is unreachable from the start: it is marked so, like the children held when a key is lost (_lost), or it
@@ -142,13 +106,13 @@ class TieredStore:
                 self.tiers[placed].orphan(parent)
             except TierDown:
                 self._count(self.tiers[placed], errors=1)
-        below = [t for t in self.tiers[placed + 1:] if not t.shared]
+        below = [t for t in self.tiers[placed + 1:] if not t.shared_by_nodes]
         for tier in below:  # an older copy further down would shadow nothing but waste room; drop it
             if tier.contains([key])[0]:
                 tier.delete([key])
         if self.write_through:
             for tier in self.tiers[placed + 1:]:
-                if tier.shared:
+                if tier.shared_by_nodes:
                     self._copy_to(tier, key, record())
 
     def get(self, key: ChunkKey) -> Found | None:
@@ -238,8 +202,8 @@ class TieredStore:
         namespace_bytes: dict[str, int] = {}
         namespace_chunks: dict[str, int] = {}
         for tier, usage in usages:
-            if tier.shared:
-                continue  # a shared tier holds other servers' chunks too; it has no per-namespace view
+            if tier.shared_by_nodes:
+                continue  # a tier shared by nodes holds other servers' chunks too; it has no per-namespace view
             for ns, n in usage.bytes_by_namespace.items():
                 namespace_bytes[ns] = namespace_bytes.get(ns, 0) + n
             for ns, n in usage.chunks_by_namespace.items():
@@ -249,7 +213,7 @@ class TieredStore:
 
     def held_bytes(self, owns: Callable[[str], bool]) -> int:
         """Bytes this server's local tiers hold for the namespaces `owns` accepts (a tenant's quota counts these)."""
-        return sum(n for tier in self.tiers if not tier.shared
+        return sum(n for tier in self.tiers if not tier.shared_by_nodes
                    for ns, n in tier.usage().bytes_by_namespace.items() if owns(ns))
 
     def close(self) -> None:
@@ -269,8 +233,8 @@ class TieredStore:
         write_failure = ""
         for level in range(first, last):
             tier = self.tiers[level]
-            if self.write_through and tier.shared and first > 0:
-                return level  # demoting into the shared tier: write-through put it there already
+            if self.write_through and tier.shared_by_nodes and first > 0:
+                return level  # demoting into the tier shared by nodes: write-through put it there already
             wants_evicted = level + 1 < len(self.tiers)
             try:
                 evicted = tier.put(key, self._for_tier(tier, key, record), return_evicted=wants_evicted)
@@ -278,20 +242,21 @@ class TieredStore:
                 if isinstance(full, TierWriteFailed):
                     self._count(tier, errors=1)
                     write_failure = f" ({full})"
-                self._demote(full.evicted, level)
+                self.demote(full.evicted, level)
                 continue
             except TierDown:
                 self._count(tier, errors=1)
                 down = True
                 continue
-            self._demote(evicted, level)
+            self.demote(evicted, level)
             return level
         size = len(record)
         if down:
             raise Unavailable(f"no tier could store {size} bytes: the tier that could is down")
         raise CapacityExceeded(f"{size} bytes are more than any tier can hold{write_failure}")
 
-    def _demote(self, evicted: list[Evicted], level: int) -> None:
+    def demote(self, evicted: list[Evicted], level: int) -> None:
+        """Move what tier `level` evicted to the tiers below it (the same-host path's reservations evict too)."""
         if not evicted:
             return
         self._count(self.tiers[level], evictions=len(evicted))
@@ -321,7 +286,7 @@ class TieredStore:
             while len(self._gone) > LOST_KEYS_REMEMBERED:
                 self._gone.popitem(last=False)
         for tier in self.tiers:
-            if tier.shared:
+            if tier.shared_by_nodes:
                 continue
             for key in keys:
                 try:
@@ -336,7 +301,7 @@ class TieredStore:
         except (CapacityExceeded, Unavailable):
             return  # stays where it is
         self._count(source, promotions=1)
-        if not source.shared:
+        if not source.shared_by_nodes:
             self._forget(source, key)
 
     def _has_children(self, tiers: Sequence[Tier], key: ChunkKey) -> bool:

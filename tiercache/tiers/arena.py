@@ -21,7 +21,7 @@ from tiercache.errors import TierFull
 from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey
 from tiercache.tiers.allocator import Extent, ExtentAllocator
-from tiercache.tiers.base import Evicted, IndexedTier
+from tiercache.tiers.base import ArenaFile, Evicted, IndexedTier, Ranges
 from tiercache.tiers.index import ChunkIndex, Victim, parent_of
 
 
@@ -54,7 +54,12 @@ class Reservation:
     size: int  # record bytes: header + payload
     meta: encoding.ChunkMeta
     extents: tuple[Extent, ...]
-    ranges: tuple[tuple[int, int], ...]  # (byte offset, length) in the arena, in record order
+    ranges: Ranges  # (byte offset, length) in the arena, in record order
+
+    @property
+    def payload_ranges(self) -> list[tuple[int, int]]:
+        """Where the client writes the payload (after the header that commit writes)."""
+        return _payload_ranges(self.key, self.meta, self.ranges)
 
 
 @dataclass(frozen=True)
@@ -62,8 +67,13 @@ class Pinned:
     key: ChunkKey
     meta: encoding.ChunkMeta
     size: int
-    ranges: tuple[tuple[int, int], ...]
+    ranges: Ranges
     entry: object = field(repr=False, compare=False)
+
+    @property
+    def payload_ranges(self) -> list[tuple[int, int]]:
+        """Where a same-host reader copies the payload from."""
+        return _payload_ranges(self.key, self.meta, self.ranges)
 
 
 def _pages(entry: _Entry) -> int:
@@ -93,13 +103,13 @@ def _shift(ranges: Sequence[tuple[int, int]], start: int) -> list[tuple[int, int
     return out
 
 
-def payload_ranges(key: ChunkKey, meta: encoding.ChunkMeta, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+def _payload_ranges(key: ChunkKey, meta: encoding.ChunkMeta, ranges: Ranges) -> list[tuple[int, int]]:
     return _shift(ranges, encoding.header_bytes(key, meta))
 
 
 class ArenaTier(IndexedTier):
     checksum_on_read = False  # the bytes never leave this process's memory
-    shared = False
+    shared_by_nodes = False
     codec = 0  # memory tiers hold raw records: readers copy payloads straight out
 
     def __init__(self, name: str, memory: ArenaMemory, capacity_bytes: int, page_bytes: int,
@@ -114,18 +124,10 @@ class ArenaTier(IndexedTier):
         self._index: ChunkIndex[_Entry] = ChunkIndex(state_value_weight)
         self._lock = threading.Lock()
 
-    @property
-    def shared_path(self) -> str | None:
-        """The file same-host clients can map, when the arena lives in shared memory."""
-        return getattr(self._memory, "path", None)
-
-    @property
-    def shared_inode(self) -> int | None:
-        return getattr(self._memory, "inode", None)
-
-    @property
-    def shared_bytes(self) -> int:
-        return getattr(self._memory, "size", 0)
+    def arena_file(self) -> ArenaFile | None:
+        """The file same-host clients can map, when the arena lives in shared memory (a HostMemory with a path)."""
+        path = getattr(self._memory, "path", None)
+        return ArenaFile(path, self._memory.size, self._memory.inode) if path else None
 
     # -- contract ---------------------------------------------------------------------------------------------------
 

@@ -26,13 +26,18 @@ Contract (every method is thread-safe):
 - needed_above (an attribute of an IndexedTier, set by the store): needed_above(key) says whether a tier above
   holds a child of `key`; the tier then keeps `key` (tiercache.tiers.index: a chain shrinks from its deep end across
   tiers too). Called under the tier's lock; it takes the locks of tiers above it only.
+- arena_file(): the file same-host clients may map to write and read records in place (the host tier's arena in
+  /dev/shm), or None. A tier that returns one also implements reserve / commit / abort / pin / unpin (ArenaTier), and
+  its reservations and pins name their `payload_ranges` in that file; the store's same-host path
+  (tiercache.store.same_host) is their only caller.
 - close(): release resources; idempotent.
 Reads (get, contains) of a tier that is down raise TierDown; the store turns that into a miss.
 
 Two attributes tell the store how to treat a tier (data, not capability probes):
 - checksum_on_read: records that crossed a disk or network are verified on every read; records that never left
   this process's memory are trusted.
-- shared: other servers read this tier too (Redis), so a promotion copies rather than moves the record.
+- shared_by_nodes: other servers read this tier too (Redis), so a promotion copies rather than moves the record, a
+  write-through copies every put there, and it has no per-namespace view.
 - codec: how records are stored there (tiercache.record.codec; 0 = raw). The store transcodes records on their way in.
 """
 
@@ -52,6 +57,19 @@ class Evicted:
     key: ChunkKey
     record: bytes | bytearray | None
     reachable: bool = True  # False: an orphan of a lost chain (tiercache.tiers.index), not worth demoting
+
+
+Ranges = tuple[tuple[int, int], ...]  # (byte offset, length) pairs in a file or arena, in order
+
+
+@dataclass(frozen=True)
+class ArenaFile:
+    """The file a same-host client maps to write and read records in place; it proves it has the very file by its
+    inode."""
+
+    path: str
+    size_bytes: int
+    inode: int
 
 
 @dataclass(frozen=True)
@@ -106,7 +124,7 @@ class IndexedTier:
 class Tier(Protocol):
     name: str
     checksum_on_read: bool
-    shared: bool
+    shared_by_nodes: bool
     codec: int
 
     def put(self, key: ChunkKey, record, *, return_evicted: bool) -> list[Evicted]: ...
@@ -127,6 +145,10 @@ class Tier(Protocol):
 
     def orphan(self, parent: ChunkKey) -> int:
         """`parent` is gone from the store: what descends from it here is unreachable (evicted first)."""
+        ...
+
+    def arena_file(self) -> ArenaFile | None:
+        """The file same-host clients may map (see the module docstring), or None."""
         ...
 
     def close(self) -> None: ...

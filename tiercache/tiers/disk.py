@@ -58,7 +58,7 @@ class _Entry:
 class DiskTier(IndexedTier):
     name = "disk"
     checksum_on_read = True
-    shared = False
+    shared_by_nodes = False
 
     def __init__(self, config: DiskTierConfig) -> None:
         self.root = Path(config.path).expanduser()
@@ -144,6 +144,9 @@ class DiskTier(IndexedTier):
             removed = self._take_out(keys)
         self._discard(removed, read=False)
         return len(removed)
+
+    def arena_file(self) -> None:
+        return None  # no same-host path: records are read through the server
 
     def close(self) -> None:
         """Every file is complete on disk once put returns; evicted ones are unlinked before close returns."""

@@ -63,7 +63,7 @@ def _credentials(config: RedisTierConfig) -> dict:
 class RedisTier:
     name = "redis"
     checksum_on_read = True
-    shared = True
+    shared_by_nodes = True
 
     def __init__(self, config: RedisTierConfig, client: redis.Redis | None = None) -> None:
         assert config.url, "RedisTier needs redis.url"
@@ -119,6 +119,9 @@ class RedisTier:
 
     def orphan(self, parent: ChunkKey) -> int:
         return 0  # Redis evicts by its own policy
+
+    def arena_file(self) -> None:
+        return None  # no same-host path: records are read through the server
 
     def close(self) -> None:
         self._redis.close()

@@ -1,0 +1,141 @@
+"""A running tiercache server: the store, the gRPC service (with health checking) on TCP and a unix socket, TLS,
+and the Prometheus endpoint; started and stopped as one."""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tiercache.config import Config, SecurityConfig
+from tiercache.errors import ConfigError
+from tiercache.protocol.wire import SERVICE_NAME
+from tiercache.server.auth import TenantTable
+from tiercache.server.leases import LeaseTable
+from tiercache.server.metrics import Metrics
+from tiercache.server.rpc import service_handler
+from tiercache.server.servicer import TierCacheServicer
+from tiercache.store.tiered import TieredStore
+
+
+def _grpc_options(max_chunk_bytes: int) -> list[tuple[str, int]]:
+    # grpc's default 4 MiB receive limit would reject a client that sends a whole chunk in one frame.
+    limit = max_chunk_bytes + (1 << 20)
+    # grpc sets SO_REUSEPORT by default: a second server on the same port would silently share its traffic.
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0)]
+
+
+def server_credentials(security: SecurityConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials for the gRPC port (None: plaintext); with a client CA, clients must present certificates."""
+    if not security.tls:
+        return None
+    cert, key = _read_pem(security.tls_cert_file), _read_pem(security.tls_key_file)
+    client_ca = _read_pem(security.tls_client_ca_file) if security.tls_client_ca_file else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
+def _read_pem(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _listen(server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Bind one address; the bound port (a unix socket gives 1), or a ConfigError saying why not."""
+    try:
+        port = (server.add_insecure_port(address) if credentials is None
+                else server.add_secure_port(address, credentials))
+    except RuntimeError:
+        port = 0
+    if not port:
+        raise ConfigError(f"cannot listen on {address.removeprefix('unix:')} (address in use or not available)")
+    return port
+
+
+class CacheServer:
+    """A running tiercache server: the store, the gRPC service with health checking, and the metrics endpoint."""
+
+    def __init__(self, config: Config, store: TieredStore | None = None) -> None:
+        self.config = config
+        self.store = store or TieredStore.from_config(config)
+        self.metrics = Metrics(self.store)
+        self.leases = LeaseTable(config.server.lease_ttl_s)
+        self.tenants = TenantTable.load(config.security.tenants_file)
+        self._server: grpc.Server | None = None
+        self._health_server: grpc.Server | None = None
+        self._health = health.HealthServicer()
+        self._stopped = threading.Event()
+        self.port = 0
+        self.health_port: int | None = None
+        self.metrics_port: int | None = None
+
+    def start(self) -> "CacheServer":
+        cfg = self.config.server
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="tiercache-rpc"),
+                             options=_grpc_options(cfg.max_chunk_bytes))
+        servicer = TierCacheServicer(self.store, self.config, self.metrics, self.leases, self.tenants)
+        server.add_generic_rpc_handlers((service_handler(servicer),))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        credentials = server_credentials(self.config.security)
+        self.port = _listen(server, _address(cfg.host, cfg.port), credentials)
+        if cfg.unix_socket:
+            # Only local processes reach a unix socket (file permissions guard it); tokens are still checked.
+            _listen(server, f"unix:{cfg.unix_socket}", None)
+        health_port = self.config.security.health_port
+        if health_port is not None:
+            self._health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
+                                              options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+            self.health_port = _listen(self._health_server, _address(cfg.host, health_port), None)
+        if cfg.metrics_port is not None:
+            try:
+                self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+            except OSError as exc:
+                raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: "
+                                  f"{exc.strerror}") from None
+        server.start()
+        self._server = server
+        if self._health_server is not None:
+            self._health_server.start()
+        for service in ("", SERVICE_NAME):
+            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    @property
+    def url(self) -> str:
+        host = self.config.server.host
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else ("localhost" if host == "::" else host)
+        return f"{'grpcs' if self.config.security.tls else 'grpc'}://{host}:{self.port}"
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop accepting RPCs, let running ones finish within `grace_s`, then close the tiers."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            self._server.stop(grace_s).wait()
+        if self._health_server is not None:
+            self._health_server.stop(0).wait()
+        self.metrics.close()
+        self.leases.close()  # takes back every reservation and read pin before the arena goes away
+        self.store.close()
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+    def __enter__(self) -> "CacheServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

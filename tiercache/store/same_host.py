@@ -1,0 +1,98 @@
+"""The same-host data path, store side: records written and read in place in the arena clients can map.
+
+gRPC carries control only (Attach, Reserve/Commit/Abort, Acquire/Release); the payload never crosses a socket. The
+arena is a tier's (the host tier's, in /dev/shm: `Tier.arena_file()`); this object is the store's view of it:
+- a write is *reserved* (room in the arena, invisible until committed, what it evicts demoted as usual), written by
+  the client at the `WriteGrant`'s payload ranges, then *committed* (the store places it like any put) or *aborted*;
+- a read is *pinned* (`ReadGrant`): promoted into the arena first when it lives below, held in place until unpinned.
+The server wraps every grant in a lease that expires (tiercache.server.leases), so a client that crashes cannot hold
+memory; the client half is tiercache.client.shared_arena.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tiercache.errors import CapacityExceeded, TierFull
+from tiercache.record import encoding
+from tiercache.record.keys import ChunkKey
+from tiercache.tiers.base import ArenaFile, Ranges
+
+if TYPE_CHECKING:
+    from tiercache.store.tiered import TieredStore
+
+
+@dataclass(frozen=True)
+class WriteGrant:
+    """Room for one record in the arena: the client writes the payload at `payload`, then commits or aborts."""
+
+    key: ChunkKey
+    payload: Ranges  # (offset, length) in the arena file, in payload order
+    reservation: object  # the tier's handle
+
+
+@dataclass(frozen=True)
+class ReadGrant:
+    """A chunk found for a same-host reader: pinned in the arena (`pinned`), or not (read it over gRPC)."""
+
+    tier: str  # where it was found
+    payload: Ranges  # (offset, length) in the arena file; empty when not pinned
+    size_bytes: int  # of the payload
+    pin: object | None  # the tier's handle; None: too large for the arena, or held above it by the GPU tier
+
+    @property
+    def pinned(self) -> bool:
+        return self.pin is not None
+
+
+class SameHostPath:
+    """The store's same-host path over the one tier whose arena clients can map (see the module docstring)."""
+
+    def __init__(self, store: "TieredStore", level: int) -> None:
+        self._store = store
+        self._level = level
+        self._tier = store.tiers[level]
+        self.arena: ArenaFile = self._tier.arena_file()
+
+    def reserve(self, key: ChunkKey, payload_bytes: int, meta: encoding.ChunkMeta) -> WriteGrant:
+        size = encoding.header_bytes(key, meta) + payload_bytes
+        more_below = self._level + 1 < len(self._store.tiers)
+        try:
+            reservation, evicted = self._tier.reserve(key, size, meta, return_evicted=more_below)
+        except TierFull as full:
+            self._store.demote(full.evicted, self._level)
+            raise CapacityExceeded(f"the shared arena has no room for {size} bytes") from None
+        self._store.demote(evicted, self._level)
+        return WriteGrant(key, tuple(reservation.payload_ranges), reservation)
+
+    def commit(self, grant: WriteGrant) -> str:
+        """Make a written record visible; returns the tier that holds it."""
+        reservation = grant.reservation
+        self._tier.commit(reservation)
+        self._store.after_placement(reservation.key, reservation.meta, self._level,
+                                    lambda: self._tier.get(reservation.key))
+        return self._tier.name
+
+    def abort(self, grant: WriteGrant) -> None:
+        self._tier.abort(grant.reservation)
+
+    def pin(self, key: ChunkKey) -> ReadGrant | None:
+        """Hold a chunk in the arena for a reader, promoting it there first when it lives below; None when absent."""
+        pin = self._tier.pin(key)
+        if pin is not None:
+            self._store.count_hit(self._tier)
+            return _read_grant(self._tier.name, pin)
+        found = self._store.get(key)
+        if found is None:
+            return None
+        pin = self._tier.pin(key)
+        return _read_grant(found.tier, pin) if pin is not None else ReadGrant(found.tier, (), len(found.payload), None)
+
+    def unpin(self, grant: ReadGrant) -> None:
+        self._tier.unpin(grant.pin)
+
+
+def _read_grant(tier: str, pin) -> ReadGrant:
+    payload = tuple(pin.payload_ranges)
+    return ReadGrant(tier, payload, sum(n for _, n in payload), pin)
