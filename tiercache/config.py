@@ -13,11 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
 from tiercache.errors import ConfigError
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+
+# Defaults the client shares with the server (a client talks to servers on their defaults unless told otherwise).
+DEFAULT_MAX_CHUNK_BYTES = 64 * MiB  # the largest chunk a server takes (server.max_chunk_bytes)
+DEFAULT_FRAME_BYTES = MiB  # gRPC data frames: grpcio streams 1 MiB frames ~10x faster than one large message
+DEFAULT_LEASE_TTL_S = 30.0  # same-host reservations and read pins not committed / released by then are taken back
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -167,12 +170,12 @@ class RedisTierConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
-    max_chunk_bytes: int = 64 * MiB
-    frame_bytes: int = 1 * MiB
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+    frame_bytes: int = DEFAULT_FRAME_BYTES
     workers: int = 16
     metrics_port: int | None = None  # Prometheus endpoint; off unless set
     metrics_host: str = "127.0.0.1"
-    lease_ttl_s: float = 30.0  # same-host reservations and read pins not committed / released by then are taken back
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     unix_socket: str | None = None  # also listen on this unix socket (clients: grpc+unix:///path)
 
     def __post_init__(self) -> None:
@@ -242,11 +245,7 @@ def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
     if not isinstance(values, Mapping):
         raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(values).__name__}")
     hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown config key {where + '.' if where else ''}{unknown[0]} "
-                          f"(known: {', '.join(sorted(known))})")
+    refuse_unknown(values, [f.name for f in dataclasses.fields(cls)], "unknown config key", prefix=f"{where}." if where else "")
     kwargs = {}
     for name, value in values.items():
         path = f"{where}.{name}" if where else name
@@ -257,15 +256,33 @@ def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
     return cls(**kwargs)
 
 
+def refuse_unknown(given: typing.Iterable[str], known: typing.Iterable[str], head: str,
+                   error: type[Exception] = ConfigError, prefix: str = "") -> None:
+    """The one rule for every mapping users write (the config file, the tenants file, an engine's extra config): a key
+    we do not know is refused, with the keys we do know, never ignored (a typo would silently change nothing).
+    The message is `head`, the unknown keys (each after `prefix`: a dotted path), and the known ones."""
+    known = sorted(known)
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise error(f"{head} {', '.join(prefix + key for key in unknown)} (known: {', '.join(known)})")
+
+
+def read_file(path: str | Path, what: str = "file", error: type[Exception] = ConfigError) -> bytes:
+    """A file named in configuration (config, tenants, TLS certificates and keys, tokens), or a clear error."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}: {exc.strerror}") from None
+
+
 def from_mapping(values: Mapping[str, Any]) -> Config:
     return _build(Config, values, "")
 
 
 def load_file(path: str | Path) -> Config:
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    import yaml  # here, not at the top: engine processes import this module for its defaults, never a YAML file
+
+    text = read_file(path, "config file").decode()
     try:
         values = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:

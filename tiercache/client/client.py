@@ -19,15 +19,14 @@ import grpc
 from tiercache.client.retry import RetryPolicy
 from tiercache.client.shared_arena import SharedArena
 from tiercache.client.transport import Security, open_channel, parse_url
+from tiercache.config import DEFAULT_FRAME_BYTES, DEFAULT_MAX_CHUNK_BYTES
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound, TierCacheError, Unavailable
 from tiercache.prefix.objects import ChainShape
-from tiercache.protocol.wire import error_for, frames, lookup_request, pb, pb_grpc, stats_dict
+from tiercache.protocol.wire import error_for, frames, max_message_bytes, lookup_request, pb, pb_grpc, stats_dict
 from tiercache.record.encoding import ChunkMeta
 from tiercache.record.keys import validate_key, validate_namespace
 
 T = TypeVar("T")
-DEFAULT_FRAME_BYTES = 1 << 20
-DEFAULT_MAX_CHUNK_BYTES = 64 << 20
 
 
 class Chunk(NamedTuple):
@@ -55,7 +54,7 @@ class Client:
                  frame_bytes: int = DEFAULT_FRAME_BYTES, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                  same_host: bool | None = None, tls: bool = False, security: Security | None = None) -> None:
         """`target` is a gRPC target (host:port, unix:/path); most callers want `Client.from_url`."""
-        limit = max_chunk_bytes + (1 << 20)
+        limit = max_message_bytes(max_chunk_bytes)
         self._channel = open_channel(target, tls=tls, security=security or Security.from_env(), options=[
             ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
         self._stub = pb_grpc.TierCacheStub(self._channel)

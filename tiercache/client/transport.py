@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import urlparse
 
 import grpc
 
+from tiercache.config import read_file
 from tiercache.errors import InvalidArgument
 from tiercache.protocol.wire import AUTHORIZATION
 
@@ -47,10 +47,7 @@ class Security:
 def _read_token(path: str | None) -> str | None:
     if not path:
         return None
-    try:
-        return Path(path).read_text().strip() or None
-    except OSError as exc:
-        raise InvalidArgument(f"cannot read the token file {path}: {exc.strerror}") from None
+    return read_file(path, "token file", InvalidArgument).decode().strip() or None
 
 
 def parse_url(url: str) -> tuple[str, bool]:
@@ -85,12 +82,7 @@ def open_channel(target: str, *, tls: bool, security: Security, options: list[tu
 
 
 def _pem(path: str | None) -> bytes | None:
-    if not path:
-        return None
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise InvalidArgument(f"cannot read {path}: {exc.strerror}") from None
+    return read_file(path, "TLS file", InvalidArgument) if path else None
 
 
 class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,

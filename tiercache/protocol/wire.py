@@ -60,6 +60,12 @@ def error_for(code: grpc.StatusCode, message: str) -> TierCacheError:
     return TierCacheError(f"{code.name}: {message}")
 
 
+def max_message_bytes(max_chunk_bytes: int) -> int:
+    """gRPC's message limit for a peer taking chunks of up to max_chunk_bytes: grpcio's default 4 MiB would reject a
+    client that sends a whole chunk in one message; one frame of headroom covers the header fields."""
+    return max_chunk_bytes + (1 << 20)
+
+
 def frames(payload: memoryview, frame_bytes: int) -> Iterator[bytes]:
     """Split a payload into data frames; grpcio streams 1 MiB frames ~10x faster than one big message."""
     for start in range(0, len(payload), frame_bytes):

@@ -34,7 +34,6 @@ from tiercache.record.keys import ChunkKey
 
 MAGIC = b"TCHK"
 FORMAT_VERSION = 1
-CODEC_RAW = 0
 
 CLASS_KV = 0  # attention KV, tails, and anything else: LRU
 CLASS_STATE = 1  # recurrent-state checkpoints: own budget, evicted by value
@@ -72,7 +71,7 @@ def header_bytes(key: ChunkKey, meta: ChunkMeta = ChunkMeta()) -> int:
     return FIXED_HEADER_BYTES + len(key.namespace.encode()) + len(key.key) + len(meta.parent)
 
 
-def header(key: ChunkKey, meta: ChunkMeta, payload_parts, codec: int = CODEC_RAW, seal: bool = True) -> bytearray:
+def header(key: ChunkKey, meta: ChunkMeta, payload_parts, codec: int = codec.RAW, seal: bool = True) -> bytearray:
     """The header of a record whose payload is the concatenation of `payload_parts` (bytes-like objects).
 
     Parts let a payload that lies in several arena extents be summed where it lies, without gathering it first.
@@ -115,7 +114,7 @@ def sealed(record, key: ChunkKey):
     return record
 
 
-def seal(record: bytearray | memoryview, key: ChunkKey, meta: ChunkMeta = ChunkMeta(), codec: int = CODEC_RAW) -> None:
+def seal(record: bytearray | memoryview, key: ChunkKey, meta: ChunkMeta = ChunkMeta(), codec: int = codec.RAW) -> None:
     """Write the header into the front of `record`, whose payload region is already filled.
 
     Lets a receiver assemble the payload in place (no extra copy) and seal it once complete.
@@ -125,7 +124,7 @@ def seal(record: bytearray | memoryview, key: ChunkKey, meta: ChunkMeta = ChunkM
     view[:start] = header(key, meta, [view[start:]], codec)
 
 
-def encode(key: ChunkKey, payload, meta: ChunkMeta = ChunkMeta(), codec: int = CODEC_RAW) -> bytearray:
+def encode(key: ChunkKey, payload, meta: ChunkMeta = ChunkMeta(), codec: int = codec.RAW) -> bytearray:
     """A sealed record holding a copy of `payload` (any bytes-like object)."""
     start = header_bytes(key, meta)
     payload = memoryview(payload).cast("B")
@@ -189,7 +188,7 @@ def decode(record, expected: ChunkKey, verify: bool = True) -> memoryview:
     if verify and (fields[6] & UNSEALED
                    or _FIXED.unpack_from(header(expected, parsed.meta, [payload], parsed.codec), 0)[-1] != fields[-1]):
         raise ChunkCorrupt(f"checksum mismatch for {expected}")
-    if parsed.codec != CODEC_RAW:
+    if parsed.codec != codec.RAW:
         return memoryview(codec.decompress(parsed.codec, payload))
     return payload
 
@@ -202,8 +201,8 @@ def transcode(record, key: ChunkKey, target: int):
     parsed = read_header(record)
     if parsed.codec == target:
         return record
-    payload = decode(record, key, verify=parsed.codec != CODEC_RAW)
-    if target == CODEC_RAW:
+    payload = decode(record, key, verify=parsed.codec != codec.RAW)
+    if target == codec.RAW:
         return encode(key, payload, parsed.meta)
     stored = codec.compress(target, payload)
     return header(key, parsed.meta, [stored], target) + stored

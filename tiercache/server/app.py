@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import threading
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tiercache.config import Config, SecurityConfig
+from tiercache.config import Config, SecurityConfig, read_file
 from tiercache.errors import ConfigError
-from tiercache.protocol.wire import SERVICE_NAME
+from tiercache.protocol.wire import SERVICE_NAME, max_message_bytes
 from tiercache.server.auth import TenantTable
 from tiercache.server.leases import LeaseTable
 from tiercache.server.metrics import Metrics
@@ -23,7 +22,7 @@ from tiercache.store.tiered import TieredStore
 
 def _grpc_options(max_chunk_bytes: int) -> list[tuple[str, int]]:
     # grpc's default 4 MiB receive limit would reject a client that sends a whole chunk in one frame.
-    limit = max_chunk_bytes + (1 << 20)
+    limit = max_message_bytes(max_chunk_bytes)
     # grpc sets SO_REUSEPORT by default: a second server on the same port would silently share its traffic.
     return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0)]
@@ -33,17 +32,11 @@ def server_credentials(security: SecurityConfig) -> grpc.ServerCredentials | Non
     """TLS credentials for the gRPC port (None: plaintext); with a client CA, clients must present certificates."""
     if not security.tls:
         return None
-    cert, key = _read_pem(security.tls_cert_file), _read_pem(security.tls_key_file)
-    client_ca = _read_pem(security.tls_client_ca_file) if security.tls_client_ca_file else None
+    cert = read_file(security.tls_cert_file, "TLS certificate")
+    key = read_file(security.tls_key_file, "TLS key")
+    client_ca = read_file(security.tls_client_ca_file, "TLS client CA") if security.tls_client_ca_file else None
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
                                        require_client_auth=client_ca is not None)
-
-
-def _read_pem(path: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
 
 
 def _address(host: str, port: int) -> str:

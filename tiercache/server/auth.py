@@ -25,12 +25,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Mapping, Sequence
 
 import yaml
 
-from tiercache.config import parse_size
+from tiercache.config import parse_size, read_file, refuse_unknown
 from tiercache.errors import CapacityExceeded, ConfigError, PermissionDenied, Unauthenticated
 from tiercache.protocol.wire import AUTHORIZATION
 from tiercache.record.keys import salt_suffix
@@ -92,10 +91,9 @@ class TenantTable:
     def load(cls, path: str | None) -> "TenantTable":
         if not path:
             return cls()
+        text = read_file(path, "tenants file")
         try:
-            values = yaml.safe_load(Path(path).read_text()) or {}
-        except OSError as exc:
-            raise ConfigError(f"cannot read tenants file {path}: {exc.strerror}") from None
+            values = yaml.safe_load(text) or {}
         except yaml.YAMLError:
             # Not the parser's message: it quotes the offending line, which may hold a token.
             raise ConfigError(f"tenants file {path} is not valid YAML") from None
@@ -127,9 +125,7 @@ class TenantTable:
 def _tenant(name: str, entry: object) -> tuple[bytes, Tenant]:
     if not isinstance(entry, dict):
         raise ConfigError(f"tenant {name!r}: expected a mapping")
-    unknown = sorted(set(entry) - _TENANT_KEYS)
-    if unknown:
-        raise ConfigError(f"tenant {name!r}: unknown key {unknown[0]} (known: {', '.join(sorted(_TENANT_KEYS))})")
+    refuse_unknown(entry, _TENANT_KEYS, f"tenant {name!r}: unknown key")
     if ("token" in entry) == ("token_sha256" in entry):
         raise ConfigError(f"tenant {name!r}: give exactly one of token or token_sha256")
     if "token" in entry:

@@ -18,8 +18,6 @@ from typing import Callable, Sequence
 
 from tiercache.errors import NotFound
 
-DEFAULT_LEASE_TTL_S = 30.0
-
 
 @dataclass
 class _Lease:
@@ -31,7 +29,7 @@ class _Lease:
 
 
 class LeaseTable:
-    def __init__(self, ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
+    def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         self._leases: dict[int, _Lease] = {}
         self._lock = threading.Lock()

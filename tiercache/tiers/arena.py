@@ -19,6 +19,7 @@ from typing import Protocol, Sequence
 from tiercache.config import state_budget
 from tiercache.errors import TierFull
 from tiercache.record import encoding
+from tiercache.record.codec import RAW
 from tiercache.record.keys import ChunkKey
 from tiercache.tiers.allocator import Extent, ExtentAllocator
 from tiercache.tiers.base import ArenaFile, Evicted, IndexedTier, Ranges
@@ -110,7 +111,7 @@ def _payload_ranges(key: ChunkKey, meta: encoding.ChunkMeta, ranges: Ranges) -> 
 class ArenaTier(IndexedTier):
     checksum_on_read = False  # the bytes never leave this process's memory
     shared_by_nodes = False
-    codec = 0  # memory tiers hold raw records: readers copy payloads straight out
+    codec = RAW  # memory tiers hold raw records: readers copy payloads straight out
 
     def __init__(self, name: str, memory: ArenaMemory, capacity_bytes: int, page_bytes: int,
                  state_budget_bytes: int | None, state_value_weight: float) -> None:

@@ -39,6 +39,7 @@ from tiercache.connector.vllm.identity import engine_identity
 from tiercache.connector.vllm.layout import engine_groups, model_layout, paged_views
 from tiercache.connector.vllm.plan import Planner, StepPlan
 from tiercache.connector.vllm.transfer import Transfers
+from tiercache.config import refuse_unknown
 from tiercache.errors import InvalidArgument
 from tiercache.prefix.objects import CacheSpec
 
@@ -66,11 +67,8 @@ class Settings:
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> "Settings":
         extra = dict(extra or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise InvalidArgument(f"unknown kv_connector_extra_config keys for TierCacheConnector: {unknown} "
-                                  f"(known: {sorted(known)})")
+        refuse_unknown(extra, [f.name for f in fields(cls)],
+                       "unknown kv_connector_extra_config keys for TierCacheConnector:", InvalidArgument)
         extra["url"] = extra.get("url") or os.environ.get("TIERCACHE_URL", DEFAULT_URL)
         return cls(**extra)
 
