@@ -245,7 +245,8 @@ def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
     if not isinstance(values, Mapping):
         raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(values).__name__}")
     hints = typing.get_type_hints(cls)
-    refuse_unknown(values, [f.name for f in dataclasses.fields(cls)], "unknown config key", prefix=f"{where}." if where else "")
+    known = [f.name for f in dataclasses.fields(cls)]
+    refuse_unknown(values, known, "unknown config key", prefix=f"{where}." if where else "")
     kwargs = {}
     for name, value in values.items():
         path = f"{where}.{name}" if where else name
