@@ -295,7 +295,7 @@ def summarize(run: dict, spec: CacheSpec, args) -> dict:
     capacity = sum(t["capacity_bytes"] for t in samples[-1]["tiers"].values())
     return {
         "model": spec.layout.model, "N": spec.chunk_tokens, "u": spec.match_unit,
-        "state_bytes": spec.layout.state_bytes, "kv_chunk_bytes": spec.layout.kv_bytes_per_token * spec.chunk_tokens,
+        "state_bytes": spec.layout.state_bytes, "kv_chunk_bytes": spec.kv_chunk_bytes,
         "host_mem": args.host_mem, "disk_size": args.disk_size, "capacity_bytes": capacity, "seed": args.seed,
         "requests": len(rows), "elapsed_s": run["elapsed_s"], "window": args.window,
         "requests_by_kind": dict(collections.Counter(r["kind"] for r in rows)),

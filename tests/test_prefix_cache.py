@@ -143,7 +143,7 @@ def test_a_cache_outage_is_a_miss_never_a_failed_request(start_server, caplog):
         server.stop(grace_s=0)
         assert cache.lookup(prompt).hit.tokens == 0
         assert cache.load(hit) is None
-        _, plan = cache.plan_finish(prompt, 100)
+        plan = cache.plan_finish(prompt, 100)
         assert cache.save({ref: bytes(cache.spec.object_bytes(ref)) for ref in plan.objects}).objects == 0
     assert "treating it as a miss" in caplog.text and "skipped" in caplog.text
 

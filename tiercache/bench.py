@@ -68,7 +68,7 @@ class SimulatedEngine:
             result.loaded_objects, result.loaded_bytes_by_tier = len(loaded[0]), loaded[1]
         self._save(self.cache.plan_prompt(lookup).objects, result)
         if output is not None and len(output):
-            _, plan = self.cache.plan_finish(np.concatenate([prompt, output]), len(prompt))
+            plan = self.cache.plan_finish(np.concatenate([prompt, output]), len(prompt))
             self._save(plan.objects, result)
         return result
 
@@ -192,7 +192,7 @@ def run_cliff(client: Client, *, preset_name: str, repeats: int, turns: int, sys
     warm = [row["lookup_ms"] for row in long[1:]] or [long[0]["lookup_ms"]]
     return {"preset": preset_name, "model": spec.layout.model, "namespace": spec.namespace,
             "N": spec.chunk_tokens, "u": spec.match_unit, "state_bytes": spec.layout.state_bytes,
-            "kv_chunk_bytes": spec.layout.kv_bytes_per_token * spec.chunk_tokens,
+            "kv_chunk_bytes": spec.kv_chunk_bytes,
             "repeated": repeated, "multi_turn": chat, "multi_turn_long": chat_long, "long_context": long,
             "branches": branched,
             f"lookup_ms_{document_tokens}": statistics.median(warm),

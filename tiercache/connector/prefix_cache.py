@@ -127,10 +127,12 @@ class PrefixCache:
         return {ref: f.data for ref, f in zip(refs, fetched)}, by_tier
 
     def plan_prompt(self, lookup: Lookup) -> SavePlan:
+        """What to save after computing the prompt past its hit (nothing the lookup found present)."""
         return plan_prompt_admission(self.spec, lookup.hashes, lookup.hit.tokens, lookup.present)
 
-    def plan_finish(self, tokens, prompt_tokens: int) -> tuple[PrefixHashes, SavePlan]:
-        """What to save at the end of a request whose cache covers `tokens` (prompt and output): one Exists call."""
+    def plan_finish(self, tokens, prompt_tokens: int) -> SavePlan:
+        """What to save at the end of a request whose cache covers `tokens` (prompt and output), of which the first
+        `prompt_tokens` were the prompt: nothing already present (one Exists call)."""
         hashes = self.spec.hashes(tokens)
         plan = plan_finish_admission(self.spec, hashes, prompt_tokens)
         try:
@@ -138,7 +140,7 @@ class PrefixCache:
         except Unavailable:
             where = [None] * len(plan.objects)  # the save that follows will be skipped too
         present = {r.key: t for r, t in zip(plan.objects, where) if t is not None}
-        return hashes, plan_finish_admission(self.spec, hashes, prompt_tokens, present)
+        return plan_finish_admission(self.spec, hashes, prompt_tokens, present)
 
     def save(self, payloads: Mapping[ObjectRef, object]) -> SaveResult:
         return save_objects(self.client, self.namespace, payloads)

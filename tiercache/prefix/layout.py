@@ -155,10 +155,6 @@ class ModelLayout:
         group = self.recurrent_group
         return group.state_bytes if group else 0
 
-    def kv_chunk_bytes(self, group: int, tokens: int) -> int:
-        """Bytes of the kv (or tail) object of attention group index `group` covering `tokens` tokens."""
-        return self.groups[group].kv_bytes_per_token * tokens
-
     def fingerprint(self, n: int, u: int) -> str:
         """16 hex characters that change whenever the cached bytes' meaning would: dtypes, shapes, N, u, TP, groups."""
         parts = [f"N{n}", f"u{u}", f"tp{self.tp_rank}/{self.tp_size}", *(g.describe() for g in self.groups)]

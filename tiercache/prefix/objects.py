@@ -76,6 +76,11 @@ class CacheSpec:
     def hashes(self, tokens) -> PrefixHashes:
         return PrefixHashes(self.namespace, tokens, self.chunk_tokens, self.match_unit)
 
+    @property
+    def kv_chunk_bytes(self) -> int:
+        """The KV bytes of one chunk, over every attention group (what a chunk boundary adds to a prefix)."""
+        return self.layout.kv_bytes_per_token * self.chunk_tokens
+
     def object_bytes(self, ref: "ObjectRef") -> int:
         """The payload size an object of this layout has (what an engine writes; the bench uses it)."""
         if ref.kind is ObjectKind.STATE:

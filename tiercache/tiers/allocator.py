@@ -1,10 +1,10 @@
-"""The page allocator behind the memory arenas (host now, GPU later).
+"""The page allocator behind the memory arenas (the host and GPU tiers).
 
 An arena is cut into `total_pages` pages of one size. A record takes `ceil(size / page)` pages, as one contiguous
 extent when a free run is large enough (best fit, so big runs stay whole) and otherwise as several extents. So:
 - internal fragmentation is bounded by one page per record (the partial last page);
 - there is no external fragmentation: any `free_pages >= n` request succeeds, however scattered the free pages are.
-Contiguity is preferred because one extent is one memcpy (and later one DMA), not because correctness needs it.
+Contiguity is preferred because one extent is one memcpy (one DMA in the GPU tier), not because correctness needs it.
 
 Not thread-safe: the owning tier calls it under its metadata lock.
 """

@@ -118,7 +118,7 @@ class CachedPrefill:
         output). Also trims sliding-window layers back to their window (prefill keeps them whole until here)."""
         tokens = _token_array(token_ids)
         if not self.refusal and len(tokens) > prompt_tokens:
-            _, plan = self.cache.plan_finish(tokens, prompt_tokens)
+            plan = self.cache.plan_finish(tokens, prompt_tokens)
             state = {len(tokens): state_payload(past_key_values, self.layout.recurrent_group)} \
                 if self.layout.recurrent_group is not None else {}
             self.cache.save(self._payloads(past_key_values, plan.objects, state))
