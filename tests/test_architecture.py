@@ -1,0 +1,108 @@
+"""The package's layers, as docs/architecture.md documents them: every import in tiercache goes where the table allows,
+every module belongs to a documented layer and says what it is, and an engine process importing the client loads no
+server-side code."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import python_env
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "tiercache"
+DOC = ROOT / "docs" / "architecture.md"
+SERVER_SIDE = ("tiercache.store", "tiercache.tiers", "tiercache.server")
+SERVER_LIBRARIES = ("yaml", "redis", "prometheus_client")
+
+
+def documented_layers() -> dict[str, set[str]]:
+    """The table between the layers markers: layer -> the layers it may import."""
+    text = DOC.read_text()
+    table = text[text.index("<!-- layers:begin -->"):text.index("<!-- layers:end -->")]
+    layers = {}
+    for row in table.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`"):
+            layers[cells[0].strip("`")] = set(re.findall(r"`([\w.]+)`", cells[1]))
+    return layers
+
+
+def modules() -> list[tuple[str, Path]]:
+    """(dotted name, path) of every module in the package but the generated stubs."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if "_proto" in parts:
+            continue
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found.append((name, path))
+    return found
+
+
+def layer_of(module: str) -> str | None:
+    """The layer a dotted module name is in: the first name under tiercache (None for the package root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def imported_layers(path: Path) -> set[tuple[str, int]]:
+    """(layer, line) of every tiercache import in a module, function-level ones too (a lazy import is still one)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "tiercache":  # `from tiercache import x`: a submodule, or a name of the root package
+                names = [f"tiercache.{alias.name}" for alias in node.names
+                         if (PACKAGE / alias.name).is_dir() or (PACKAGE / f"{alias.name}.py").exists()]
+            else:
+                names = [node.module]
+        for name in names:
+            layer = layer_of(name) if name.startswith("tiercache.") else None
+            if layer:
+                found.add((layer, node.lineno))
+    return found
+
+
+def test_the_doc_names_a_layer_for_every_module():
+    layers = documented_layers()
+    assert "errors" in layers and "client" in layers  # the table was found
+    missing = sorted({layer_of(name) for name, _ in modules()} - set(layers) - {None})
+    assert missing == [], f"add these to the layers table in docs/architecture.md: {missing}"
+
+
+def test_every_import_follows_the_documented_direction():
+    layers = documented_layers()
+    broken = []
+    for name, path in modules():
+        own = layer_of(name)
+        if own is None:
+            continue  # the package root imports nothing eagerly (checked below)
+        for layer, line in sorted(imported_layers(path)):
+            if layer != own and layer not in layers[own]:
+                broken.append(f"{path.relative_to(ROOT)}:{line} imports {layer} ({own} may import "
+                              f"{', '.join(sorted(layers[own])) or 'nothing'})")
+    assert broken == []
+
+
+def test_every_module_says_what_it_is():
+    undocumented = [str(path.relative_to(ROOT)) for _, path in modules()
+                    if not ast.get_docstring(ast.parse(path.read_text()))]
+    assert undocumented == []
+
+
+@pytest.mark.parametrize("entry", ["tiercache", "tiercache.client", "tiercache.connector"])
+def test_an_engine_process_loads_no_server_side_code(entry):
+    script = (f"import sys, {entry}\n"
+              f"print('\\n'.join(sorted(m for m in sys.modules if m.startswith({SERVER_SIDE!r}) "
+              f"or m.split('.')[0] in {SERVER_LIBRARIES!r} or m == 'tiercache.server.auth')))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env=python_env())
+    assert out.stdout.split() == []
