@@ -23,6 +23,7 @@ from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey
 from tiercache.store.same_host import SameHostPath
 from tiercache.store.stats import LookupStats, NamespaceUsage, StoreStats, TierCounters, TierStats
+from tiercache.tiers import from_config as tiers_from_config
 from tiercache.tiers.base import Evicted, IndexedTier, Tier
 
 LOST_KEYS_REMEMBERED = 1 << 16  # keys lost for good that the store remembers (see after_placement)
@@ -56,20 +57,7 @@ class TieredStore:
 
     @classmethod
     def from_config(cls, config: Config) -> "TieredStore":
-        from tiercache.tiers.disk import DiskTier
-        from tiercache.tiers.gpu import gpu_tier
-        from tiercache.tiers.host import host_tier
-        from tiercache.tiers.redis import RedisTier
-
-        tiers: list[Tier] = []
-        if config.gpu.capacity_bytes:
-            tiers.append(gpu_tier(config.gpu))
-        if config.host.capacity_bytes:
-            tiers.append(host_tier(config.host))
-        if config.disk.capacity_bytes:
-            tiers.append(DiskTier(config.disk))
-        if config.redis.url:
-            tiers.append(RedisTier(config.redis))
+        tiers = tiers_from_config(config)
         if not tiers:
             raise CapacityExceeded("every tier is disabled: give the host, disk or redis tier some capacity")
         return cls(tiers, write_through=config.redis.write_through)
