@@ -18,7 +18,7 @@ from tiercache.errors import InvalidArgument
 #   - between chunk boundaries, one link per N tokens:     h(kN) = H(h((k-1)N) || tokens[(k-1)N:kN]);
 #   - inside a chunk, one link per match unit u from its start: h(kN + ju) = H(h(kN + (j-1)u) || u tokens);
 #   - at any other position p, a *ragged* link from the last multiple of u below p.
-# A one-link-per-u chain over the whole prompt (DESIGN's first sketch) costs one Python-level call per 16 tokens:
+# A one-link-per-u chain over the whole prompt (the first design's) costs one Python-level call per 16 tokens:
 # 7 ms for 262,144 tokens on our machines. Lookups need hashes only at chunk boundaries and near the prompt's end,
 # and N-token links hash 262,144 tokens in ~0.3 ms, with the same meaning: equal hashes <=> equal prefixes.
 
