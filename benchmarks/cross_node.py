@@ -22,10 +22,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import numpy as np  # noqa: E402
 
+from tests.redis_processes import RedisClusterProcess, RedisProcess  # noqa: E402
 from tiercache.client import Client  # noqa: E402
 from tiercache.connector.hf.prefill import CachedPrefill  # noqa: E402
 from tiercache.demo import qwen35_model  # noqa: E402
-from tiercache.process import RedisClusterProcess, RedisProcess, ServerProcess  # noqa: E402
+from tiercache.process import ServerProcess  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from hf_ttft import add_model_arguments, baseline_ms, describe_model  # noqa: E402

@@ -24,10 +24,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from tests.redis_processes import RedisProcess  # noqa: E402
 from tiercache.client import Client  # noqa: E402
 from tiercache.connector.hf.prefill import CachedPrefill  # noqa: E402
 from tiercache.demo import qwen35_model  # noqa: E402
-from tiercache.process import RedisProcess, ServerProcess  # noqa: E402
+from tiercache.process import ServerProcess  # noqa: E402
 
 TIERS = {
     "host": ["--host-mem", "2GiB", "--disk-size", "0"],

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import RedisProcess
+from tests.redis_processes import RedisProcess
 from tiercache.config import Config, DiskTierConfig, HostTierConfig, MiB, RedisTierConfig, SecurityConfig, ServerConfig
 from tiercache.server.app import CacheServer
 

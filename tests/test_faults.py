@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -56,31 +57,32 @@ def test_redis_killed_and_restarted_under_eight_client_threads(start_server, red
                     failures.append(repr(exc))
                 calls[0] += 1
 
-    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
-    for t in threads:
-        t.start()
-    def traffic(more: int) -> None:  # let the clients make `more` calls before the next step
-        target = calls[0] + more
-        wait_for(lambda: calls[0] >= target, timeout_s=60, what=f"{more} more client calls")
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        workers = [pool.submit(worker, n) for n in range(8)]
 
-    try:
-        traffic(100)
-        redis_proc.kill()
-        traffic(300)  # under load while Redis is gone
-        redis_proc.start()
-        back = time.monotonic()
-        with Client.from_url(server.url) as client:
-            # The tier retries after its backoff (at most redis.max_backoff_s); the next write-through marks it up.
-            def redis_up() -> bool:
-                client.put(NS, b"probe", b"p")
-                return next(t for t in client.stats()["tiers"] if t["name"] == "redis")["up"]
-            wait_for(redis_up, timeout_s=10, what="redis tier up")
-            rejoined = time.monotonic() - back
-        traffic(100)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
+        def traffic(more: int) -> None:  # let the clients make `more` calls before the next step
+            target = calls[0] + more  # (a worker that died stops waiting: its exception is raised below)
+            wait_for(lambda: calls[0] >= target or any(w.done() for w in workers), timeout_s=60,
+                     what=f"{more} more client calls")
+
+        try:
+            traffic(100)
+            redis_proc.kill()
+            traffic(300)  # under load while Redis is gone
+            redis_proc.start()
+            back = time.monotonic()
+            with Client.from_url(server.url) as client:
+                # The tier retries after its backoff (at most redis.max_backoff_s); the next write-through marks it up.
+                def redis_up() -> bool:
+                    client.put(NS, b"probe", b"p")
+                    return next(t for t in client.stats()["tiers"] if t["name"] == "redis")["up"]
+                wait_for(redis_up, timeout_s=10, what="redis tier up")
+                rejoined = time.monotonic() - back
+            traffic(100)
+        finally:
+            stop.set()  # leaving the pool joins the workers
+    for w in workers:
+        w.result()  # an exception in a client thread fails the test
     assert calls[0] > 100
     assert failures == [] and wrong == []
     assert rejoined < 5.0
@@ -112,14 +114,16 @@ def test_sigkill_mid_write_loses_no_acknowledged_durable_put(tmp_path):
                     acknowledged.append(key)
                 i += 1
 
-    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
-    for t in threads:
-        t.start()
-    wait_for(lambda: len(acknowledged) >= 40, timeout_s=60, what="40 acknowledged puts")
-    server.kill()  # SIGKILL: no shutdown code runs
-    stop.set()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        writers = [pool.submit(writer, n) for n in range(4)]
+        try:  # (a writer that failed stops waiting: its exception is raised below)
+            wait_for(lambda: len(acknowledged) >= 40 or any(w.done() and w.exception() for w in writers),
+                     timeout_s=60, what="40 acknowledged puts")
+        finally:
+            server.kill()  # SIGKILL: no shutdown code runs
+            stop.set()  # leaving the pool joins the writers
+    for w in writers:
+        w.result()  # a failed assertion (or any exception) in a writer thread fails the test
     with _durable_server(tmp_path / "disk") as restarted, Client.from_url(restarted.url) as client:
         for key in acknowledged:
             size = len(client.get(NS, key) or b"")

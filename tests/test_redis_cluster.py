@@ -9,10 +9,10 @@ import threading
 import pytest
 
 from tests.helpers import wait_for
+from tests.redis_processes import RedisClusterProcess
 from tiercache.client import Client
 from tiercache.config import Config, DiskTierConfig, HostTierConfig, KiB, MiB, RedisTierConfig
 from tiercache.errors import TierDown
-from tiercache.process import RedisClusterProcess
 from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey
 from tiercache.store.tiered import TieredStore

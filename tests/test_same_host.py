@@ -11,7 +11,7 @@ from tests.helpers import wait_for
 from tiercache.client import Client
 from tiercache.client.shared_arena import SharedArena
 from tiercache.config import MiB
-from tiercache.errors import InvalidArgument, Unavailable
+from tiercache.errors import InvalidArgument, NotFound, Unavailable
 from tiercache.protocol.wire import pb, pb_grpc
 
 NS = "same-host"
@@ -175,7 +175,7 @@ def test_lease_table_quarantines_expired_reservations_and_reports_lapsed_reads()
         now = __import__("time").monotonic() + 61
         table.expire(now)
         assert released == ["r"]  # the read pin is released; the reservation is only quarantined
-        with pytest.raises(Exception):
+        with pytest.raises(NotFound):  # the reservation is quarantined: it can no longer be committed
             table.take(write, writable=True)
         assert table.release([read], writable=False) == [read]  # reported as lapsed
         table.expire(now + 61)

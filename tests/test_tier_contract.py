@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -118,11 +118,10 @@ class TestEveryTier:
                     except Exception as exc:  # noqa: BLE001
                         errors.append(exc)
 
-        threads = [threading.Thread(target=worker, args=(b,)) for b in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            workers = [pool.submit(worker, b) for b in range(6)]
+        for w in workers:
+            w.result()  # an exception in a put or get of a worker thread fails the test
         assert errors == []
 
 
