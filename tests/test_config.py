@@ -32,6 +32,7 @@ def test_file_then_overrides(tmp_path):
     ({"server": {"port": 70000}}, "server.port"),
     ({"redis": {"url": "http://x"}}, "redis.url"),
     ({"host": {"capacity_bytes": "lots"}}, "lots"),
+    ({"server": {8080: 1}}, "server.8080"),  # YAML keys need not be strings
 ])
 def test_invalid_config_names_the_key(values, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):

@@ -84,6 +84,7 @@ def test_master_killed_mid_load_no_errors_no_wrong_bytes(cluster, tmp_path):
     for w in workers:
         w.join()
     assert errors == [] and wrong == []
+    assert store.stats().tiers[1].up
     assert bytes(encoding.decode(store.tiers[1].get(key), key)) == b"written after the failover"
 
 

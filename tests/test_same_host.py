@@ -82,6 +82,24 @@ def test_abandoned_reservation_is_taken_back_when_its_lease_expires(start_server
         assert client.put(NS, b"after", os.urandom(3 * MiB)) == "host"
 
 
+def test_a_commit_naming_an_unknown_lease_loses_none_of_the_others(start_server):
+    server = start_server(lease_ttl_s=60)
+    stub = raw_stub(server)
+    data = os.urandom(MiB)
+    header = pb.ChunkHeader(namespace=NS, key=b"committed", size_bytes=len(data))
+    reservation = stub.Reserve(pb.ReserveRequest(namespace=NS, chunks=[header])).reservations[0]
+    attach = stub.Attach(pb.AttachRequest())
+    arena = SharedArena(attach.path, attach.size_bytes, attach.inode)
+    arena.write([(r.offset, r.length) for r in reservation.payload], memoryview(data))
+    arena.close()
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Commit(pb.LeaseIds(lease_ids=[reservation.lease_id, 12345]))
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    assert len(server.leases) == 0  # the first was committed before the unknown id was refused, not dropped
+    with Client.from_url(server.url) as client:
+        assert client.get(NS, b"committed") == data
+
+
 def test_a_chunk_under_a_read_lease_is_never_overwritten(start_server):
     server = start_server(host_bytes=4 * MiB, disk_bytes=32 * MiB, lease_ttl_s=60)
     with Client.from_url(server.url) as client:

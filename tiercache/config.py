@@ -263,9 +263,9 @@ def refuse_unknown(given: typing.Iterable[str], known: typing.Iterable[str], hea
     we do not know is refused, with the keys we do know, never ignored (a typo would silently change nothing).
     The message is `head`, the unknown keys (each after `prefix`: a dotted path), and the known ones."""
     known = sorted(known)
-    unknown = sorted(set(given) - set(known))
+    unknown = sorted(set(given) - set(known), key=str)  # YAML may give keys of any type
     if unknown:
-        raise error(f"{head} {', '.join(prefix + key for key in unknown)} (known: {', '.join(known)})")
+        raise error(f"{head} {', '.join(f'{prefix}{key}' for key in unknown)} (known: {', '.join(known)})")
 
 
 def read_file(path: str | Path, what: str = "file", error: type[Exception] = ConfigError) -> bytes:

@@ -6,5 +6,7 @@
 from tiercache.client.client import Chunk, Client, Fetched, LookupAnswer
 from tiercache.client.retry import RetryPolicy
 from tiercache.client.transport import Security
+from tiercache.errors import TierCacheError
+from tiercache.record.encoding import ChunkMeta
 
-__all__ = ["Chunk", "Client", "Fetched", "LookupAnswer", "RetryPolicy", "Security"]
+__all__ = ["Chunk", "ChunkMeta", "Client", "Fetched", "LookupAnswer", "RetryPolicy", "Security", "TierCacheError"]

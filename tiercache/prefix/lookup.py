@@ -85,7 +85,7 @@ class Query:
 
 @dataclass(frozen=True)
 class Found:
-    """The search's answer: resume at `tokens`, loading the objects hybrid.required_objects names for it, described
+    """The search's answer: resume at `tokens`, loading the objects prefix.hit.required_objects names for it, described
     in that order as (kind, group, tokens of KV held, tier)."""
 
     tokens: int

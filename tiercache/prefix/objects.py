@@ -153,7 +153,7 @@ def object_ref(spec, hashes, kind: ObjectKind, position: int, group: int) -> Obj
 
 
 def ref_with_parent(n: int, prefix_hash: bytes, below_hash: bytes, kind: ObjectKind, position: int, group: int,
-         anchor: int) -> ObjectRef:
+                    anchor: int) -> ObjectRef:
     """`below_hash` names the boundary of the parent: (p - N) for kv, N*floor(p/N) for the others."""
     if kind is ObjectKind.STATE:
         start, parent = 0, object_key(below_hash, ObjectKind.KV, anchor)

@@ -1,7 +1,7 @@
 """Tenants: bearer tokens mapped to the namespaces a caller may touch, and the bytes it may hold.
 
 KV bytes reveal the prompt that produced them, so one tenant must never read another's chunks. Every namespace a
-salted connector builds ends with `keys.salt_suffix(salt)`; the server knows each tenant's salt and accepts a
+salted connector builds ends with `record.keys.salt_suffix(salt)`; the server knows each tenant's salt and accepts a
 namespace only when it carries the suffix of the tenant the call's token belongs to. A client therefore cannot forge
 another tenant's keys: knowing the other namespace is not enough, it would need the other tenant's token.
 

@@ -7,7 +7,6 @@ becomes INTERNAL with a log line, never a dead server. The process around it is 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from typing import Iterable, Iterator
 
@@ -25,9 +24,6 @@ from tiercache.server.rpc import rpc
 from tiercache.store.same_host import SameHostPath, WriteGrant
 from tiercache.store.stats import StoreStats
 from tiercache.store.tiered import TieredStore
-
-log = logging.getLogger(__name__)
-
 
 class _ChunkAssembler:
     """Collects one Put chunk's frames directly into the record buffer the store will keep (no join copy)."""
@@ -96,7 +92,6 @@ def _stats_message(stats: StoreStats, *, version: str, uptime_s: float, max_chun
                     for n in stats.namespaces],
         lookups=stats.lookups.lookups, requested_tokens=stats.lookups.requested_tokens,
         hit_tokens_by_tier=stats.lookups.hit_tokens_by_tier)
-
 
 
 class TierCacheServicer(pb_grpc.TierCacheServicer):
@@ -227,8 +222,10 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
     @rpc
     def Commit(self, request: pb.LeaseIds, context, tenant: Tenant) -> pb.PutResponse:
         tenant.check_same_host()
-        grants = [self.leases.take(i, writable=True) for i in request.lease_ids]  # NotFound when none was granted
-        return pb.PutResponse(stored_in=[self.store.same_host.commit(grant) for grant in grants])
+        # One lease at a time: a grant taken out of the table is committed at once, so an id that fails (expired,
+        # unknown) leaves the ones after it in the table, where they expire and are taken back.
+        return pb.PutResponse(stored_in=[self.store.same_host.commit(self.leases.take(i, writable=True))
+                                         for i in request.lease_ids])
 
     @rpc
     def Abort(self, request: pb.LeaseIds, context, tenant: Tenant) -> pb.LeaseAck:

@@ -3,9 +3,9 @@
 Every tier with an index evicts through `ChunkIndex.victims`; each eviction costs O(log n) whatever the number of
 records (heaps with lazy deletion; a touch pushes a new heap item and the old one is skipped when it surfaces).
 
-Chains. A chunk may name its *parent* (chunk.ChunkMeta.parent): the object it extends (tiercache.prefix). The index
-keeps, per parent key, the children it holds — the server's directory of checkpoints under a kv chunk — and evicts
-with the chain in mind:
+Chains. A chunk may name its *parent* (record.encoding.ChunkMeta.parent): the object it extends (tiercache.prefix).
+The index keeps, per parent key, the children it holds — the server's directory of checkpoints under a kv chunk —
+and evicts with the chain in mind:
 1. *Unreachable objects first.* When the store loses a key for good (evicted from its last tier, deleted), its
    descendants here can never be part of a hit again (`orphan`); they go before anything else, oldest first.
 2. *A chain shrinks from its deep end.* Only a leaf — an object none of whose children is held here — is evicted;
