@@ -32,7 +32,7 @@ def make_config(tmp_path, *, host_bytes=64 * MiB, disk_bytes=128 * MiB, redis_ur
                 shared_memory=True, redis_cluster=False, security=SecurityConfig(), redis_options=None,
                 disk_options=None, **server) -> Config:
     return Config(
-        server=ServerConfig(port=0, **server),
+        server=ServerConfig(**{"port": 0, **server}),
         host=HostTierConfig(capacity_bytes=host_bytes, shared_memory=shared_memory),
         disk=DiskTierConfig(**{"path": str(tmp_path / "disk"), "capacity_bytes": disk_bytes, **(disk_options or {})}),
         redis=RedisTierConfig(url=redis_url, write_through=write_through, max_backoff_s=0.5, cluster=redis_cluster,

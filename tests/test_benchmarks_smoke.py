@@ -75,3 +75,14 @@ def test_eviction_and_hybrid_soak_scripts_run(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, env=python_env(), timeout=300)
     assert result.returncode == 0, result.stderr
     assert png.stat().st_size > 10_000 and soak.stat().st_size > 1000
+
+
+def test_sick_server_script_runs(tmp_path):
+    out = tmp_path / "sick.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sick_server.py"), "--lookups", "5",
+                             "--tokens", "2048", "--deadline", "0.2", "--json-out", str(out)], capture_output=True,
+                            text=True, env=python_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    reached = {name: r["reached"] for name, r in json.loads(out.read_text())["results"].items()}
+    assert reached == {"healthy/breaker": 6, "healthy/none": 6, "hung/breaker": 0, "hung/none": 0,
+                       "dead/breaker": 0, "dead/none": 0}

@@ -21,6 +21,11 @@ class Unavailable(TierCacheError):
     """A backend (or the server) cannot be reached right now; retrying later may succeed."""
 
 
+class CircuitOpen(Unavailable):
+    """The client's circuit breaker is open: the server did not answer recently, so the call was not even tried
+    (see tiercache.client.breaker). Client side only."""
+
+
 class Unauthenticated(TierCacheError):
     """The call carries no bearer token, or one no tenant owns."""
 

@@ -1,12 +1,15 @@
 """The Python client: what an engine process imports. It loads no store, tier, server, auth or metrics module.
 
-`client` (Client, every call through one `_call`), `retry` (RetryPolicy), `transport` (channel, TLS, tokens),
-`shared_arena` (the same-host path's mapping of the server's arena)."""
+`client` (Client, every call through one `_call`), `retry` (RetryPolicy), `breaker` (fail fast while the server
+is unreachable), `transport` (channel, TLS, tokens), `shared_arena` (the same-host path's mapping of the server's
+arena)."""
 
+from tiercache.client.breaker import BreakerPolicy
 from tiercache.client.client import Chunk, Client, Fetched, LookupAnswer
 from tiercache.client.retry import RetryPolicy
 from tiercache.client.transport import Security
 from tiercache.errors import TierCacheError
 from tiercache.record.encoding import ChunkMeta
 
-__all__ = ["Chunk", "ChunkMeta", "Client", "Fetched", "LookupAnswer", "RetryPolicy", "Security", "TierCacheError"]
+__all__ = ["BreakerPolicy", "Chunk", "ChunkMeta", "Client", "Fetched", "LookupAnswer", "RetryPolicy", "Security",
+           "TierCacheError"]

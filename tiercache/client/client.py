@@ -15,7 +15,9 @@ import time
 from typing import Callable, Iterator, Mapping, NamedTuple, Sequence, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tiercache.client.breaker import BreakerPolicy, CircuitBreaker
 from tiercache.client.retry import RetryPolicy
 from tiercache.client.shared_arena import SharedArena
 from tiercache.client.transport import Security, open_channel, parse_url
@@ -52,8 +54,12 @@ class Fetched(NamedTuple):
 class Client:
     def __init__(self, target: str, *, timeout_s: float = 30.0, retry: RetryPolicy = RetryPolicy(),
                  frame_bytes: int = DEFAULT_FRAME_BYTES, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-                 same_host: bool | None = None, tls: bool = False, security: Security | None = None) -> None:
-        """`target` is a gRPC target (host:port, unix:/path); most callers want `Client.from_url`."""
+                 same_host: bool | None = None, tls: bool = False, security: Security | None = None,
+                 breaker: BreakerPolicy | None = None) -> None:
+        """`target` is a gRPC target (host:port, unix:/path); most callers want `Client.from_url`.
+
+        `breaker`: fail calls at once while the server is unreachable, probing it in the background (see
+        tiercache.client.breaker; what engine connectors use). Without one, every call waits out its retries."""
         limit = max_message_bytes(max_chunk_bytes)
         self._channel = open_channel(target, tls=tls, security=security or Security.from_env(), options=[
             ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
@@ -65,6 +71,8 @@ class Client:
         self._same_host = same_host
         self._shared: SharedArena | None = None
         self._attach_lock = threading.Lock()
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.breaker = CircuitBreaker(self._serving, breaker, target) if breaker is not None else None
 
     @classmethod
     def from_url(cls, url: str, *, token: str | None = None, tls_ca_file: str | None = None,
@@ -225,6 +233,8 @@ class Client:
         return stats_dict(self._call(lambda timeout: self._stub.Stats(pb.StatsRequest(), timeout=timeout)))
 
     def close(self) -> None:
+        if self.breaker is not None:
+            self.breaker.close()
         if self._shared is not None:
             self._shared.close()
             self._shared = None
@@ -261,6 +271,8 @@ class Client:
         return [validate_key(k) for k in keys]
 
     def _call(self, invoke: Callable[[float], T]) -> T:
+        if self.breaker is not None:
+            self.breaker.refuse()
         deadline = time.monotonic() + self.timeout_s
         delays = self.retry.delays()
         while True:
@@ -270,8 +282,18 @@ class Client:
                 error = error_for(exc.code(), exc.details() or "")
                 delay = next(delays, None) if exc.code() == grpc.StatusCode.UNAVAILABLE else None
                 if delay is None or time.monotonic() + delay >= deadline:
+                    if self.breaker is not None and isinstance(error, Unavailable):
+                        self.breaker.trip(error)
                     raise error from None
                 time.sleep(delay)
+
+    def _serving(self, timeout_s: float) -> bool:
+        """The breaker's probe: does the server answer its health check within timeout_s?"""
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def _collect(responses: Iterator[pb.GetFrame], count: int) -> list[Fetched | None]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from tiercache.client import Chunk, Client, LookupAnswer
-from tiercache.errors import CapacityExceeded, Unavailable
+from tiercache.errors import CapacityExceeded, CircuitOpen, Unavailable
 from tiercache.prefix.admission import SavePlan, plan_finish_admission, plan_prompt_admission
 from tiercache.prefix.hashes import HASH_BYTES, PrefixHashes
 from tiercache.prefix.hit import Hit, Located, required_objects
@@ -91,7 +91,7 @@ class PrefixCache:
                 positions.update((p, hashes.at(p)) for p in answer.unverified)
                 answer = self._ask(hashes, positions)
         except Unavailable as exc:
-            log.warning("tiercache lookup failed, treating it as a miss: %s", exc)
+            _log_failure("tiercache lookup failed, treating it as a miss: %s", exc)
             return Lookup(hashes, Hit(0, length), reached=False)
         refs = required_objects(self.spec, hashes, answer.hit_tokens) if answer.hit_tokens else []
         located = tuple(Located(ref, tier) for ref, tier in zip(refs, answer.tiers))
@@ -117,7 +117,7 @@ class PrefixCache:
         try:
             fetched = self.client.fetch_many(self.namespace, [r.key for r in refs]) if refs else []
         except Unavailable as exc:
-            log.warning("tiercache load failed, recomputing: %s", exc)
+            _log_failure("tiercache load failed, recomputing: %s", exc)
             return None
         if any(f is None for f in fetched):
             return None
@@ -154,9 +154,14 @@ def save_objects(client: Client, namespace: str, payloads: Mapping[ObjectRef, ob
     try:
         tiers = client.put_many(namespace, chunks)
     except (Unavailable, CapacityExceeded) as exc:
-        log.warning("tiercache save of %d objects skipped: %s", len(chunks), exc)
+        _log_failure(f"tiercache save of {len(chunks)} objects skipped: %s", exc)
         return SaveResult(0, {})
     by_tier: dict[str, int] = {}
     for ref, tier in zip(refs, tiers):
         by_tier[tier] = by_tier.get(tier, 0) + len(memoryview(payloads[ref]).cast("B"))
     return SaveResult(len(refs), by_tier)
+
+
+def _log_failure(message: str, error: Exception) -> None:
+    """A warning per failed call, except while the client's breaker is open (it logged the outage once)."""
+    (log.debug if isinstance(error, CircuitOpen) else log.warning)(message, error)

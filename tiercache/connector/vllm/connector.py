@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiercache.client import Client
+from tiercache.client import BreakerPolicy, Client
 from tiercache.client.retry import RetryPolicy
 from tiercache.connector.prefix_cache import PrefixCache
 from tiercache.connector.vllm.identity import engine_identity
@@ -60,7 +60,9 @@ class Settings:
     weights_id: str | None = None  # names the weights outright (else: read from the model's files)
     timeout_s: float = 30.0  # loads and saves (worker threads; the engine never waits on them)
     lookup_timeout_s: float = 0.5  # the scheduler's one lookup call per request: vLLM's scheduler thread waits on it
-    offline_backoff_s: float = 2.0  # after a lookup that could not reach the server, no lookups for this long
+    # While the server is unreachable, lookups, loads and saves fail at once (a miss, a recompute, a skipped save)
+    # and a health check probes it in the background, at most this far apart (tiercache.client.breaker).
+    offline_backoff_s: float = 2.0
     max_pending_save_bytes: int = 1 << 30
     max_boundary_states: int = 0  # block-boundary states saved per prompt, the deepest first; 0: every one offered
 
@@ -122,18 +124,21 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         unit = settings.match_unit or (16 if block % 16 == 0 else block)
         self.spec = CacheSpec(self.layout, block, unit, salt=settings.salt,
                               max_boundary_states=settings.max_boundary_states)
+        breaker = BreakerPolicy(max_probe_interval_s=settings.offline_backoff_s)
         self.client = Client.from_url(settings.url, token=settings.token, tls_ca_file=settings.tls_ca_file,
-                                      timeout_s=settings.timeout_s)
+                                      timeout_s=settings.timeout_s, breaker=breaker)
         self._planner: Planner | None = None
         self._transfers: Transfers | None = None
         self._reported: dict[str, int] = {}
         if role == KVConnectorRole.SCHEDULER:
-            # One try within a short deadline: a lookup that cannot be answered quickly is a miss, not a stall. The
-            # server counts the lookup itself (no second call for statistics).
+            # One try within a short deadline: a lookup that cannot be answered quickly is a miss, not a stall, and
+            # the breaker makes every later one an instant miss until the server answers again. The server counts
+            # the lookup itself (no second call for statistics).
             lookups = Client.from_url(settings.url, token=settings.token, tls_ca_file=settings.tls_ca_file,
-                                      timeout_s=settings.lookup_timeout_s, retry=RetryPolicy(attempts=1))
+                                      timeout_s=settings.lookup_timeout_s, retry=RetryPolicy(attempts=1),
+                                      breaker=breaker)
             cache = PrefixCache(lookups, self.spec, all_ranks=True)
-            self._planner = Planner(cache, self.groups, offline_backoff_s=settings.offline_backoff_s)
+            self._planner = Planner(cache, self.groups)
         else:
             self._transfers = Transfers(self.client, self.groups, self.spec, settings.max_pending_save_bytes)
         log.info("TierCacheConnector (%s) on %s: namespace %s, N=%d, u=%d", role.name, settings.url,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,7 +70,7 @@ class _Tracked:
 @dataclass
 class SchedulerStats:
     lookups: int = 0
-    lookups_skipped: int = 0  # while the server was unreachable
+    lookups_skipped: int = 0  # misses because the server was unreachable
     lookup_tokens: int = 0
     hit_tokens: int = 0
     loads: int = 0
@@ -79,14 +78,11 @@ class SchedulerStats:
 
 
 class Planner:
-    def __init__(self, cache: PrefixCache, groups: EngineGroups, offline_backoff_s: float = 2.0) -> None:
-        """`cache` asks the server with a short deadline: vLLM's scheduler thread waits for every lookup. After a
-        lookup that could not reach the server, requests get no lookup (a miss) for `offline_backoff_s`, so a dead or
-        hung server costs one deadline, not one per request."""
+    def __init__(self, cache: PrefixCache, groups: EngineGroups) -> None:
+        """`cache` asks the server with a short deadline and a circuit breaker: vLLM's scheduler thread waits for
+        every lookup, so a dead or hung server costs one deadline, then nothing per request until it answers."""
         self.cache = cache
         self.groups = groups
-        self.offline_backoff_s = offline_backoff_s
-        self._offline_until = 0.0
         self.stats = SchedulerStats()
         self._caches: dict[str, PrefixCache] = {"": cache}  # by the request's own salt (LoRA, cache_salt)
         self._requests: dict[str, _Tracked] = {}
@@ -101,12 +97,9 @@ class Planner:
             return 0, False
         tokens = _tokens(request)
         if tracked.lookup is None or tracked.lookup.hashes.length != len(tokens):
-            if time.monotonic() < self._offline_until:
-                self.stats.lookups_skipped += 1
-                return 0, False
             tracked.lookup = tracked.cache.lookup(tokens)
-            if not tracked.lookup.reached:
-                self._offline_until = time.monotonic() + self.offline_backoff_s
+            if not tracked.lookup.reached:  # a miss: asked again at the request's next scheduling
+                self.stats.lookups_skipped += 1
                 tracked.lookup = None
                 return 0, False
             tracked.saved |= set(tracked.lookup.present)
