@@ -16,7 +16,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -35,8 +34,7 @@ STEPS = ("A cold", "A warm (same node)", "B first (from Redis)", "B again (B's h
 
 
 def _node(redis_url: str, cluster: bool, *extra: str) -> ServerProcess:
-    args = ["--host-mem", "2GiB", "--disk-size", "0", "--redis-url", redis_url,
-            "--disk-dir", tempfile.mkdtemp(prefix="tiercache-xnode-"), *extra]
+    args = ["--host-mem", "2GiB", "--disk-size", "0", "--redis-url", redis_url, *extra]
     return ServerProcess(*args, *(["--redis-cluster"] if cluster else []))
 
 

@@ -16,7 +16,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -57,7 +56,7 @@ def describe_model(args: argparse.Namespace) -> str:
 
 
 def measure_tier(model, tier: str, prefix: np.ndarray, suffixes: list[np.ndarray], redis_url: str | None) -> dict:
-    args = TIERS[tier] + ["--disk-dir", tempfile.mkdtemp(prefix="tiercache-ttft-")]
+    args = list(TIERS[tier])  # the disk tier in the server's own scratch folder
     if tier == "redis":
         args += ["--redis-url", redis_url]
     with ServerProcess(*args) as server, Client.from_url(server.url, timeout_s=300) as client:

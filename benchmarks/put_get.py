@@ -15,7 +15,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -64,9 +63,8 @@ def main() -> None:
     server = None
     url = args.server
     if url is None:
-        work = tempfile.mkdtemp(prefix="tiercache-bench-")
         host_mem = args.chunk_size * args.chunks * 2 + (64 << 20)
-        server = ServerProcess("--host-mem", str(host_mem), "--disk-dir", work, "--disk-size", "0").start()
+        server = ServerProcess("--host-mem", str(host_mem), "--disk-size", "0").start()
         url = server.url
     try:
         rounds = {"socket": [], "put": [], "get": []}

@@ -17,7 +17,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import threading
 import time
 
@@ -95,8 +94,7 @@ def percentile(values: list[float], q: float) -> float:
 def run_load(args, host_mem: str, seconds: float):
     """One server process under the load for `seconds`: (peak RSS, RSS samples, tally, final stats, elapsed)."""
     tally = Tally()
-    with ServerProcess("--host-mem", host_mem, "--disk-size", args.disk_size,
-                       "--disk-dir", tempfile.mkdtemp(prefix="tiercache-soak-")) as server:
+    with ServerProcess("--host-mem", host_mem, "--disk-size", args.disk_size) as server:
         pid = server.process.pid
         deadline = time.monotonic() + seconds
         threads = [threading.Thread(target=client_loop, args=(server.url, n, args.keys, deadline, tally))

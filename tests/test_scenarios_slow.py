@@ -34,7 +34,7 @@ def key(i: int) -> bytes:
 def test_defaults_round_trip_1000_chunks_of_4mib(tmp_path):
     env = python_env()
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")  # the default disk dir, kept out of the real home
-    server = ServerProcess(env=env).start()
+    server = ServerProcess(env=env, scratch_disk=False).start()  # the embedded defaults, disk dir included
     try:
         with Client.from_url(server.url) as client:
             for i in range(1000):

@@ -17,7 +17,6 @@ import dataclasses
 import json
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
@@ -266,9 +265,8 @@ def cliff_command(args) -> int:
     server = None
     url = args.server
     if url is None:
-        work = tempfile.mkdtemp(prefix="tiercache-bench-")
         host_mem = "4GiB" if not args.quick else "1GiB"
-        server = ServerProcess("--host-mem", host_mem, "--disk-dir", work, "--disk-size", "16GiB").start()
+        server = ServerProcess("--host-mem", host_mem, "--disk-size", "16GiB").start()  # a scratch disk dir
         url = server.url
     try:
         with Client.from_url(url, timeout_s=600) as client:

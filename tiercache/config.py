@@ -172,7 +172,11 @@ class ServerConfig:
     port: int = 50051
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
     frame_bytes: int = DEFAULT_FRAME_BYTES
-    workers: int = 16
+    workers: int = 16  # threads for the store's blocking work (copies, disk, Redis); streams waiting on the network
+    #                    hold none (the server is asyncio): a client that stops reading or writing costs a connection
+    stream_idle_timeout_s: float = 10.0  # a stream that moves no frame for this long is ended (UNAVAILABLE)
+    max_streams_per_peer: int = 64  # concurrent Put/Get streams from one host; more are RESOURCE_EXHAUSTED
+    max_streams_per_tenant: int = 256  # concurrent Put/Get streams of one tenant (all its hosts)
     metrics_port: int | None = None  # Prometheus endpoint; off unless set
     metrics_host: str = "127.0.0.1"
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
@@ -184,6 +188,9 @@ class ServerConfig:
         _require(self.max_chunk_bytes >= 1, "server.max_chunk_bytes must be positive")
         _require(64 * KiB <= self.frame_bytes <= 16 * MiB, "server.frame_bytes must be 64KiB..16MiB")
         _require(self.workers >= 1, "server.workers must be >= 1")
+        _require(self.stream_idle_timeout_s > 0, "server.stream_idle_timeout_s must be positive")
+        _require(self.max_streams_per_peer >= 1, "server.max_streams_per_peer must be >= 1")
+        _require(self.max_streams_per_tenant >= 1, "server.max_streams_per_tenant must be >= 1")
         _require(self.metrics_port is None or 0 <= self.metrics_port <= 65535,
                  f"server.metrics_port must be 0..65535, got {self.metrics_port}")
 

@@ -6,7 +6,6 @@ Needs the `hf` extra (torch, transformers). Nothing is downloaded: the model is 
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 
 from tqdm import tqdm
@@ -39,8 +38,7 @@ def run_demo(server_url: str | None, turns: int, show_progress: bool) -> int:
 
     server = None
     if server_url is None:
-        server = ServerProcess("--host-mem", "512MiB", "--disk-dir", tempfile.mkdtemp(prefix="tiercache-demo-"),
-                               "--disk-size", "2GiB").start()
+        server = ServerProcess("--host-mem", "512MiB", "--disk-size", "2GiB").start()  # a scratch disk dir
         server_url = server.url
     try:
         model = qwen35_model()

@@ -6,9 +6,11 @@ redis-server and Redis Cluster processes are in tests/redis_processes.py, not in
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import grpc
@@ -22,9 +24,17 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, env: dict | None = None) -> None:
+    """`tiercache serve *args` on a free port. Without --disk-dir (or a --config naming one) its disk tier lives in
+    a scratch folder of its own, removed when the process is killed or terminated: benchmarks and tests leave no
+    gigabytes behind, and never share the default ~/.cache/tiercache (`scratch_disk=False`: the server's default)."""
+
+    def __init__(self, *args: str, env: dict | None = None, scratch_disk: bool = True) -> None:
         self.port = free_port()
         self.args = ["--port", str(self.port), *args]
+        self._scratch: str | None = None
+        if scratch_disk and "--disk-dir" not in args and "--config" not in args:
+            self._scratch = tempfile.mkdtemp(prefix="tiercache-serve-")
+            self.args += ["--disk-dir", self._scratch]
         self.env = env if env is not None else {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process: subprocess.Popen | None = None
 
@@ -57,12 +67,18 @@ class ServerProcess:
         """SIGTERM, wait for a graceful exit; returns (exit code, stderr)."""
         self.process.terminate()
         _, err = self.process.communicate(timeout=timeout_s)
+        self._remove_scratch()
         return self.process.returncode, err
 
     def kill(self) -> None:
         if self.process and self.process.poll() is None:
             self.process.kill()
             self.process.communicate()
+        self._remove_scratch()
+
+    def _remove_scratch(self) -> None:
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
     def __enter__(self) -> "ServerProcess":
         return self.start()

@@ -3,6 +3,7 @@ and the Prometheus endpoint; started and stopped as one."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from concurrent import futures
 
@@ -56,7 +57,11 @@ def _listen(server: grpc.Server, address: str, credentials: grpc.ServerCredentia
 
 
 class CacheServer:
-    """A running tiercache server: the store, the gRPC service with health checking, and the metrics endpoint."""
+    """A running tiercache server: the store, the gRPC service with health checking, and the metrics endpoint.
+
+    The gRPC servers are asyncio (grpc.aio) on one event loop in a thread of their own: a stream whose client stops
+    reading or writing waits there without holding a thread. The store's blocking work runs on `server.workers`
+    threads (`blocking`)."""
 
     def __init__(self, config: Config, store: TieredStore | None = None) -> None:
         self.config = config
@@ -64,9 +69,13 @@ class CacheServer:
         self.metrics = Metrics(self.store)
         self.leases = LeaseTable(config.server.lease_ttl_s)
         self.tenants = TenantTable.load(config.security.tenants_file)
-        self._server: grpc.Server | None = None
-        self._health_server: grpc.Server | None = None
-        self._health = health.HealthServicer()
+        self._blocking = futures.ThreadPoolExecutor(max_workers=config.server.workers,
+                                                    thread_name_prefix="tiercache-rpc")
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="tiercache-server", daemon=True)
+        self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
         self._stopped = threading.Event()
         self.port = 0
         self.health_port: int | None = None
@@ -74,9 +83,27 @@ class CacheServer:
 
     def start(self) -> "CacheServer":
         cfg = self.config.server
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="tiercache-rpc"),
-                             options=_grpc_options(cfg.max_chunk_bytes))
-        servicer = TierCacheServicer(self.store, self.config, self.metrics, self.leases, self.tenants)
+        self._loop_thread.start()
+        try:
+            self._on_loop(self._start())
+        except BaseException:
+            self._stop_loop()
+            raise
+        if cfg.metrics_port is not None:
+            try:
+                self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+            except OSError as exc:
+                self.stop(grace_s=0)
+                raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: "
+                                  f"{exc.strerror}") from None
+        return self
+
+    async def _start(self) -> None:
+        cfg = self.config.server
+        self._health = health.aio.HealthServicer()
+        server = grpc.aio.server(options=_grpc_options(cfg.max_chunk_bytes))
+        servicer = TierCacheServicer(self.store, self.config, self.metrics, self.leases, self.tenants,
+                                     self._blocking)
         server.add_generic_rpc_handlers((service_handler(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         credentials = server_credentials(self.config.security)
@@ -86,23 +113,15 @@ class CacheServer:
             _listen(server, f"unix:{cfg.unix_socket}", None)
         health_port = self.config.security.health_port
         if health_port is not None:
-            self._health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
-                                              options=[("grpc.so_reuseport", 0)])
+            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
             self.health_port = _listen(self._health_server, _address(cfg.host, health_port), None)
-        if cfg.metrics_port is not None:
-            try:
-                self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
-            except OSError as exc:
-                raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: "
-                                  f"{exc.strerror}") from None
-        server.start()
+        await server.start()
         self._server = server
         if self._health_server is not None:
-            self._health_server.start()
+            await self._health_server.start()
         for service in ("", SERVICE_NAME):
-            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        return self
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
     @property
     def url(self) -> str:
@@ -115,14 +134,30 @@ class CacheServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self._health.enter_graceful_shutdown()
-        if self._server is not None:
-            self._server.stop(grace_s).wait()
-        if self._health_server is not None:
-            self._health_server.stop(0).wait()
+        if self._loop_thread.is_alive():
+            self._on_loop(self._stop(grace_s))
+            self._stop_loop()
+        self._blocking.shutdown(wait=True)
         self.metrics.close()
         self.leases.close()  # takes back every reservation and read pin before the arena goes away
         self.store.close()
+
+    async def _stop(self, grace_s: float) -> None:
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+
+    def _on_loop(self, coroutine):
+        """Run a coroutine on the server's loop from another thread, and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join()
+        self._loop.close()
 
     def wait(self) -> None:
         self._stopped.wait()

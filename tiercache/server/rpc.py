@@ -1,10 +1,11 @@
-"""The RPC plumbing under every handler: authentication, timing and the one error-to-status path (`rpc`), and
-request deserialization that turns malformed bytes into INVALID_ARGUMENT (`service_handler`, `Malformed`)."""
+"""The RPC plumbing under every handler: authentication, stream limits, timing and the one error-to-status path
+(`rpc`), and request deserialization that turns malformed bytes into INVALID_ARGUMENT (`service_handler`,
+`Malformed`). Handlers are coroutines on the server's event loop (grpc.aio)."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
-import inspect
 import logging
 import time
 
@@ -17,51 +18,43 @@ from tiercache.protocol.wire import pb, status_for
 log = logging.getLogger("tiercache.server")
 
 
-def rpc(method):
+def rpc(method=None, *, stream: bool = False):
     """Authenticate the caller, time the RPC, and map every error it raises to a status code in one place.
 
-    The wrapped method receives the caller's Tenant as a third argument.
+    The wrapped coroutine receives the caller's Tenant as a third argument. `stream=True` (Put, Get) also counts the
+    call against the stream limits of its peer host and tenant (server.limits) for as long as it runs.
     """
+    if method is None:
+        return functools.partial(rpc, stream=stream)
     name = method.__name__
-    streaming = inspect.isgeneratorfunction(method)
 
     def observe(self, started: float, code: grpc.StatusCode) -> None:
         self.metrics.rpc_seconds.labels(name, code.name).observe(time.perf_counter() - started)
 
-    def fail(self, context, started: float, error: Exception) -> None:
-        """End the RPC with the error's status: context.abort raises, so this is the handler's last statement."""
-        code, message = status_for(error), str(error)
-        if code == grpc.StatusCode.INTERNAL:
-            log.exception("%s failed", name, exc_info=error)
-            message = f"internal error in {name}"  # the details stay in the server's log
-        observe(self, started, code)
-        context.abort(code, message)
-
-    if streaming:
-        @functools.wraps(method)
-        def stream_handler(self, request, context):
-            started = time.perf_counter()
-            try:
-                tenant = self.tenants.authenticate(context.invocation_metadata())
-                yield from method(self, _well_formed(request), context, tenant)
-            except Exception as exc:  # noqa: BLE001 - every error becomes a status code
-                fail(self, context, started, exc)
-            else:
-                observe(self, started, grpc.StatusCode.OK)
-        return stream_handler
-
     @functools.wraps(method)
-    def unary_handler(self, request, context):
+    async def handler(self, request, context):
         started = time.perf_counter()
         try:
             tenant = self.tenants.authenticate(context.invocation_metadata())
-            response = method(self, _well_formed(request), context, tenant)
+            if stream:
+                with self.limits.stream(context.peer(), tenant.name):
+                    response = await method(self, _well_formed(request), context, tenant)
+            else:
+                response = await method(self, _well_formed(request), context, tenant)
+        except asyncio.CancelledError:  # the client went away (or the server is stopping): nobody to answer
+            observe(self, started, grpc.StatusCode.CANCELLED)
+            raise
         except Exception as exc:  # noqa: BLE001 - every error becomes a status code
-            fail(self, context, started, exc)
+            code, message = status_for(exc), str(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.error("%s failed", name, exc_info=exc)
+                message = f"internal error in {name}"  # the details stay in the server's log
+            observe(self, started, code)
+            await context.abort(code, message)  # raises: grpc ends the RPC with this status
         else:
             observe(self, started, grpc.StatusCode.OK)
             return response
-    return unary_handler
+    return handler
 
 
 def _well_formed(request):
@@ -70,7 +63,14 @@ def _well_formed(request):
         request.reject()
     if isinstance(request, Message):
         return request
-    return (frame.reject() if isinstance(frame, Malformed) else frame for frame in request)
+    return _well_formed_frames(request)
+
+
+async def _well_formed_frames(requests):
+    async for frame in requests:
+        if isinstance(frame, Malformed):
+            frame.reject()
+        yield frame
 
 
 class Malformed:

@@ -6,19 +6,23 @@ becomes INTERNAL with a log line, never a dead server. The process around it is 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import time
-from typing import Iterable, Iterator
+from concurrent.futures import Executor
+from typing import AsyncIterator, Iterable
 
 from tiercache import __version__
 from tiercache.config import Config
-from tiercache.errors import InvalidArgument
+from tiercache.errors import InvalidArgument, Unavailable
 from tiercache.prefix.lookup import find_hit
 from tiercache.protocol.wire import chunk_meta, frames, lookup_query, pb, pb_grpc
 from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey, validate_key, validate_namespace
 from tiercache.server.auth import Tenant, TenantTable
 from tiercache.server.leases import LeaseTable
+from tiercache.server.limits import StreamLimits
 from tiercache.server.metrics import Metrics
 from tiercache.server.rpc import rpc
 from tiercache.store.same_host import SameHostPath, WriteGrant
@@ -95,32 +99,60 @@ def _stats_message(stats: StoreStats, *, version: str, uptime_s: float, max_chun
 
 
 class TierCacheServicer(pb_grpc.TierCacheServicer):
+    """The handlers. They run on the server's event loop; every store call runs on the `blocking` pool (copies, disk,
+    Redis), so a stream waiting on its client holds no thread, and the loop never waits on a tier."""
+
     def __init__(self, store: TieredStore, config: Config, metrics: Metrics, leases: LeaseTable,
-                 tenants: TenantTable) -> None:
+                 tenants: TenantTable, blocking: Executor) -> None:
         self.store = store
         self.tenants = tenants
         self.metrics = metrics
         self.leases = leases
+        self.limits = StreamLimits(config.server.max_streams_per_peer, config.server.max_streams_per_tenant)
+        self._blocking = blocking
         self._max_chunk_bytes = config.server.max_chunk_bytes
         self._frame_bytes = config.server.frame_bytes
+        self._idle_s = config.server.stream_idle_timeout_s
         self._started = time.monotonic()
 
-    def _check_quota(self, tenant: Tenant, size_bytes: int) -> None:
+    async def _run(self, call, *args):
+        """A blocking call on the pool, awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self._blocking, functools.partial(call, *args))
+
+    async def _check_quota(self, tenant: Tenant, size_bytes: int) -> None:
         """Checked per chunk before it is stored; concurrent puts of one tenant may overshoot by their own sizes."""
         if tenant.quota_bytes is not None:
-            tenant.check_quota(self.store.held_bytes(tenant.owns), size_bytes)
+            tenant.check_quota(await self._run(self.store.held_bytes, tenant.owns), size_bytes)
 
-    @rpc
-    def Put(self, request_iterator: Iterator[pb.PutFrame], context, tenant: Tenant) -> pb.PutResponse:
+    async def _next_frame(self, frames: AsyncIterator[pb.PutFrame]) -> pb.PutFrame | None:
+        """The stream's next frame, None at its end; Unavailable when the client sends nothing for the idle time."""
+        try:
+            return await asyncio.wait_for(anext(frames), self._idle_s)
+        except StopAsyncIteration:
+            return None
+        except asyncio.TimeoutError:
+            raise Unavailable(f"no frame for {self._idle_s:g} s: the stream is closed "
+                              f"(server.stream_idle_timeout_s)") from None
+
+    async def _send(self, context, frame: pb.GetFrame) -> None:
+        """Write one frame; Unavailable when the client reads nothing for the idle time (its window stays full)."""
+        try:
+            await asyncio.wait_for(context.write(frame), self._idle_s)
+        except asyncio.TimeoutError:
+            raise Unavailable(f"the client read nothing for {self._idle_s:g} s: the stream is closed "
+                              f"(server.stream_idle_timeout_s)") from None
+
+    @rpc(stream=True)
+    async def Put(self, request_iterator: AsyncIterator[pb.PutFrame], context, tenant: Tenant) -> pb.PutResponse:
         stored_in = []
         current: _ChunkAssembler | None = None
-        for frame in request_iterator:
+        while (frame := await self._next_frame(request_iterator)) is not None:
             part = frame.WhichOneof("part")
             if part == "header":
                 if current is not None:
                     raise InvalidArgument("a chunk header arrived before the previous chunk's data was complete")
                 current = _ChunkAssembler(frame.header, self._max_chunk_bytes, tenant)
-                self._check_quota(tenant, frame.header.size_bytes)
+                await self._check_quota(tenant, frame.header.size_bytes)
             elif part == "data":
                 if current is None:
                     raise InvalidArgument("a data frame arrived before any chunk header")
@@ -128,37 +160,39 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             else:
                 raise InvalidArgument("empty Put frame")
             if current is not None and current.complete:
-                stored_in.append(self.store.put_record(current.key, current.sealed()))
-                current = None
+                chunk, current = current, None
+                stored_in.append(await self._run(lambda c: self.store.put_record(c.key, c.sealed()), chunk))
         if current is not None:
             raise InvalidArgument(f"stream ended after {current.filled - current.start} of "
                                   f"{len(current.record) - current.start} announced bytes")
         return pb.PutResponse(stored_in=stored_in)
 
-    @rpc
-    def Get(self, request: pb.GetRequest, context, tenant: Tenant) -> Iterator[pb.GetFrame]:
+    @rpc(stream=True)
+    async def Get(self, request: pb.GetRequest, context, tenant: Tenant) -> None:
         keys = _chunk_keys(tenant, request.namespace, request.keys)
         for index, key in enumerate(keys):
-            found = self.store.get(key)
+            found = await self._run(self.store.get, key)
             if found is None:
-                yield pb.GetFrame(header=pb.GetHeader(index=index, found=False))
+                await self._send(context, pb.GetFrame(header=pb.GetHeader(index=index, found=False)))
                 continue
-            yield pb.GetFrame(header=pb.GetHeader(index=index, found=True, size_bytes=len(found.payload),
-                                                  tier=found.tier))
+            await self._send(context, pb.GetFrame(header=pb.GetHeader(index=index, found=True,
+                                                                      size_bytes=len(found.payload),
+                                                                      tier=found.tier)))
             for data in frames(found.payload, self._frame_bytes):
-                yield pb.GetFrame(data=data)
+                await self._send(context, pb.GetFrame(data=data))
 
     @rpc
-    def Exists(self, request: pb.KeysRequest, context, tenant: Tenant) -> pb.ExistsResponse:
-        where = self.store.locate(_chunk_keys(tenant, request.namespace, request.keys))
+    async def Exists(self, request: pb.KeysRequest, context, tenant: Tenant) -> pb.ExistsResponse:
+        where = await self._run(self.store.locate, _chunk_keys(tenant, request.namespace, request.keys))
         return pb.ExistsResponse(tier=[w or "" for w in where])
 
     @rpc
-    def Delete(self, request: pb.KeysRequest, context, tenant: Tenant) -> pb.DeleteResponse:
-        return pb.DeleteResponse(deleted=self.store.delete(_chunk_keys(tenant, request.namespace, request.keys)))
+    async def Delete(self, request: pb.KeysRequest, context, tenant: Tenant) -> pb.DeleteResponse:
+        deleted = await self._run(self.store.delete, _chunk_keys(tenant, request.namespace, request.keys))
+        return pb.DeleteResponse(deleted=deleted)
 
     @rpc
-    def ReportLookup(self, request: pb.LookupReport, context, tenant: Tenant) -> pb.LookupReportAck:
+    async def ReportLookup(self, request: pb.LookupReport, context, tenant: Tenant) -> pb.LookupReportAck:
         _namespace(tenant, request.namespace)
         hit = dict(request.hit_tokens_by_tier)
         if sum(hit.values()) > request.requested_tokens:
@@ -167,14 +201,10 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         return pb.LookupReportAck()
 
     @rpc
-    def Lookup(self, request: pb.LookupRequest, context, tenant: Tenant) -> pb.LookupResponse:
+    async def Lookup(self, request: pb.LookupRequest, context, tenant: Tenant) -> pb.LookupResponse:
         namespaces = [_namespace(tenant, ns) for ns in (request.namespace, *request.rank_namespaces)]
         query = lookup_query(request)
-        found = find_hit(query, _StoreChain(self.store, namespaces))
-        if found.checkpoints:  # the load that follows promotes the kv chunks; their demotions must not evict these
-            self.store.touch([ChunkKey(ns, key) for ns in namespaces for key in found.checkpoints])
-        if request.report and not found.unverified:  # a lookup with unverified positions is asked again
-            self.store.record_lookup(query.prompt_tokens, found.tokens_by_tier())
+        found = await self._run(self._lookup, query, namespaces, request.report)
         tiers = found.tiers
         names = sorted(set(tiers))
         index = {name: i for i, name in enumerate(names)}
@@ -182,10 +212,18 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                                  tiers=bytes(index[tier] for tier in tiers), unverified=found.unverified,
                                  chain_chunks=found.chain_chunks)
 
+    def _lookup(self, query, namespaces: list[str], report: bool):
+        found = find_hit(query, _StoreChain(self.store, namespaces))
+        if found.checkpoints:  # the load that follows promotes the kv chunks; their demotions must not evict these
+            self.store.touch([ChunkKey(ns, key) for ns in namespaces for key in found.checkpoints])
+        if report and not found.unverified:  # a lookup with unverified positions is asked again
+            self.store.record_lookup(query.prompt_tokens, found.tokens_by_tier())
+        return found
+
     # -- the same-host path (store.same_host) ----------------------------------------------------------------------
 
     @rpc
-    def Attach(self, request: pb.AttachRequest, context, tenant: Tenant) -> pb.AttachResponse:
+    async def Attach(self, request: pb.AttachRequest, context, tenant: Tenant) -> pb.AttachResponse:
         same_host = self.store.same_host
         if same_host is None or not tenant.same_host:  # not an error: the client falls back to streaming over gRPC
             return pb.AttachResponse(available=False)
@@ -200,8 +238,13 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         return self.store.same_host
 
     @rpc
-    def Reserve(self, request: pb.ReserveRequest, context, tenant: Tenant) -> pb.ReserveResponse:
+    async def Reserve(self, request: pb.ReserveRequest, context, tenant: Tenant) -> pb.ReserveResponse:
         same_host = self._same_host(tenant, "Put")
+        granted = await self._run(self._reserve, request, tenant, same_host)
+        return pb.ReserveResponse(reservations=[pb.Reservation(lease_id=lease_id, payload=_pb_ranges(grant.payload))
+                                                for lease_id, grant in granted])
+
+    def _reserve(self, request: pb.ReserveRequest, tenant: Tenant, same_host: SameHostPath):
         granted: list[tuple[int, WriteGrant]] = []
         try:
             for header in request.chunks:
@@ -210,34 +253,40 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                                           f"{self._max_chunk_bytes}")
                 key = ChunkKey.checked(request.namespace, header.key)
                 tenant.check_namespace(key.namespace)
-                self._check_quota(tenant, header.size_bytes)
+                if tenant.quota_bytes is not None:
+                    tenant.check_quota(self.store.held_bytes(tenant.owns), header.size_bytes)
                 grant = same_host.reserve(key, header.size_bytes, chunk_meta(header))
                 granted.append((self.leases.grant(grant, same_host.abort, writable=True), grant))
         except Exception:
             self.leases.release([lease_id for lease_id, _ in granted], writable=True)
             raise
-        return pb.ReserveResponse(reservations=[pb.Reservation(lease_id=lease_id, payload=_pb_ranges(grant.payload))
-                                                for lease_id, grant in granted])
+        return granted
 
     @rpc
-    def Commit(self, request: pb.LeaseIds, context, tenant: Tenant) -> pb.PutResponse:
+    async def Commit(self, request: pb.LeaseIds, context, tenant: Tenant) -> pb.PutResponse:
         tenant.check_same_host()
+        return pb.PutResponse(stored_in=await self._run(self._commit, request.lease_ids))
+
+    def _commit(self, lease_ids) -> list[str]:
         # One lease at a time: a grant taken out of the table is committed at once, so an id that fails (expired,
         # unknown) leaves the ones after it in the table, where they expire and are taken back.
-        return pb.PutResponse(stored_in=[self.store.same_host.commit(self.leases.take(i, writable=True))
-                                         for i in request.lease_ids])
+        return [self.store.same_host.commit(self.leases.take(i, writable=True)) for i in lease_ids]
 
     @rpc
-    def Abort(self, request: pb.LeaseIds, context, tenant: Tenant) -> pb.LeaseAck:
+    async def Abort(self, request: pb.LeaseIds, context, tenant: Tenant) -> pb.LeaseAck:
         tenant.check_same_host()
-        self.leases.release(request.lease_ids, writable=True)
+        await self._run(self.leases.release, request.lease_ids, True)
         return pb.LeaseAck()
 
     @rpc
-    def Acquire(self, request: pb.KeysRequest, context, tenant: Tenant) -> pb.AcquireResponse:
+    async def Acquire(self, request: pb.KeysRequest, context, tenant: Tenant) -> pb.AcquireResponse:
         same_host = self._same_host(tenant, "Get")
+        keys = _chunk_keys(tenant, request.namespace, request.keys)
+        return pb.AcquireResponse(leases=await self._run(self._acquire, keys, same_host))
+
+    def _acquire(self, keys: list[ChunkKey], same_host: SameHostPath) -> list:
         leases = []
-        for key in _chunk_keys(tenant, request.namespace, request.keys):
+        for key in keys:
             read = same_host.pin(key)
             if read is None:
                 leases.append(pb.Lease(found=False))
@@ -247,16 +296,16 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                 lease_id = self.leases.grant(read, same_host.unpin, writable=False)
                 leases.append(pb.Lease(found=True, leased=True, lease_id=lease_id, tier=read.tier,
                                        size_bytes=read.size_bytes, payload=_pb_ranges(read.payload)))
-        return pb.AcquireResponse(leases=leases)
+        return leases
 
     @rpc
-    def Release(self, request: pb.LeaseIds, context, tenant: Tenant) -> pb.LeaseAck:
+    async def Release(self, request: pb.LeaseIds, context, tenant: Tenant) -> pb.LeaseAck:
         tenant.check_same_host()
-        return pb.LeaseAck(expired=self.leases.release(request.lease_ids, writable=False))
+        return pb.LeaseAck(expired=await self._run(self.leases.release, request.lease_ids, False))
 
     @rpc
-    def Stats(self, request: pb.StatsRequest, context, tenant: Tenant) -> pb.StatsResponse:
-        stats = self.store.stats()
+    async def Stats(self, request: pb.StatsRequest, context, tenant: Tenant) -> pb.StatsResponse:
+        stats = await self._run(self.store.stats)
         if not tenant.admin:  # namespaces name models: a tenant sees its own only
             own = tuple(n for n in stats.namespaces if tenant.owns(n.namespace))
             stats = dataclasses.replace(stats, namespaces=own)
