@@ -1,32 +1,42 @@
-"""Soak: N clients x T seconds of mixed put / get / exists against one server process at capacity pressure.
+"""Soak: N clients x T seconds of mixed put / get / exists against one server process at capacity pressure, beside
+clients that misbehave.
 
 The working set is several times the host and disk tiers, so evictions and demotions run the whole time. Every value
 is derived from its key, so a reader can tell wrong bytes from right ones: a get returns the right bytes or a miss.
-Reports ops/s, p50/p99 latency per operation, errors, wrong bytes, evictions, and the server's RSS sampled every
-few seconds next to the configured tier capacity (plus a PNG of RSS over time).
+Beside the well-behaved clients run `--stalled` clients (a Put that sends its header and then nothing, reopened each
+time the server ends it), `--slow` readers (a Get of 16 MiB read one frame per `--slow-frame-s`) and
+`--disconnecting` clients (streams cancelled half-way). Reports ops/s, p50/p99 latency per operation, errors and
+wrong bytes of the well-behaved clients, how each misbehaving stream ended, evictions, and the server's RSS sampled
+every few seconds next to the configured tier capacity (plus a PNG of RSS and ops/s over time).
 
     .venv/bin/python benchmarks/soak.py [--clients 8] [--seconds 600] [--host-mem 256MiB] [--disk-size 512MiB]
+                                        [--stalled 8] [--slow 2] [--disconnecting 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import json
 import os
 import random
 import statistics
 import sys
+import tempfile
 import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import grpc  # noqa: E402
 
 from tiercache.client import Client  # noqa: E402
 from tiercache.client.retry import RetryPolicy  # noqa: E402
 from tiercache.config import parse_size  # noqa: E402
 from tiercache.errors import TierCacheError  # noqa: E402
 from tiercache.process import ServerProcess  # noqa: E402
+from tiercache.protocol.wire import pb, pb_grpc  # noqa: E402
 
 NS = "soak"
 SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)
@@ -52,6 +62,11 @@ class Tally:
         self.errors: list[str] = []
         self.wrong = 0
         self.hits = self.misses = 0
+        self.misbehaving: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+
+    def ended(self, kind: str, outcome: str) -> None:
+        with self.lock:
+            self.misbehaving[kind][outcome] += 1
 
 
 def client_loop(url: str, n: int, keys: int, deadline: float, tally: Tally) -> None:
@@ -87,6 +102,45 @@ def client_loop(url: str, n: int, keys: int, deadline: float, tally: Tally) -> N
                 tally.latency[op].append(elapsed)
 
 
+def misbehaving_loop(kind: str, url: str, deadline: float, tally: Tally, slow_frame_s: float) -> None:
+    """One misbehaving client until the deadline: each stream it opens ends as the server or the client decides."""
+    target = url.removeprefix("grpc://")
+    rng = random.Random(kind)
+    while (left := deadline - time.monotonic()) > 0.5:
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.TierCacheStub(channel)
+            release = threading.Event()
+            try:
+                if kind == "stalled":
+                    def frames():
+                        yield pb.PutFrame(header=pb.ChunkHeader(namespace=NS, key=b"stalled", size_bytes=4 << 20))
+                        release.wait()  # ...and nothing more, until the call has ended
+                    stub.Put(frames(), timeout=left)
+                    tally.ended(kind, "completed")
+                elif kind == "slow":
+                    for _ in stub.Get(pb.GetRequest(namespace=NS, keys=[b"k0", b"k4", b"k8", b"k12"]), timeout=left):
+                        time.sleep(slow_frame_s)
+                    tally.ended(kind, "completed")
+                else:  # disconnecting: a Get or a Put cancelled half-way
+                    if rng.random() < 0.5:
+                        call = stub.Get(pb.GetRequest(namespace=NS, keys=[b"k3"] * 4), timeout=left)
+                        next(call, None)
+                    else:
+                        def half():
+                            yield pb.PutFrame(header=pb.ChunkHeader(namespace=NS, key=b"cut", size_bytes=4 << 20))
+                            yield pb.PutFrame(data=bytes(1 << 20))
+                            release.wait()
+                        call = stub.Put.future(half(), timeout=left)
+                        time.sleep(0.05)
+                    call.cancel()
+                    tally.ended(kind, "cancelled by the client")
+                    time.sleep(0.05)
+            except grpc.RpcError as exc:
+                tally.ended(kind, exc.code().name)
+            finally:
+                release.set()
+
+
 def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if len(values) >= 100 else max(values, default=0.0)
 
@@ -94,11 +148,18 @@ def percentile(values: list[float], q: float) -> float:
 def run_load(args, host_mem: str, seconds: float):
     """One server process under the load for `seconds`: (peak RSS, RSS samples, tally, final stats, elapsed)."""
     tally = Tally()
-    with ServerProcess("--host-mem", host_mem, "--disk-size", args.disk_size) as server:
+    config = ["--config", args.server_config] if args.server_config else []
+    with tempfile.TemporaryDirectory(prefix="tiercache-soak-") as disk_dir, \
+            ServerProcess("--host-mem", host_mem, "--disk-size", args.disk_size, "--disk-dir", disk_dir,
+                          *config) as server:
         pid = server.process.pid
         deadline = time.monotonic() + seconds
         threads = [threading.Thread(target=client_loop, args=(server.url, n, args.keys, deadline, tally))
                    for n in range(args.clients)]
+        threads += [threading.Thread(target=misbehaving_loop, args=(kind, server.url, deadline, tally,
+                                                                    args.slow_frame_s), daemon=True)
+                    for kind, count in (("stalled", args.stalled), ("slow", args.slow),
+                                        ("disconnecting", args.disconnecting)) for _ in range(count)]
         started = time.monotonic()
         for t in threads:
             t.start()
@@ -126,6 +187,11 @@ def main() -> None:
     parser.add_argument("--sample-s", type=float, default=5.0)
     parser.add_argument("--baseline-seconds", type=float, default=60, help="load run without a host tier")
     parser.add_argument("--plot", default="soak-rss.png", help="RSS over time ('' = none)")
+    parser.add_argument("--stalled", type=int, default=0, help="clients whose Put stalls after its header")
+    parser.add_argument("--slow", type=int, default=0, help="clients that read a Get one frame at a time")
+    parser.add_argument("--slow-frame-s", type=float, default=0.5, help="a slow reader's pause per 1 MiB frame")
+    parser.add_argument("--disconnecting", type=int, default=0, help="clients that cancel streams half-way")
+    parser.add_argument("--server-config", help="YAML for the server (e.g. a shorter server.stream_idle_timeout_s)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -149,6 +215,9 @@ def main() -> None:
         "final_rss_bytes": samples[-1][1] if samples else 0,
         "peak_rss_over_capacity_plus_overhead": round(peak_rss / (host_bytes + overhead), 3),
         "rss_samples": [(round(t, 1), r) for t, r, _ in samples],
+        "ops_samples": [(round(t, 1), n) for t, _, n in samples],
+        "misbehaving": {"stalled": args.stalled, "slow": args.slow, "disconnecting": args.disconnecting,
+                        "outcomes": {kind: dict(c) for kind, c in tally.misbehaving.items()}},
     }
     if args.plot and samples:
         import matplotlib
@@ -160,7 +229,13 @@ def main() -> None:
         ax.axhline((host_bytes + overhead) / 2**20, color="grey", linestyle="--", label="host tier + fixed overhead")
         ax.set_xlabel("seconds")
         ax.set_ylabel("MiB")
-        ax.legend()
+        ax.legend(loc="upper left")
+        rate = ax.twinx()  # ops/s of the well-behaved clients between samples
+        rate.plot([t for t, _, _ in samples[1:]],
+                  [(n - n0) / max(t - t0, 1e-9) for (t0, _, n0), (t, _, n) in zip(samples, samples[1:])],
+                  color="tab:green", alpha=0.6, label="ops/s")
+        rate.set_ylabel("ops/s")
+        rate.legend(loc="upper right")
         fig.tight_layout()
         fig.savefig(args.plot, dpi=100)
     if args.json:
@@ -170,6 +245,8 @@ def main() -> None:
           f"{args.keys} keys of 16 KiB..4 MiB")
     print(f"ops {ops} ({ops / elapsed:.0f}/s); errors {len(tally.errors)}; wrong bytes {tally.wrong}; "
           f"get hits {tally.hits} misses {tally.misses}; checksum failures {report['checksum_failures']}")
+    if tally.misbehaving:
+        print(f"misbehaving streams, how they ended: {report['misbehaving']['outcomes']}")
     for op, lat in report["latency_ms"].items():
         print(f"  {op:<7} p50 {lat['p50']:>8.2f} ms   p99 {lat['p99']:>8.2f} ms   ({lat['count']} calls)")
     print(f"evictions per tier: {report['evictions']}")

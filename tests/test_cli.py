@@ -89,7 +89,7 @@ def test_signals_stop_the_server_gracefully(tmp_path, signals):
     try:
         for name in signals:
             server.process.send_signal(getattr(signal_module, name))
-        _, err = server.process.communicate(timeout=20)
-        assert server.process.returncode == 0 and "stopped" in err
+        code, err = server.wait(timeout_s=20)
+        assert code == 0 and "stopped" in err
     finally:
         server.kill()

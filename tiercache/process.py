@@ -37,6 +37,9 @@ class ServerProcess:
             self.args += ["--disk-dir", self._scratch]
         self.env = env if env is not None else {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process: subprocess.Popen | None = None
+        # The server's output goes to a file, not a pipe: a pipe nobody reads fills up (64 KiB) and then blocks the
+        # server in its next log line.
+        self._output = tempfile.TemporaryFile("w+", prefix="tiercache-serve-", suffix=".log")
 
     @property
     def url(self) -> str:
@@ -44,7 +47,7 @@ class ServerProcess:
 
     def start(self, timeout_s: float = 60.0) -> "ServerProcess":
         self.process = subprocess.Popen([sys.executable, "-m", "tiercache", "serve", *self.args], env=self.env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                        stdout=self._output, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + timeout_s
         while not self.serving():
             if time.monotonic() > deadline:
@@ -55,7 +58,7 @@ class ServerProcess:
 
     def serving(self) -> bool:
         if self.process.poll() is not None:
-            raise RuntimeError(f"tiercache serve exited with {self.process.returncode}: {self.process.stderr.read()}")
+            raise RuntimeError(f"tiercache serve exited with {self.process.returncode}: {self.output()}")
         with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
             try:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
@@ -63,17 +66,26 @@ class ServerProcess:
                 return False
             return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-    def terminate(self, timeout_s: float = 15.0) -> tuple[int, str]:
-        """SIGTERM, wait for a graceful exit; returns (exit code, stderr)."""
-        self.process.terminate()
-        _, err = self.process.communicate(timeout=timeout_s)
+    def output(self) -> str:
+        """What the server has printed so far (its log)."""
+        self._output.seek(0)
+        return self._output.read()
+
+    def wait(self, timeout_s: float = 15.0) -> tuple[int, str]:
+        """Wait for the server to exit; returns (exit code, its output)."""
+        self.process.wait(timeout=timeout_s)
         self._remove_scratch()
-        return self.process.returncode, err
+        return self.process.returncode, self.output()
+
+    def terminate(self, timeout_s: float = 15.0) -> tuple[int, str]:
+        """SIGTERM, wait for a graceful exit; returns (exit code, its output)."""
+        self.process.terminate()
+        return self.wait(timeout_s)
 
     def kill(self) -> None:
         if self.process and self.process.poll() is None:
             self.process.kill()
-            self.process.communicate()
+            self.process.wait()
         self._remove_scratch()
 
     def _remove_scratch(self) -> None:

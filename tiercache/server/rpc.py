@@ -45,6 +45,13 @@ def rpc(method=None, *, stream: bool = False):
             observe(self, started, grpc.StatusCode.CANCELLED)
             raise
         except Exception as exc:  # noqa: BLE001 - every error becomes a status code
+            # A read or write on a call that already ended (the client cancelled, disconnected, or its deadline passed):
+            # grpc raises its InternalError ("execute_batch" failed), sometimes before the call reads as cancelled.
+            # Nobody is left to answer, and it is no server error.
+            if context.cancelled() or isinstance(exc, grpc.aio.InternalError):
+                log.debug("%s: the call ended under the handler: %s", name, exc)
+                observe(self, started, grpc.StatusCode.CANCELLED)
+                return None
             code, message = status_for(exc), str(exc)
             if code == grpc.StatusCode.INTERNAL:
                 log.error("%s failed", name, exc_info=exc)
