@@ -80,3 +80,14 @@ def test_without_a_breaker_every_call_tries_the_server():
                 client.stats()
             assert not isinstance(failed.value, CircuitOpen)
         assert client.breaker is None
+
+
+def test_an_unavailable_answer_from_a_reachable_server_keeps_the_breaker_closed(start_server):
+    # The only tier is Redis, and nothing listens where it points: the server answers UNAVAILABLE itself.
+    server = start_server(host_bytes=0, disk_bytes=0, redis_url=f"redis://127.0.0.1:{free_port()}")
+    with _client(server.port, timeout_s=5, same_host=False) as client:
+        with pytest.raises(Unavailable) as answered:
+            client.put("ns", b"k", b"nowhere to go")
+        assert "down" in str(answered.value) and not isinstance(answered.value, CircuitOpen)
+        assert not client.breaker.is_open and client.breaker.opened == 0
+        assert client.stats()["tiers"]  # still asked: the server was there all along

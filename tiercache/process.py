@@ -32,7 +32,8 @@ class ServerProcess:
         self.port = free_port()
         self.args = ["--port", str(self.port), *args]
         self._scratch: str | None = None
-        if scratch_disk and "--disk-dir" not in args and "--config" not in args:
+        named = any(a == flag or a.startswith(flag + "=") for a in args for flag in ("--disk-dir", "--config"))
+        if scratch_disk and not named:
             self._scratch = tempfile.mkdtemp(prefix="tiercache-serve-")
             self.args += ["--disk-dir", self._scratch]
         self.env = env if env is not None else {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -49,11 +50,14 @@ class ServerProcess:
         self.process = subprocess.Popen([sys.executable, "-m", "tiercache", "serve", *self.args], env=self.env,
                                         stdout=self._output, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + timeout_s
-        while not self.serving():
-            if time.monotonic() > deadline:
-                self.kill()
-                raise TimeoutError(f"tiercache serve did not become ready on port {self.port} in {timeout_s}s")
-            time.sleep(0.02)
+        try:
+            while not self.serving():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"tiercache serve did not become ready on port {self.port} in {timeout_s}s")
+                time.sleep(0.02)
+        except BaseException:
+            self.kill()  # and its scratch folder
+            raise
         return self
 
     def serving(self) -> bool:

@@ -3,9 +3,11 @@
 An engine asks the cache on its scheduler thread. Without a breaker a dead server costs every request the retries
 (~0.7 s), and a hung one (the TCP connection accepted, nothing answered) the whole deadline. With one:
 - *closed*: calls go through. A call that ends Unavailable (the server down, or a deadline passed: hung) opens it;
-- *open*: every call raises CircuitOpen at once, and a background thread probes the server with the gRPC health
-  check under a short deadline, backing off from `first_probe_s` to `max_probe_interval_s`; the first answer closes
-  it. So after the first failure an outage costs nothing per call, and the first call after recovery goes through.
+- *open*: every call raises CircuitOpen at once, and a background thread probes the server under a short deadline
+  (the client's probe is a Stats call: it goes through the store's threads, so a server whose event loop answers but
+  whose store is stuck stays "down"), backing off from `first_probe_s` to `max_probe_interval_s`; the first answer
+  closes it. So after the first failure an outage costs nothing per call, and the first call after recovery goes
+  through.
 The breaker logs once when it opens and once when it closes: an outage is not one warning per request.
 """
 
@@ -23,7 +25,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class BreakerPolicy:
-    probe_timeout_s: float = 0.25  # a health check unanswered by then counts as a failed probe
+    probe_timeout_s: float = 0.25  # a probe unanswered by then counts as failed
     first_probe_s: float = 0.05  # the first probe's delay after the breaker opens; doubled after each failure...
     max_probe_interval_s: float = 2.0  # ...up to this
 
@@ -40,7 +42,7 @@ class CircuitBreaker:
         self._lock = threading.Lock()
         self._prober: threading.Thread | None = None
         self.opened = 0  # how many times it opened
-        self.probes = 0  # health checks sent while open
+        self.probes = 0  # probes sent while open
 
     @property
     def is_open(self) -> bool:
@@ -49,7 +51,7 @@ class CircuitBreaker:
     def refuse(self) -> None:
         """Raise CircuitOpen while open; called before every call."""
         if self._open.is_set():
-            raise CircuitOpen(f"{self.name} did not answer recently; not asking until a health check does")
+            raise CircuitOpen(f"{self.name} did not answer recently; not asking until a probe is answered")
 
     def trip(self, reason: BaseException) -> None:
         """A call could not reach the server: open, and probe in the background until it answers."""
@@ -60,7 +62,7 @@ class CircuitBreaker:
             self.opened += 1
             self._prober = threading.Thread(target=self._probe_until_serving, name="tiercache-breaker", daemon=True)
             self._prober.start()
-        log.warning("tiercache server %s unreachable (%s): calls fail at once until it answers a health check",
+        log.warning("tiercache server %s unreachable (%s): calls fail at once until it answers a probe",
                     self.name, reason)
 
     def close(self) -> None:
@@ -71,11 +73,19 @@ class CircuitBreaker:
             prober.join()
 
     def _probe_until_serving(self) -> None:
-        delay = self.policy.first_probe_s
-        while not self._stopped.wait(delay):
-            self.probes += 1
-            if self._probe(self.policy.probe_timeout_s):
-                self._open.clear()
-                log.warning("tiercache server %s answers again", self.name)
-                return
-            delay = min(delay * 2, self.policy.max_probe_interval_s)
+        policy = self.policy
+        delay = max(policy.first_probe_s, 0.001)
+        longest = max(policy.max_probe_interval_s, delay)  # 0 would make a busy loop in the engine's process
+        try:
+            while not self._stopped.wait(delay):
+                self.probes += 1
+                try:
+                    serving = self._probe(policy.probe_timeout_s)
+                except Exception:  # noqa: BLE001 - a probe that cannot even be sent is a failed probe
+                    serving = False
+                if serving:
+                    log.warning("tiercache server %s answers again", self.name)
+                    return
+                delay = min(delay * 2, longest)
+        finally:
+            self._open.clear()  # closed when serving, or when the client closes: never open with nobody probing

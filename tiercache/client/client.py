@@ -15,7 +15,6 @@ import time
 from typing import Callable, Iterator, Mapping, NamedTuple, Sequence, TypeVar
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tiercache.client.breaker import BreakerPolicy, CircuitBreaker
 from tiercache.client.retry import RetryPolicy
@@ -24,7 +23,8 @@ from tiercache.client.transport import Security, open_channel, parse_url
 from tiercache.config import DEFAULT_FRAME_BYTES, DEFAULT_MAX_CHUNK_BYTES
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound, TierCacheError, Unavailable
 from tiercache.prefix.objects import ChainShape
-from tiercache.protocol.wire import error_for, frames, max_message_bytes, lookup_request, pb, pb_grpc, stats_dict
+from tiercache.protocol.wire import (ANSWERED_BY_SERVER, error_for, frames, lookup_request, max_message_bytes, pb,
+                                     pb_grpc, stats_dict)
 from tiercache.record.encoding import ChunkMeta
 from tiercache.record.keys import validate_key, validate_namespace
 
@@ -61,8 +61,11 @@ class Client:
         `breaker`: fail calls at once while the server is unreachable, probing it in the background (see
         tiercache.client.breaker; what engine connectors use). Without one, every call waits out its retries."""
         limit = max_message_bytes(max_chunk_bytes)
-        self._channel = open_channel(target, tls=tls, security=security or Security.from_env(), options=[
-            ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
+        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        if breaker is not None:  # gRPC's own reconnect backoff grows to 120 s: a probe must be able to reconnect
+            options += [("grpc.initial_reconnect_backoff_ms", 50),
+                        ("grpc.max_reconnect_backoff_ms", max(int(breaker.max_probe_interval_s * 1000), 100))]
+        self._channel = open_channel(target, tls=tls, security=security or Security.from_env(), options=options)
         self._stub = pb_grpc.TierCacheStub(self._channel)
         self.target = target
         self.timeout_s = timeout_s
@@ -71,7 +74,6 @@ class Client:
         self._same_host = same_host
         self._shared: SharedArena | None = None
         self._attach_lock = threading.Lock()
-        self._health = health_pb2_grpc.HealthStub(self._channel)
         self.breaker = CircuitBreaker(self._serving, breaker, target) if breaker is not None else None
 
     @classmethod
@@ -127,9 +129,9 @@ class Client:
             for (_, payload, _), reservation in zip(views, reservations):
                 arena.write([(r.offset, r.length) for r in reservation.payload], payload)
         except BaseException:
-            self._call(lambda timeout: self._stub.Abort(ids, timeout=timeout))
+            self._call(lambda timeout: self._stub.Abort(ids, timeout=timeout), gated=False)
             raise
-        return list(self._call(lambda timeout: self._stub.Commit(ids, timeout=timeout)).stored_in)
+        return list(self._call(lambda timeout: self._stub.Commit(ids, timeout=timeout), gated=False).stored_in)
 
     def _put_streamed(self, namespace: str, views) -> list[str]:
         def stream() -> Iterator[pb.PutFrame]:
@@ -184,7 +186,8 @@ class Client:
             finally:
                 ids = pb.LeaseIds(lease_ids=[lease.lease_id for lease in leases if lease.leased])
                 if ids.lease_ids:
-                    expired = set(self._call(lambda timeout: self._stub.Release(ids, timeout=timeout)).expired)
+                    expired = set(self._call(lambda timeout: self._stub.Release(ids, timeout=timeout),
+                                             gated=False).expired)
             for index, lease in enumerate(leases):  # copied after the pin lapsed: the pages may have been reused
                 if lease.leased and lease.lease_id in expired:
                     results[index] = None
@@ -270,8 +273,10 @@ class Client:
         validate_namespace(namespace)
         return [validate_key(k) for k in keys]
 
-    def _call(self, invoke: Callable[[float], T]) -> T:
-        if self.breaker is not None:
+    def _call(self, invoke: Callable[[float], T], gated: bool = True) -> T:
+        """`gated=False`: a call that ends what an earlier one began (Commit, Abort, Release of leases it holds) is
+        tried even while the breaker is open: refusing it would strand the leases until they expire."""
+        if gated and self.breaker is not None:
             self.breaker.refuse()
         deadline = time.monotonic() + self.timeout_s
         delays = self.retry.delays()
@@ -282,18 +287,28 @@ class Client:
                 error = error_for(exc.code(), exc.details() or "")
                 delay = next(delays, None) if exc.code() == grpc.StatusCode.UNAVAILABLE else None
                 if delay is None or time.monotonic() + delay >= deadline:
-                    if self.breaker is not None and isinstance(error, Unavailable):
+                    if self.breaker is not None and isinstance(error, Unavailable) and not _answered(exc):
                         self.breaker.trip(error)
                     raise error from None
                 time.sleep(delay)
 
     def _serving(self, timeout_s: float) -> bool:
-        """The breaker's probe: does the server answer its health check within timeout_s?"""
+        """The breaker's probe: does the server answer a call that goes through its store within timeout_s? (Its
+        health service answers on the event loop even when every store thread is stuck, so it is not asked.)"""
         try:
-            reply = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+            self._stub.Stats(pb.StatsRequest(), timeout=timeout_s)
         except grpc.RpcError:
             return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return True
+
+
+def _answered(error: grpc.RpcError) -> bool:
+    """Whether the server itself answered with this status (a tier it needed is down, a stream went idle): it is
+    reachable, so the breaker stays closed."""
+    try:
+        return any(key == ANSWERED_BY_SERVER for key, _ in error.trailing_metadata() or ())
+    except Exception:  # noqa: BLE001 - errors raised before any call existed carry no metadata
+        return False
 
 
 def _collect(responses: Iterator[pb.GetFrame], count: int) -> list[Fetched | None]:

@@ -116,7 +116,7 @@ class PrefixCache:
         refs = [o.ref for o in hit.objects]
         try:
             fetched = self.client.fetch_many(self.namespace, [r.key for r in refs]) if refs else []
-        except Unavailable as exc:
+        except (Unavailable, CapacityExceeded) as exc:  # CapacityExceeded: the server's stream limit
             _log_failure("tiercache load failed, recomputing: %s", exc)
             return None
         if any(f is None for f in fetched):

@@ -32,6 +32,9 @@ except ImportError as exc:  # a clone where `make proto` has not run yet
     raise ImportError("tiercache's protobuf stubs are missing: run `make proto` (or `make install`)") from exc
 
 SERVICE_NAME = "tiercache.v1.TierCache"
+# Trailing metadata on every error status the server chooses itself, so a client can tell "the server answered
+# UNAVAILABLE" (reachable) from a connection that failed (grpc's own UNAVAILABLE): only the latter opens a breaker.
+ANSWERED_BY_SERVER = "tiercache-answered"
 AUTHORIZATION = "authorization"  # the bearer token's gRPC metadata key (lower case, as HTTP/2 requires)
 
 _STATUS_BY_ERROR: tuple[tuple[type[TierCacheError], grpc.StatusCode], ...] = (

@@ -71,8 +71,8 @@ class CacheServer:
         self.tenants = TenantTable.load(config.security.tenants_file)
         self._blocking = futures.ThreadPoolExecutor(max_workers=config.server.workers,
                                                     thread_name_prefix="tiercache-rpc")
-        self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="tiercache-server", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None  # made by start()
+        self._loop_thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
@@ -83,6 +83,8 @@ class CacheServer:
 
     def start(self) -> "CacheServer":
         cfg = self.config.server
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="tiercache-server", daemon=True)
         self._loop_thread.start()
         try:
             self._on_loop(self._start())
@@ -134,7 +136,7 @@ class CacheServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        if self._loop_thread.is_alive():
+        if self._loop_thread is not None and self._loop_thread.is_alive():
             self._on_loop(self._stop(grace_s))
             self._stop_loop()
         self._blocking.shutdown(wait=True)

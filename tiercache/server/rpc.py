@@ -13,7 +13,7 @@ import grpc
 from google.protobuf.message import Message
 
 from tiercache.errors import InvalidArgument
-from tiercache.protocol.wire import pb, status_for
+from tiercache.protocol.wire import ANSWERED_BY_SERVER, pb, status_for
 
 log = logging.getLogger("tiercache.server")
 
@@ -57,6 +57,7 @@ def rpc(method=None, *, stream: bool = False):
                 log.error("%s failed", name, exc_info=exc)
                 message = f"internal error in {name}"  # the details stay in the server's log
             observe(self, started, code)
+            context.set_trailing_metadata(((ANSWERED_BY_SERVER, "1"),))
             await context.abort(code, message)  # raises: grpc ends the RPC with this status
         else:
             observe(self, started, grpc.StatusCode.OK)

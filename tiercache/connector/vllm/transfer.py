@@ -34,7 +34,7 @@ from tiercache.client import Client
 from tiercache.connector.prefix_cache import save_objects
 from tiercache.connector.vllm.layout import EngineGroups, PagedViews
 from tiercache.connector.vllm.plan import Job, Transfer
-from tiercache.errors import TierCacheError
+from tiercache.errors import CircuitOpen, TierCacheError
 from tiercache.prefix.objects import CacheSpec, ObjectKind
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,8 @@ class Transfers:
         try:
             fetched = self.client.fetch_many(self.namespace(job.salt), [t.ref.key for t in job.transfers])
         except TierCacheError as exc:
-            log.warning("tiercache load for request %s failed, recomputing: %s", job.req_id, exc)
+            (log.debug if isinstance(exc, CircuitOpen) else log.warning)(
+                "tiercache load for request %s failed, recomputing: %s", job.req_id, exc)
             return None
         for transfer, item in zip(job.transfers, fetched):
             if item is None or len(item.data) != self.object_bytes(transfer):
