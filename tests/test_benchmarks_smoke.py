@@ -92,3 +92,11 @@ def test_sick_server_script_runs(tmp_path):
     reached = {name: r["reached"] for name, r in json.loads(out.read_text())["results"].items()}
     assert reached == {"healthy/breaker": 6, "healthy/none": 6, "hung/breaker": 0, "hung/none": 0,
                        "dead/breaker": 0, "dead/none": 0}
+
+
+def test_simple_api_script_runs():
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "simple_api.py"), "--chunks", "2",
+                             "--chunk-size", "1MiB", "--rounds", "1", "--tune-allocator"], capture_output=True,
+                            text=True, env=python_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("x memcpy") == 2
