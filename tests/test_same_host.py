@@ -200,3 +200,16 @@ def test_lease_table_quarantines_expired_reservations_and_reports_lapsed_reads()
         assert released == ["r", "w"]  # ...and its pages are freed one TTL later
     finally:
         table.close()
+
+
+def test_reads_copied_well_inside_their_leases_release_them_off_the_callers_path(start_server):
+    server = start_server(lease_ttl_s=60)
+    with Client.from_url(server.url) as client:
+        data = os.urandom(2 * MiB)
+        client.put(NS, b"k", data)
+        for _ in range(5):
+            assert client.get(NS, b"k") == data
+        assert client._releases is not None  # the background path was taken (the copies took far less than 30 s)
+        wait_for(lambda: len(server.leases) == 0, timeout_s=10, what="the background releases")
+        assert client.get(NS, b"k") == data
+    assert len(server.leases) == 0  # close() sends what was still pending

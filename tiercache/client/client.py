@@ -10,6 +10,7 @@ streamed in 1 MiB gRPC frames. `same_host=None` (the default) picks by trying to
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable, Iterator, Mapping, NamedTuple, Sequence, TypeVar
@@ -28,6 +29,7 @@ from tiercache.protocol.wire import (ANSWERED_BY_SERVER, error_for, frames, look
 from tiercache.record.encoding import ChunkMeta
 from tiercache.record.keys import validate_key, validate_namespace
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -74,6 +76,8 @@ class Client:
         self._same_host = same_host
         self._shared: SharedArena | None = None
         self._attach_lock = threading.Lock()
+        self._lease_ttl_s = 0.0  # the server's, once attached: reads copied well inside it release in the background
+        self._releases: _BackgroundReleases | None = None
         self.breaker = CircuitBreaker(self._serving, breaker, target) if breaker is not None else None
 
     @classmethod
@@ -173,8 +177,9 @@ class Client:
         remote = list(range(len(keys)))
         if arena is not None and keys:
             request = pb.KeysRequest(namespace=namespace, keys=checked)
+            asked = time.monotonic()  # every lease below started after this
             leases = self._call(lambda timeout: self._stub.Acquire(request, timeout=timeout)).leases
-            expired: set[int] = set()
+            ids = [lease.lease_id for lease in leases if lease.leased]
             try:
                 remote = []
                 for index, lease in enumerate(leases):
@@ -183,11 +188,17 @@ class Client:
                         results[index] = Fetched(arena.read(ranges, lease.size_bytes, out_for(index)), lease.tier)
                     elif lease.found:
                         remote.append(index)
-            finally:
-                ids = pb.LeaseIds(lease_ids=[lease.lease_id for lease in leases if lease.leased])
-                if ids.lease_ids:
-                    expired = set(self._call(lambda timeout: self._stub.Release(ids, timeout=timeout),
-                                             gated=False).expired)
+            except BaseException:
+                if ids:
+                    self._release(ids)
+                raise
+            expired: set[int] = set()
+            if ids and time.monotonic() - asked < self._lease_ttl_s / 2:
+                # Copied well inside the leases (the server's clock is this host's monotonic clock, and each lease
+                # began after `asked`): the bytes are valid whatever Release says, so it need not be waited for.
+                self._background_releases().add(ids)
+            elif ids:
+                expired = set(self._release(ids))
             for index, lease in enumerate(leases):  # copied after the pin lapsed: the pages may have been reused
                 if lease.leased and lease.lease_id in expired:
                     results[index] = None
@@ -198,6 +209,17 @@ class Client:
             for index, item in zip(remote, streamed):
                 results[index] = None if item is None else Fetched(_deliver(item.data, out_for(index)), item.tier)
         return results
+
+    def _release(self, ids: Sequence[int]) -> list[int]:
+        """Release read leases now; returns those that had already lapsed (what was copied under them is suspect)."""
+        request = pb.LeaseIds(lease_ids=ids)
+        return list(self._call(lambda timeout: self._stub.Release(request, timeout=timeout), gated=False).expired)
+
+    def _background_releases(self) -> "_BackgroundReleases":
+        with self._attach_lock:
+            if self._releases is None:
+                self._releases = _BackgroundReleases(self._release)
+            return self._releases
 
     def exists(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         return [tier is not None for tier in self.locate(namespace, keys)]
@@ -236,6 +258,8 @@ class Client:
         return stats_dict(self._call(lambda timeout: self._stub.Stats(pb.StatsRequest(), timeout=timeout)))
 
     def close(self) -> None:
+        if self._releases is not None:
+            self._releases.close()  # sends what is pending while the channel is still open
         if self.breaker is not None:
             self.breaker.close()
         if self._shared is not None:
@@ -262,6 +286,7 @@ class Client:
                     if not reply.available:
                         raise OSError("the server has no shared-memory arena")
                     self._shared = SharedArena(reply.path, reply.size_bytes, reply.inode)
+                    self._lease_ttl_s = reply.lease_ttl_s
                 except OSError as exc:
                     if self._same_host:
                         raise Unavailable(f"same_host=True but the server's arena cannot be mapped: {exc}") from None
@@ -300,6 +325,43 @@ class Client:
         except grpc.RpcError:
             return False
         return True
+
+
+class _BackgroundReleases:
+    """Read leases released off the caller's path, in batches, by one daemon thread. A failed Release is harmless:
+    the leases lapse on their own after the server's TTL. `close()` sends what is pending."""
+
+    def __init__(self, release: Callable[[Sequence[int]], list[int]]) -> None:
+        self._release = release
+        self._pending: list[int] = []
+        self._changed = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tiercache-release", daemon=True)
+        self._thread.start()
+
+    def add(self, ids: Sequence[int]) -> None:
+        with self._changed:
+            self._pending.extend(ids)
+            self._changed.notify()
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._pending and not self._closed:
+                    self._changed.wait()
+                if not self._pending:
+                    return
+                ids, self._pending = self._pending, []
+            try:
+                self._release(ids)
+            except TierCacheError as exc:
+                log.debug("releasing %d read leases failed (they lapse on their own): %s", len(ids), exc)
 
 
 def _answered(error: grpc.RpcError) -> bool:
