@@ -19,10 +19,22 @@ REDIS_SERVER = shutil.which("redis-server")
 REDIS_MALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 
 
+def _ephemeral_start() -> int:
+    """The first port the kernel hands to outgoing connections (Linux: ip_local_port_range)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_cluster_port() -> int:
-    """A free port p <= 55535 whose cluster-bus port p + 10000 is free too (Redis Cluster needs both)."""
+    """A free port p whose cluster-bus port p + 10000 is free too (Redis Cluster needs both), both below the ports
+    the kernel gives outgoing connections: a port free now but in that range can be taken by any client's socket
+    before the node binds it (seen in CI: a node exited at start)."""
+    highest = max(_ephemeral_start() - 10001, 11000)
     for _ in range(200):
-        port = random.randint(20000, 55000)
+        port = random.randint(10000, highest)
         try:
             with socket.socket() as a, socket.socket() as b:
                 a.bind(("127.0.0.1", port))
@@ -98,13 +110,25 @@ class RedisClusterProcess:
     def url(self) -> str:
         return self.nodes[0].url
 
+    @staticmethod
+    def _start_node(node: RedisProcess, attempts: int = 3) -> None:
+        """Start a node, on other free ports if its own were taken meanwhile (the cluster is not formed yet)."""
+        for attempt in range(attempts):
+            try:
+                node.start()
+                return
+            except RuntimeError:
+                if attempt == attempts - 1:
+                    raise
+                node.port = free_cluster_port()
+
     def start(self, timeout_s: float = 60.0) -> "RedisClusterProcess":
         redis_cli = shutil.which("redis-cli")
         if redis_cli is None:
             raise RuntimeError("redis-cli is not installed: run scripts/install.sh")
         try:
             for node in self.nodes:
-                node.start()
+                self._start_node(node)
             subprocess.run([redis_cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
                             "--cluster-replicas", str(self.replicas), "--cluster-yes"], check=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout_s)
