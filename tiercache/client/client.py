@@ -61,7 +61,8 @@ class Client:
         """`target` is a gRPC target (host:port, unix:/path); most callers want `Client.from_url`.
 
         `breaker`: fail calls at once while the server is unreachable, probing it in the background (see
-        tiercache.client.breaker; what engine connectors use). Without one, every call waits out its retries."""
+        tiercache.client.breaker; the vLLM connector's clients use one). Without one, every call waits out its
+        retries."""
         limit = max_message_bytes(max_chunk_bytes)
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
         if breaker is not None:  # gRPC's own reconnect backoff grows to 120 s: a probe must be able to reconnect

@@ -52,6 +52,3 @@ class StreamLimits:
                 del self._peers[host]
             if not self._tenants[tenant]:
                 del self._tenants[tenant]
-
-    def open_streams(self) -> int:
-        return sum(self._peers.values())

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -36,10 +37,7 @@ def rpc(method=None, *, stream: bool = False):
         started = time.perf_counter()
         try:
             tenant = self.tenants.authenticate(context.invocation_metadata())
-            if stream:
-                with self.limits.stream(context.peer(), tenant.name):
-                    response = await method(self, _well_formed(request), context, tenant)
-            else:
+            with self.limits.stream(context.peer(), tenant.name) if stream else contextlib.nullcontext():
                 response = await method(self, _well_formed(request), context, tenant)
         except asyncio.CancelledError:  # the client went away (or the server is stopping): nobody to answer
             observe(self, started, grpc.StatusCode.CANCELLED)

@@ -29,17 +29,26 @@ from tiercache.store.same_host import SameHostPath, WriteGrant
 from tiercache.store.stats import StoreStats
 from tiercache.store.tiered import TieredStore
 
+
+def _checked_header(header: pb.ChunkHeader, namespace: str, max_chunk_bytes: int,
+                    tenant: Tenant) -> tuple[ChunkKey, encoding.ChunkMeta]:
+    """A chunk a client announces (a Put header, a Reserve entry): within the size limit, with a valid key in a
+    namespace the tenant owns."""
+    if header.size_bytes > max_chunk_bytes:
+        raise InvalidArgument(f"chunk of {header.size_bytes} bytes exceeds the maximum of {max_chunk_bytes}")
+    key = ChunkKey.checked(namespace, header.key)
+    tenant.check_namespace(key.namespace)
+    return key, chunk_meta(header)
+
+
 class _ChunkAssembler:
     """Collects one Put chunk's frames directly into the record buffer the store will keep (no join copy)."""
 
-    def __init__(self, header: pb.ChunkHeader, max_chunk_bytes: int, tenant: Tenant) -> None:
-        if header.size_bytes > max_chunk_bytes:
-            raise InvalidArgument(f"chunk of {header.size_bytes} bytes exceeds the maximum of {max_chunk_bytes}")
-        self.key = ChunkKey.checked(header.namespace, header.key)
-        tenant.check_namespace(self.key.namespace)
-        self.meta = chunk_meta(header)
-        self.start = encoding.header_bytes(self.key, self.meta)
-        self.record = bytearray(self.start + header.size_bytes)
+    def __init__(self, key: ChunkKey, meta: encoding.ChunkMeta, size_bytes: int) -> None:
+        self.key = key
+        self.meta = meta
+        self.start = encoding.header_bytes(key, meta)
+        self.record = bytearray(self.start + size_bytes)
         self.filled = self.start
 
     @property
@@ -119,28 +128,30 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         """A blocking call on the pool, awaited."""
         return await asyncio.get_running_loop().run_in_executor(self._blocking, functools.partial(call, *args))
 
-    async def _check_quota(self, tenant: Tenant, size_bytes: int) -> None:
-        """Checked per chunk before it is stored; concurrent puts of one tenant may overshoot by their own sizes."""
+    def _check_quota(self, tenant: Tenant, size_bytes: int) -> None:
+        """Checked per chunk before it is stored (a store call: on the pool); concurrent puts of one tenant may
+        overshoot by their own sizes."""
         if tenant.quota_bytes is not None:
-            tenant.check_quota(await self._run(self.store.held_bytes, tenant.owns), size_bytes)
+            tenant.check_quota(self.store.held_bytes(tenant.owns), size_bytes)
+
+    async def _within_idle(self, step, stalled: str):
+        """Await one read or write of a stream; Unavailable when it does not finish within the idle time."""
+        try:
+            return await asyncio.wait_for(step, self._idle_s)
+        except asyncio.TimeoutError:
+            raise Unavailable(f"{stalled} for {self._idle_s:g} s: the stream is closed "
+                              f"(server.stream_idle_timeout_s)") from None
 
     async def _next_frame(self, frames: AsyncIterator[pb.PutFrame]) -> pb.PutFrame | None:
-        """The stream's next frame, None at its end; Unavailable when the client sends nothing for the idle time."""
+        """The stream's next frame, None at its end."""
         try:
-            return await asyncio.wait_for(anext(frames), self._idle_s)
+            return await self._within_idle(anext(frames), "the client sent no frame")
         except StopAsyncIteration:
             return None
-        except asyncio.TimeoutError:
-            raise Unavailable(f"no frame for {self._idle_s:g} s: the stream is closed "
-                              f"(server.stream_idle_timeout_s)") from None
 
     async def _send(self, context, frame: pb.GetFrame) -> None:
-        """Write one frame; Unavailable when the client reads nothing for the idle time (its window stays full)."""
-        try:
-            await asyncio.wait_for(context.write(frame), self._idle_s)
-        except asyncio.TimeoutError:
-            raise Unavailable(f"the client read nothing for {self._idle_s:g} s: the stream is closed "
-                              f"(server.stream_idle_timeout_s)") from None
+        """Write one frame (a client that reads nothing keeps its window full and the write waiting)."""
+        await self._within_idle(context.write(frame), "the client read nothing")
 
     @rpc(stream=True)
     async def Put(self, request_iterator: AsyncIterator[pb.PutFrame], context, tenant: Tenant) -> pb.PutResponse:
@@ -151,8 +162,10 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             if part == "header":
                 if current is not None:
                     raise InvalidArgument("a chunk header arrived before the previous chunk's data was complete")
-                current = _ChunkAssembler(frame.header, self._max_chunk_bytes, tenant)
-                await self._check_quota(tenant, frame.header.size_bytes)
+                key, meta = _checked_header(frame.header, frame.header.namespace, self._max_chunk_bytes, tenant)
+                if tenant.quota_bytes is not None:
+                    await self._run(self._check_quota, tenant, frame.header.size_bytes)
+                current = _ChunkAssembler(key, meta, frame.header.size_bytes)
             elif part == "data":
                 if current is None:
                     raise InvalidArgument("a data frame arrived before any chunk header")
@@ -248,14 +261,9 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         granted: list[tuple[int, WriteGrant]] = []
         try:
             for header in request.chunks:
-                if header.size_bytes > self._max_chunk_bytes:
-                    raise InvalidArgument(f"chunk of {header.size_bytes} bytes exceeds the maximum of "
-                                          f"{self._max_chunk_bytes}")
-                key = ChunkKey.checked(request.namespace, header.key)
-                tenant.check_namespace(key.namespace)
-                if tenant.quota_bytes is not None:
-                    tenant.check_quota(self.store.held_bytes(tenant.owns), header.size_bytes)
-                grant = same_host.reserve(key, header.size_bytes, chunk_meta(header))
+                key, meta = _checked_header(header, request.namespace, self._max_chunk_bytes, tenant)
+                self._check_quota(tenant, header.size_bytes)
+                grant = same_host.reserve(key, header.size_bytes, meta)
                 granted.append((self.leases.grant(grant, same_host.abort, writable=True), grant))
         except Exception:
             self.leases.release([lease_id for lease_id, _ in granted], writable=True)
