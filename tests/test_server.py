@@ -67,9 +67,10 @@ def test_namespaces_do_not_share_keys(client):
     assert client.get("ns-b", b"k") is None
 
 
-def test_stats_and_metrics(start_server):
+@pytest.mark.parametrize("data_channel, put_method", [(False, "Put"), (True, "DataPut")])
+def test_stats_and_metrics(start_server, data_channel, put_method):
     server = start_server(max_chunk_bytes=8 * MiB, metrics_port=0)
-    client = Client.from_url(server.url, same_host=False)
+    client = Client.from_url(server.url, same_host=False, data_channel=data_channel)
     client.put(NS, b"a", b"x" * 5000)
     client.get(NS, b"a")
     client.get(NS, b"missing")
@@ -84,7 +85,7 @@ def test_stats_and_metrics(start_server):
                  "tiercache_tier_checksum_failures_total", "tiercache_rpc_duration_seconds_bucket"):
         assert name in text, name
     assert 'tiercache_tier_hits_total{tier="host"} 1.0' in text
-    assert 'tiercache_rpc_duration_seconds_count{code="OK",method="Put"} 1.0' in text
+    assert f'tiercache_rpc_duration_seconds_count{{code="OK",method="{put_method}"}} 1.0' in text
 
 
 def test_health_service_reports_serving(server):

@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     serve.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
     serve.add_argument("--unix-socket", metavar="PATH", help="also listen on a unix socket (grpc+unix:///PATH)")
+    serve.add_argument("--data-port", type=int, help="port of the data channel, remote clients' payloads beside gRPC "
+                       "(default 0: a free one, announced to clients)")
+    serve.add_argument("--no-data-channel", dest="data_channel", action="store_false", default=None,
+                       help="no data channel: remote payloads are streamed over gRPC")
     serve.add_argument("--gpu-mem", type=_size, metavar="SIZE", help="GPU memory tier size, e.g. 8GiB (needs CUDA; "
                                                                       "default: off)")
     serve.add_argument("--host-mem", type=_size, metavar="SIZE", help="host memory tier size, e.g. 4GiB (0: off)")
@@ -97,6 +101,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     base = load_file(args.config) if args.config else Config()
     return with_overrides(base, {
         "server.host": args.host, "server.port": args.port, "server.unix_socket": args.unix_socket,
+        "server.data_port": args.data_port, "server.data_channel": args.data_channel,
         "server.max_chunk_bytes": args.max_chunk_size,
         "server.metrics_port": args.metrics_port, "gpu.capacity_bytes": args.gpu_mem,
         "host.capacity_bytes": args.host_mem, "disk.path": args.disk_dir,
@@ -129,6 +134,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.getLogger("tiercache").info(
         "serving on %s (tiers: %s; max chunk %s)%s", server.url, tiers, format_size(config.server.max_chunk_bytes),
         (f"; metrics on :{server.metrics_port}" if server.metrics_port is not None else "")
+        + (f"; data channel on :{server.data_port}" if server.data_port else "")
         + (f"; health on :{server.health_port}" if server.health_port is not None else "")
         + (f"; {len(server.tenants.tenants)} tenants" if server.tenants.enabled else ""))
     received = signal.sigwait(signals)

@@ -3,9 +3,11 @@
 All operations are idempotent (a put of the same key and bytes leaves the same state), so UNAVAILABLE is retried
 for every call, with a short exponential backoff inside the call's deadline.
 
-Two data paths, chosen per client: on the server's host, payloads are copied in place into the server's shared-memory
-arena (client.shared_arena; gRPC carries only control); elsewhere, or when the arena cannot be mapped, they are
-streamed in 1 MiB gRPC frames. `same_host=None` (the default) picks by trying to map the arena the server names.
+Three data paths, chosen per client: on the server's host, payloads are copied in place into the server's
+shared-memory arena (client.shared_arena; gRPC carries only control); elsewhere, or when the arena cannot be mapped,
+they go over the server's data channel (client.data_channel: a plain socket beside gRPC, same token and TLS), or,
+when the server has none, are streamed in 1 MiB gRPC frames. `same_host=None` (the default) picks by trying to map
+the arena the server names; `data_channel=None` uses the data channel whenever the server announces one.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from typing import Callable, Iterator, Mapping, NamedTuple, Sequence, TypeVar
 import grpc
 
 from tiercache.client.breaker import BreakerPolicy, CircuitBreaker
+from tiercache.client.data_channel import ConnectFailed, DataChannel
 from tiercache.client.retry import RetryPolicy
 from tiercache.client.shared_arena import SharedArena
-from tiercache.client.transport import Security, open_channel, parse_url
+from tiercache.client.transport import Security, data_tls_context, open_channel, parse_url
 from tiercache.config import DEFAULT_FRAME_BYTES, DEFAULT_MAX_CHUNK_BYTES
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound, TierCacheError, Unavailable
 from tiercache.prefix.objects import ChainShape
+from tiercache.protocol.data import ConnectionBroken
 from tiercache.protocol.wire import (ANSWERED_BY_SERVER, error_for, frames, lookup_request, max_message_bytes, pb,
                                      pb_grpc, stats_dict)
 from tiercache.record.encoding import ChunkMeta
@@ -49,7 +53,7 @@ class LookupAnswer(NamedTuple):
 
 
 class Fetched(NamedTuple):
-    data: bytes
+    data: bytes | bytearray | memoryview  # bytes-like: the caller's buffer (get_into), or a new object of its own
     tier: str  # the tier it was read from
 
 
@@ -57,18 +61,20 @@ class Client:
     def __init__(self, target: str, *, timeout_s: float = 30.0, retry: RetryPolicy = RetryPolicy(),
                  frame_bytes: int = DEFAULT_FRAME_BYTES, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                  same_host: bool | None = None, tls: bool = False, security: Security | None = None,
-                 breaker: BreakerPolicy | None = None) -> None:
+                 breaker: BreakerPolicy | None = None, data_channel: bool | None = None) -> None:
         """`target` is a gRPC target (host:port, unix:/path); most callers want `Client.from_url`.
 
         `breaker`: fail calls at once while the server is unreachable, probing it in the background (see
         tiercache.client.breaker; the vLLM connector's clients use one). Without one, every call waits out its
-        retries."""
+        retries. `data_channel=False`: stream remote payloads over gRPC even when the server has a data channel."""
         limit = max_message_bytes(max_chunk_bytes)
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
         if breaker is not None:  # gRPC's own reconnect backoff grows to 120 s: a probe must be able to reconnect
             options += [("grpc.initial_reconnect_backoff_ms", 50),
                         ("grpc.max_reconnect_backoff_ms", max(int(breaker.max_probe_interval_s * 1000), 100))]
-        self._channel = open_channel(target, tls=tls, security=security or Security.from_env(), options=options)
+        self._security = security or Security.from_env()
+        self._tls = tls
+        self._channel = open_channel(target, tls=tls, security=self._security, options=options)
         self._stub = pb_grpc.TierCacheStub(self._channel)
         self.target = target
         self.timeout_s = timeout_s
@@ -76,6 +82,9 @@ class Client:
         self.frame_bytes = frame_bytes
         self._same_host = same_host
         self._shared: SharedArena | None = None
+        self._use_data_channel = data_channel
+        self._data: DataChannel | None = None
+        self._attached: pb.AttachResponse | None = None  # the server's Attach answer, asked once (and after a restart)
         self._attach_lock = threading.Lock()
         self._lease_ttl_s = 0.0  # the server's, once attached: reads copied well inside it release in the background
         self._releases: _BackgroundReleases | None = None
@@ -119,8 +128,10 @@ class Client:
                 return [tier for batch in _batches(views, arena.batch_bytes)
                         for tier in self._put_shared(namespace, batch, arena)]
             except (CapacityExceeded, NotFound):
-                pass  # the arena is full or a lease expired: the streamed path places chunks in any tier
-        return self._put_streamed(namespace, views)
+                pass  # the arena is full or a lease expired: the remote path places chunks in any tier
+        return self._call(lambda timeout: self._remote(
+            timeout, lambda channel, t: channel.put(namespace, views, t),
+            lambda t: self._put_streamed(namespace, views, t)))
 
     def _put_shared(self, namespace: str, views, arena: "SharedArena") -> list[str]:
         headers = [pb.ChunkHeader(namespace=namespace, key=key, size_bytes=len(payload),
@@ -138,7 +149,7 @@ class Client:
             raise
         return list(self._call(lambda timeout: self._stub.Commit(ids, timeout=timeout), gated=False).stored_in)
 
-    def _put_streamed(self, namespace: str, views) -> list[str]:
+    def _put_streamed(self, namespace: str, views, timeout: float) -> list[str]:
         def stream() -> Iterator[pb.PutFrame]:
             for key, payload, meta in views:
                 yield pb.PutFrame(header=pb.ChunkHeader(
@@ -147,7 +158,7 @@ class Client:
                 for frame in frames(payload, self.frame_bytes):
                     yield pb.PutFrame(data=frame)
 
-        return list(self._call(lambda timeout: self._stub.Put(stream(), timeout=timeout)).stored_in)
+        return list(self._stub.Put(stream(), timeout=timeout).stored_in)
 
     def get(self, namespace: str, key: bytes) -> bytes | None:
         return self.get_many(namespace, [key])[0]
@@ -205,11 +216,43 @@ class Client:
                     results[index] = None
                     remote.append(index)
         if remote:
-            request = pb.GetRequest(namespace=namespace, keys=[checked[i] for i in remote])
-            streamed = self._call(lambda timeout: _collect(self._stub.Get(request, timeout=timeout), len(remote)))
-            for index, item in zip(remote, streamed):
-                results[index] = None if item is None else Fetched(_deliver(item.data, out_for(index)), item.tier)
+            keys_below = [checked[i] for i in remote]
+            outs = [out_for(i) for i in remote]
+            fetched = self._call(lambda timeout: self._remote(
+                timeout, lambda channel, t: channel.get(namespace, keys_below, outs, t),
+                lambda t: self._get_streamed(namespace, keys_below, outs, t)))
+            for index, item in zip(remote, fetched):
+                results[index] = None if item is None else Fetched(item.data, item.tier)
         return results
+
+    def _get_streamed(self, namespace: str, keys: list[bytes], outs: list, timeout: float) -> list[Fetched | None]:
+        request = pb.GetRequest(namespace=namespace, keys=keys)
+        streamed = _collect(self._stub.Get(request, timeout=timeout), len(keys))
+        return [None if item is None else Fetched(_deliver(item.data, out), item.tier)
+                for item, out in zip(streamed, outs)]
+
+    def _remote(self, timeout: float, over_channel: Callable[[DataChannel, float], T],
+                over_grpc: Callable[[float], T]) -> T:
+        """One try of a remote put or get: over the data channel when the server has one, else streamed over gRPC.
+
+        A data port that cannot be reached right after the server named it, while its gRPC port answers, is a
+        deployment that does not expose it (a Service or firewall): this client streams over gRPC from then on, and
+        says so once. A channel that worked before and fails to connect is asked for again (the server may have
+        restarted on another port)."""
+        channel, fresh = self._data_channel(timeout)
+        if channel is None:
+            return over_grpc(timeout)
+        try:
+            return over_channel(channel, timeout)
+        except ConnectFailed as exc:
+            self._forget_data_channel(channel)
+            if not fresh:
+                raise
+            result = over_grpc(timeout)  # raises when the server is down: then nothing is concluded
+            log.warning("%s; its gRPC port answers: streaming payloads over gRPC from now on (expose the server's "
+                        "data port, or set server.data_channel: false)", exc)
+            self._use_data_channel = False
+            return result
 
     def _release(self, ids: Sequence[int]) -> list[int]:
         """Release read leases now; returns those that had already lapsed (what was copied under them is suspect)."""
@@ -261,6 +304,8 @@ class Client:
     def close(self) -> None:
         if self._releases is not None:
             self._releases.close()  # sends what is pending while the channel is still open
+        if self._data is not None:
+            self._data.close()
         if self.breaker is not None:
             self.breaker.close()
         if self._shared is not None:
@@ -276,13 +321,51 @@ class Client:
 
     # -- one path for every call ------------------------------------------------------------------------------------
 
+    def _attach(self, timeout: float | None = None) -> pb.AttachResponse:
+        """The server's Attach answer (the arena, the data channel), asked on first use. Under _attach_lock. With a
+        timeout: one try, inside a `_call` of the caller's (which retries it)."""
+        if self._attached is None:
+            if timeout is not None:
+                self._attached = self._stub.Attach(pb.AttachRequest(), timeout=timeout)
+            else:
+                self._attached = self._call(lambda t: self._stub.Attach(pb.AttachRequest(), timeout=t))
+        return self._attached
+
+    def _data_channel(self, timeout: float) -> tuple[DataChannel | None, bool]:
+        """The server's data channel (None: stream over gRPC), and whether the server named it just now."""
+        if self._use_data_channel is False:
+            return None, False
+        with self._attach_lock:
+            if self._data is not None:
+                return self._data, False
+            reply = self._attach(timeout)
+            if self._target_is_unix():
+                address = reply.data_unix_socket or None
+            else:
+                address = (_host_of(self.target), reply.data_port) if reply.data_port else None
+            if address is None:
+                return None, False
+            tls = data_tls_context(self._security) if self._tls else None
+            self._data = DataChannel(address, token=self._security.token, tls=tls,
+                                     server_name=self._security.tls_server_name)
+            return self._data, True
+
+    def _forget_data_channel(self, channel: DataChannel) -> None:
+        with self._attach_lock:
+            if self._data is channel:
+                self._data, self._attached = None, None
+        channel.close()
+
+    def _target_is_unix(self) -> bool:
+        return self.target.startswith("unix:")
+
     def _arena(self) -> "SharedArena | None":
         """The server's shared-memory arena, mapped on first use; None when not on its host (or same_host=False)."""
         if self._same_host is False:
             return None
         with self._attach_lock:
             if self._shared is None and self._same_host is not False:
-                reply = self._call(lambda timeout: self._stub.Attach(pb.AttachRequest(), timeout=timeout))
+                reply = self._attach()
                 try:
                     if not reply.available:
                         raise OSError("the server has no shared-memory arena")
@@ -311,12 +394,17 @@ class Client:
                 return invoke(max(deadline - time.monotonic(), 0.001))
             except grpc.RpcError as exc:
                 error = error_for(exc.code(), exc.details() or "")
-                delay = next(delays, None) if exc.code() == grpc.StatusCode.UNAVAILABLE else None
-                if delay is None or time.monotonic() + delay >= deadline:
-                    if self.breaker is not None and isinstance(error, Unavailable) and not _answered(exc):
-                        self.breaker.trip(error)
-                    raise error from None
-                time.sleep(delay)
+                retry, reached = exc.code() == grpc.StatusCode.UNAVAILABLE, _answered(exc)
+            except ConnectionBroken as exc:  # the data channel's connection failed: not reached
+                error, retry, reached = exc, True, False
+            except Unavailable as exc:  # the data channel's server answered UNAVAILABLE
+                error, retry, reached = exc, True, True
+            delay = next(delays, None) if retry else None
+            if delay is None or time.monotonic() + delay >= deadline:
+                if self.breaker is not None and isinstance(error, Unavailable) and not reached:
+                    self.breaker.trip(error)
+                raise error from None
+            time.sleep(delay)
 
     def _serving(self, timeout_s: float) -> bool:
         """The breaker's probe: does the server answer a call that goes through its store within timeout_s? (Its
@@ -372,6 +460,11 @@ def _answered(error: grpc.RpcError) -> bool:
         return any(key == ANSWERED_BY_SERVER for key, _ in error.trailing_metadata() or ())
     except Exception:  # noqa: BLE001 - errors raised before any call existed carry no metadata
         return False
+
+
+def _host_of(target: str) -> str:
+    """The host of a gRPC target 'host:port' or '[v6]:port'."""
+    return target.rsplit(":", 1)[0].strip("[]")
 
 
 def _collect(responses: Iterator[pb.GetFrame], count: int) -> list[Fetched | None]:

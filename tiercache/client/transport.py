@@ -9,6 +9,7 @@ $TIERCACHE_TLS_CA_FILE, $TIERCACHE_TLS_CERT_FILE and $TIERCACHE_TLS_KEY_FILE.
 from __future__ import annotations
 
 import os
+import ssl
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -79,6 +80,16 @@ def open_channel(target: str, *, tls: bool, security: Security, options: list[tu
         # Sent on plaintext channels too (a unix socket, a trusted network); TLS is what keeps it private.
         channel = grpc.intercept_channel(channel, _BearerToken(security.token))
     return channel
+
+
+def data_tls_context(security: Security) -> ssl.SSLContext:
+    """TLS for the data channel (tiercache.client.data_channel), from the same files as the gRPC channel's: the CA
+    that signed the server's certificate (default: the system's roots) and the client certificate for mutual TLS."""
+    context = ssl.create_default_context(cafile=security.tls_ca_file)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if security.tls_cert_file:
+        context.load_cert_chain(security.tls_cert_file, security.tls_key_file)
+    return context
 
 
 def _pem(path: str | None) -> bytes | None:

@@ -91,11 +91,16 @@ def stats_dict(message: pb.StatsResponse) -> dict:
 
 
 def chunk_meta(header: pb.ChunkHeader) -> ChunkMeta:
-    if header.object_class not in (CLASS_KV, CLASS_STATE):
-        raise InvalidArgument(f"unknown object class {header.object_class}")
-    if len(header.parent) > MAX_PARENT_BYTES:
-        raise InvalidArgument(f"a parent key is at most {MAX_PARENT_BYTES} bytes, got {len(header.parent)}")
-    return ChunkMeta(header.object_class, header.prefix_tokens, header.parent)
+    return checked_meta(ChunkMeta(header.object_class, header.prefix_tokens, header.parent))
+
+
+def checked_meta(meta: ChunkMeta) -> ChunkMeta:
+    """A chunk's meta as a client sent it (over gRPC or the data channel), checked."""
+    if meta.object_class not in (CLASS_KV, CLASS_STATE):
+        raise InvalidArgument(f"unknown object class {meta.object_class}")
+    if len(meta.parent) > MAX_PARENT_BYTES:
+        raise InvalidArgument(f"a parent key is at most {MAX_PARENT_BYTES} bytes, got {len(meta.parent)}")
+    return meta
 
 
 _GROUP_KINDS = {GroupKind.FULL_ATTENTION: pb.GROUP_KIND_FULL_ATTENTION,

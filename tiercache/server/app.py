@@ -1,9 +1,10 @@
-"""A running tiercache server: the store, the gRPC service (with health checking) on TCP and a unix socket, TLS,
-and the Prometheus endpoint; started and stopped as one."""
+"""A running tiercache server: the store, the gRPC service (with health checking) on TCP and a unix socket, the data
+channel beside it, TLS, and the Prometheus endpoint; started and stopped as one."""
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import threading
 from concurrent import futures
 
@@ -14,6 +15,7 @@ from tiercache.config import Config, SecurityConfig, read_file
 from tiercache.errors import ConfigError
 from tiercache.protocol.wire import SERVICE_NAME, max_message_bytes
 from tiercache.server.auth import TenantTable
+from tiercache.server.data_plane import DataPlane
 from tiercache.server.leases import LeaseTable
 from tiercache.server.metrics import Metrics
 from tiercache.server.rpc import service_handler
@@ -38,6 +40,19 @@ def server_credentials(security: SecurityConfig) -> grpc.ServerCredentials | Non
     client_ca = read_file(security.tls_client_ca_file, "TLS client CA") if security.tls_client_ca_file else None
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
                                        require_client_auth=client_ca is not None)
+
+
+def data_tls_context(security: SecurityConfig) -> ssl.SSLContext | None:
+    """The data channel's TLS: the gRPC port's certificate and client CA, so it is reachable on exactly its terms."""
+    if not security.tls:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(security.tls_cert_file, security.tls_key_file)
+    if security.tls_client_ca_file:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cafile=security.tls_client_ca_file)
+    return context
 
 
 def _address(host: str, port: int) -> str:
@@ -77,6 +92,7 @@ class CacheServer:
         self._health_server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._stopped = threading.Event()
+        self.data_plane: DataPlane | None = None
         self.port = 0
         self.health_port: int | None = None
         self.metrics_port: int | None = None
@@ -91,6 +107,15 @@ class CacheServer:
         except BaseException:
             self._stop_loop()
             raise
+        if cfg.data_channel:
+            try:
+                self.data_plane = DataPlane(self.config, self.store, self.metrics, self.tenants,
+                                            data_tls_context(self.config.security))
+                self.data_plane.start(cfg.host, cfg.data_port, cfg.unix_socket)
+            except OSError as exc:
+                self.stop(grace_s=0)
+                raise ConfigError(f"cannot serve the data channel on {cfg.host}:{cfg.data_port}: "
+                                  f"{exc.strerror or exc}") from None
         if cfg.metrics_port is not None:
             try:
                 self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
@@ -105,7 +130,7 @@ class CacheServer:
         self._health = health.aio.HealthServicer()
         server = grpc.aio.server(options=_grpc_options(cfg.max_chunk_bytes))
         servicer = TierCacheServicer(self.store, self.config, self.metrics, self.leases, self.tenants,
-                                     self._blocking)
+                                     self._blocking, data_channel=self._data_channel)
         server.add_generic_rpc_handlers((service_handler(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         credentials = server_credentials(self.config.security)
@@ -125,6 +150,15 @@ class CacheServer:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
+    def _data_channel(self) -> tuple[int, str]:
+        """(port, unix socket path) of the data channel for Attach; (0, "") when there is none."""
+        plane = self.data_plane
+        return (plane.port, plane.unix_socket or "") if plane is not None else (0, "")
+
+    @property
+    def data_port(self) -> int:
+        return self._data_channel()[0]
+
     @property
     def url(self) -> str:
         host = self.config.server.host
@@ -139,6 +173,8 @@ class CacheServer:
         if self._loop_thread is not None and self._loop_thread.is_alive():
             self._on_loop(self._stop(grace_s))
             self._stop_loop()
+        if self.data_plane is not None:
+            self.data_plane.stop(grace_s)
         self._blocking.shutdown(wait=True)
         self.metrics.close()
         self.leases.close()  # takes back every reservation and read pin before the arena goes away

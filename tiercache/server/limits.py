@@ -9,6 +9,7 @@ stream is refused at once (RESOURCE_EXHAUSTED), everyone else is still served.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import Counter
 from typing import Iterator
 
@@ -24,31 +25,41 @@ def peer_host(peer: str) -> str:
     return peer
 
 
+class Counts:
+    """How many things each name holds open, at most `limit` per name. Thread-safe: the gRPC handlers count from the
+    event loop, the data plane (server.data_plane) from its connection threads."""
+
+    def __init__(self, limit: int, what: str) -> None:
+        self.limit = limit
+        self._what = what  # how a refusal names the limit, e.g. "streams open (server.max_streams_per_peer)"
+        self._open: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def hold(self, name: str, label: str) -> Iterator[None]:
+        """Count one more for `name` while the block runs; CapacityExceeded when it already holds `limit`."""
+        with self._lock:
+            if self._open[name] >= self.limit:
+                raise CapacityExceeded(f"{label} has {self._open[name]} {self._what}")
+            self._open[name] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._open[name] -= 1
+                if not self._open[name]:
+                    del self._open[name]
+
+
 class StreamLimits:
-    """Counts of open streams per peer host and per tenant. Used from the server's event loop only (no lock)."""
+    """Open Put / Get streams per peer host and per tenant."""
 
     def __init__(self, per_peer: int, per_tenant: int) -> None:
-        self.per_peer = per_peer
-        self.per_tenant = per_tenant
-        self._peers: Counter[str] = Counter()
-        self._tenants: Counter[str] = Counter()
+        self.peers = Counts(per_peer, "streams open (server.max_streams_per_peer)")
+        self.tenants = Counts(per_tenant, "streams open (server.max_streams_per_tenant)")
 
     @contextlib.contextmanager
     def stream(self, peer: str, tenant: str) -> Iterator[None]:
         host = peer_host(peer)
-        if self._peers[host] >= self.per_peer:
-            raise CapacityExceeded(f"{host} has {self._peers[host]} streams open (server.max_streams_per_peer)")
-        if self._tenants[tenant] >= self.per_tenant:
-            raise CapacityExceeded(f"tenant {tenant!r} has {self._tenants[tenant]} streams open "
-                                   f"(server.max_streams_per_tenant)")
-        self._peers[host] += 1
-        self._tenants[tenant] += 1
-        try:
+        with self.peers.hold(host, host), self.tenants.hold(tenant, f"tenant {tenant!r}"):
             yield
-        finally:
-            self._peers[host] -= 1
-            self._tenants[tenant] -= 1
-            if not self._peers[host]:
-                del self._peers[host]
-            if not self._tenants[tenant]:
-                del self._tenants[tenant]

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import time
 from concurrent.futures import Executor
-from typing import AsyncIterator, Iterable
+from typing import AsyncIterator, Callable, Iterable
 
 from tiercache import __version__
 from tiercache.config import Config
@@ -112,13 +112,15 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
     Redis), so a stream waiting on its client holds no thread, and the loop never waits on a tier."""
 
     def __init__(self, store: TieredStore, config: Config, metrics: Metrics, leases: LeaseTable,
-                 tenants: TenantTable, blocking: Executor) -> None:
+                 tenants: TenantTable, blocking: Executor,
+                 data_channel: Callable[[], tuple[int, str]] = lambda: (0, "")) -> None:
         self.store = store
         self.tenants = tenants
         self.metrics = metrics
         self.leases = leases
         self.limits = StreamLimits(config.server.max_streams_per_peer, config.server.max_streams_per_tenant)
         self._blocking = blocking
+        self._data_channel = data_channel  # (port, unix socket) of the data channel, announced by Attach
         self._max_chunk_bytes = config.server.max_chunk_bytes
         self._frame_bytes = config.server.frame_bytes
         self._idle_s = config.server.stream_idle_timeout_s
@@ -237,12 +239,14 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     @rpc
     async def Attach(self, request: pb.AttachRequest, context, tenant: Tenant) -> pb.AttachResponse:
+        data_port, data_unix_socket = self._data_channel()
         same_host = self.store.same_host
-        if same_host is None or not tenant.same_host:  # not an error: the client falls back to streaming over gRPC
-            return pb.AttachResponse(available=False)
+        if same_host is None or not tenant.same_host:  # not an error: the client uses the data channel or Put/Get
+            return pb.AttachResponse(available=False, data_port=data_port, data_unix_socket=data_unix_socket)
         arena = same_host.arena
         return pb.AttachResponse(available=True, path=arena.path, size_bytes=arena.size_bytes, inode=arena.inode,
-                                 lease_ttl_s=self.leases.ttl_s)
+                                 lease_ttl_s=self.leases.ttl_s, data_port=data_port,
+                                 data_unix_socket=data_unix_socket)
 
     def _same_host(self, tenant: Tenant, instead: str) -> SameHostPath:
         if self.store.same_host is None:

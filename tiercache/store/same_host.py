@@ -40,6 +40,7 @@ class ReadGrant:
     payload: Ranges  # (offset, length) in the arena file; empty when not pinned
     size_bytes: int  # of the payload
     pin: object | None  # the tier's handle; None: too large for the arena, or held above it by the GPU tier
+    copy: memoryview | None = None  # when not pinned: the payload as the store read it
 
     @property
     def pinned(self) -> bool:
@@ -87,10 +88,17 @@ class SameHostPath:
         if found is None:
             return None
         pin = self._tier.pin(key)
-        return _read_grant(found.tier, pin) if pin is not None else ReadGrant(found.tier, (), len(found.payload), None)
+        if pin is None:
+            return ReadGrant(found.tier, (), len(found.payload), None, found.payload)
+        return _read_grant(found.tier, pin)
 
     def unpin(self, grant: ReadGrant) -> None:
         self._tier.unpin(grant.pin)
+
+    def views(self, ranges: Ranges) -> list[memoryview]:
+        """The arena's bytes at a grant's payload ranges, for a reader or writer inside the server (the data
+        plane: tiercache.server.data_plane)."""
+        return self._tier.views(ranges)
 
 
 def _read_grant(tier: str, pin) -> ReadGrant:

@@ -176,6 +176,11 @@ class ArenaTier(IndexedTier):
         with self._lock:
             self._unpin(pinned.entry)
 
+    def views(self, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """The arena's bytes at reserved or pinned ranges, in place (the data plane receives into and sends from
+        them)."""
+        return self._memory.views(ranges)
+
     def _allocate(self, key: ChunkKey, size: int, meta: encoding.ChunkMeta,
                   return_evicted: bool) -> tuple[tuple[Extent, ...], list[Evicted]]:
         """Pages for a record, evicting as needed; counts it against the state budget until _commit_entry."""

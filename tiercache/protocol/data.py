@@ -1,0 +1,280 @@
+"""The data channel's wire format: chunk payloads between a remote client and the server over a plain TCP (or unix)
+socket, beside the gRPC port that carries everything else.
+
+Why a second channel: grpcio costs more per message than the copy it carries (docs/performance.md), so a remote put
+or get through it ran at half redis-py's rate. Here the payload bytes are the only bytes on the wire after a short
+header: the server receives them straight into the pages of the record that will hold them (`recv_into`), and sends
+a hit straight out of its arena; the client does the same with its own buffers.
+
+It is no side door: a connection opens with the same bearer token a gRPC call carries (checked by the same
+TenantTable), the server wraps it in TLS whenever the gRPC port has TLS (same certificate, same client CA), and every
+request is checked like its gRPC twin (namespace owned by the tenant, key and size limits, quota).
+
+A connection (all integers little-endian):
+
+    client: HELLO     magic "TCD1", u16 token length, token (empty when the server has no tenants)
+    server: STATUS    u8 code (0: ok), u32 message length, message (utf-8)
+    then any number of requests, one at a time:
+    client: REQUEST   u8 op, u32 count, u32 block length, block
+              PUT block: u16 namespace length, namespace, then per chunk
+                         u16 key length, key, u64 size, u8 object class, u64 prefix tokens, u16 parent length, parent
+                         -- followed by the chunks' payloads, back to back, in order
+              GET block: u16 namespace length, namespace, then per key u16 key length, key
+    server: PUT   -> STATUS, and when ok: per chunk u8 length + the name of the tier that holds it
+            GET   -> STATUS, and when ok: per key ITEM = u8 found, u64 size, u8 tier length, tier, then the payload
+
+A request the server refuses (a namespace the tenant does not own, a quota) is answered with its error STATUS after
+the server has read (and dropped) the payloads already on their way, so the connection stays usable. Malformed input
+gets an error STATUS and the connection is closed.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import NamedTuple, Sequence
+
+from tiercache.errors import (
+    CapacityExceeded,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    TierCacheError,
+    Unauthenticated,
+    Unavailable,
+)
+from tiercache.record.encoding import ChunkMeta
+
+MAGIC = b"TCD1"
+OP_PUT = 1
+OP_GET = 2
+MAX_BATCH = 65_536  # chunks or keys in one request
+MAX_BLOCK_BYTES = 16 << 20  # a request's header block (keys, metas): far above what MAX_BATCH entries need
+MAX_TOKEN_BYTES = 4096
+MAX_MESSAGE_BYTES = 64 << 10
+SEND_SLICE_BYTES = 1 << 20
+
+_HELLO = struct.Struct("<4sH")
+_STATUS = struct.Struct("<BI")
+_REQUEST = struct.Struct("<BII")
+_U16 = struct.Struct("<H")
+_PUT_ENTRY = struct.Struct("<QBQH")  # size, object class, prefix tokens, parent length (after the key)
+ITEM = struct.Struct("<BQB")  # found, size, tier length
+
+OK = 0
+INTERNAL = 7
+# One code per error class, like protocol.wire's gRPC status table (the order matters: subclasses first).
+_CODES: tuple[tuple[int, type[TierCacheError]], ...] = (
+    (1, InvalidArgument), (2, NotFound), (3, CapacityExceeded), (4, Unavailable), (5, Unauthenticated),
+    (6, PermissionDenied),
+)
+
+
+class ConnectionBroken(Unavailable):
+    """The connection closed or failed mid-exchange (the peer went away, a timeout passed, malformed bytes). The
+    connection is unusable; a client may retry on a new one."""
+
+
+class PutEntry(NamedTuple):
+    key: bytes
+    size: int
+    meta: ChunkMeta
+
+
+def code_for(error: BaseException) -> int:
+    for code, kind in _CODES:
+        if isinstance(error, kind):
+            return code
+    return INTERNAL
+
+
+def error_for(code: int, message: str) -> TierCacheError:
+    for known, kind in _CODES:
+        if code == known:
+            return kind(message)
+    return TierCacheError(f"INTERNAL: {message}")
+
+
+# -- sockets ----------------------------------------------------------------------------------------------------------
+
+def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from the socket (the kernel copies straight into it); ConnectionBroken at an early end."""
+    while view:
+        try:
+            n = sock.recv_into(view)
+        except (OSError, ValueError) as exc:  # ValueError: the socket was closed under us (server shutdown)
+            raise ConnectionBroken(f"data channel: {exc or type(exc).__name__}") from None
+        if not n:
+            raise ConnectionBroken("data channel closed by the peer")
+        view = view[n:]
+
+
+def recv_exactly(sock: socket.socket, size: int) -> bytearray:
+    buffer = bytearray(size)
+    recv_exactly_into(sock, memoryview(buffer))
+    return buffer
+
+
+def send_all(sock: socket.socket, *parts) -> None:
+    """Send every part, SEND_SLICE_BYTES per call: a socket timeout bounds one `sendall` as a whole, so slices keep
+    it a bound on a stall (no progress for that long), not on how long a slow but moving reader may take."""
+    try:
+        for part in parts:
+            view = memoryview(part).cast("B")
+            for start in range(0, len(view), SEND_SLICE_BYTES):
+                sock.sendall(view[start:start + SEND_SLICE_BYTES])
+    except (OSError, ValueError) as exc:
+        raise ConnectionBroken(f"data channel: {exc or type(exc).__name__}") from None
+
+
+def drain(sock: socket.socket, size: int, scratch: memoryview) -> None:
+    """Read and drop `size` bytes (payloads of a refused request, so the connection stays in step)."""
+    while size:
+        step = min(size, len(scratch))
+        recv_exactly_into(sock, scratch[:step])
+        size -= step
+
+
+# -- messages ---------------------------------------------------------------------------------------------------------
+
+def hello(token: str | None) -> bytes:
+    data = (token or "").encode()
+    if len(data) > MAX_TOKEN_BYTES:
+        raise InvalidArgument(f"a token is at most {MAX_TOKEN_BYTES} bytes")
+    return _HELLO.pack(MAGIC, len(data)) + data
+
+
+def read_hello(sock: socket.socket) -> str:
+    """The token a connection opens with ('' for none); InvalidArgument when it is not a data-channel client."""
+    magic, length = _HELLO.unpack(recv_exactly(sock, _HELLO.size))
+    if magic != MAGIC:
+        raise InvalidArgument("not a tiercache data-channel client (bad magic)")
+    if length > MAX_TOKEN_BYTES:
+        raise InvalidArgument("token too long")
+    return bytes(recv_exactly(sock, length)).decode(errors="replace")
+
+
+def status(code: int, message: str = "") -> bytes:
+    data = message.encode()[:MAX_MESSAGE_BYTES]
+    return _STATUS.pack(code, len(data)) + data
+
+
+def read_status(sock: socket.socket) -> None:
+    """Raise the error a STATUS carries; return when it says ok."""
+    code, length = _STATUS.unpack(recv_exactly(sock, _STATUS.size))
+    if length > MAX_MESSAGE_BYTES:
+        raise ConnectionBroken("data channel: malformed status")
+    message = bytes(recv_exactly(sock, length)).decode(errors="replace")
+    if code != OK:
+        raise error_for(code, message)
+
+
+def _name(data: bytes) -> bytes:
+    return _U16.pack(len(data)) + data
+
+
+def put_request(namespace: str, entries: Sequence[PutEntry]) -> bytes:
+    parts = [_name(namespace.encode())]
+    for entry in entries:
+        meta = entry.meta
+        parts += [_name(entry.key), _PUT_ENTRY.pack(entry.size, meta.object_class, meta.prefix_tokens,
+                                                   len(meta.parent)), meta.parent]
+    return _request(OP_PUT, len(entries), b"".join(parts))
+
+
+def get_request(namespace: str, keys: Sequence[bytes]) -> bytes:
+    return _request(OP_GET, len(keys), b"".join([_name(namespace.encode()), *(_name(k) for k in keys)]))
+
+
+def _request(op: int, count: int, block: bytes) -> bytes:
+    if count > MAX_BATCH or len(block) > MAX_BLOCK_BYTES:
+        raise InvalidArgument(f"a data-channel request holds at most {MAX_BATCH} chunks")
+    return _REQUEST.pack(op, count, len(block)) + block
+
+
+class Request(NamedTuple):
+    op: int
+    namespace: str
+    keys: list[bytes]
+    entries: list[PutEntry]  # PUT only
+
+
+def read_request(sock: socket.socket, idle_s: float) -> Request | None:
+    """The next request, or None when the client closed the connection between requests. The wait for its first
+    byte is the socket's timeout; every read after it gets `idle_s`."""
+    head = bytearray(_REQUEST.size)
+    view = memoryview(head)
+    try:
+        first = sock.recv_into(view)
+    except (OSError, ValueError) as exc:
+        raise ConnectionBroken(f"data channel: {exc or type(exc).__name__}") from None
+    if not first:
+        return None
+    sock.settimeout(idle_s)
+    recv_exactly_into(sock, view[first:])
+    op, count, block_bytes = _REQUEST.unpack(head)
+    if op not in (OP_PUT, OP_GET) or count > MAX_BATCH or block_bytes > MAX_BLOCK_BYTES:
+        raise InvalidArgument(f"malformed data-channel request (op {op}, {count} entries, {block_bytes} bytes)")
+    return parse_block(op, count, recv_exactly(sock, block_bytes))
+
+
+def parse_block(op: int, count: int, block: bytearray) -> Request:
+    reader = _Reader(block)
+    try:
+        namespace = reader.name().decode()
+        keys, entries = [], []
+        for _ in range(count):
+            key = reader.name()
+            keys.append(key)
+            if op == OP_PUT:
+                size, object_class, prefix_tokens, parent_len = reader.unpack(_PUT_ENTRY)
+                entries.append(PutEntry(key, size, ChunkMeta(object_class, prefix_tokens, reader.take(parent_len))))
+    except (struct.error, UnicodeDecodeError, IndexError) as exc:
+        raise InvalidArgument(f"malformed data-channel request: {exc}") from None
+    if reader.left:
+        raise InvalidArgument("malformed data-channel request: trailing bytes")
+    return Request(op, namespace, keys, entries)
+
+
+class _Reader:
+    def __init__(self, data: bytearray) -> None:
+        self._data = bytes(data)
+        self._at = 0
+
+    @property
+    def left(self) -> int:
+        return len(self._data) - self._at
+
+    def unpack(self, fmt: struct.Struct) -> tuple:
+        values = fmt.unpack_from(self._data, self._at)
+        self._at += fmt.size
+        return values
+
+    def take(self, n: int) -> bytes:
+        if n > self.left:
+            raise IndexError("field runs past the block")
+        data = self._data[self._at:self._at + n]
+        self._at += n
+        return data
+
+    def name(self) -> bytes:
+        (n,) = self.unpack(_U16)
+        return self.take(n)
+
+
+def tiers_answer(tiers: Sequence[str]) -> bytes:
+    names = [t.encode() for t in tiers]
+    return b"".join(bytes([len(n)]) + n for n in names)
+
+
+def read_tiers(sock: socket.socket, count: int) -> list[str]:
+    tiers = []
+    for _ in range(count):
+        (length,) = recv_exactly(sock, 1)
+        tiers.append(bytes(recv_exactly(sock, length)).decode())
+    return tiers
+
+
+def item(found: bool, size: int = 0, tier: str = "") -> bytes:
+    name = tier.encode()
+    return ITEM.pack(1 if found else 0, size, len(name)) + name

@@ -1,0 +1,308 @@
+"""The data channel's server side: remote clients' chunk payloads over a plain TCP (or unix) socket, received into
+and sent from the arena's pages in place (wire format and the reasons for it: tiercache.protocol.data).
+
+One thread per connection, blocking I/O: a thread waits in `recv_into` / `sendall` with the GIL released, which is
+what moves bytes fastest from Python. A client that stalls holds only its own connection's thread, never a shared
+worker, and only for `server.stream_idle_timeout_s` per read or write mid-request (or DATA_KEEPALIVE_S between
+requests); connections are bounded per peer host and per tenant (the stream limits' numbers) and in all
+(`server.max_data_connections`), so threads are too.
+
+Requests are checked exactly like their gRPC twins (servicer.TierCacheServicer.Put / Get): the caller's tenant from
+the same bearer token, the namespace it owns, key and size limits, its quota.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import ssl
+import stat
+import threading
+import time
+from typing import NamedTuple, NoReturn
+
+from tiercache.config import Config
+from tiercache.errors import CapacityExceeded, InvalidArgument, TierCacheError
+from tiercache.protocol import data
+from tiercache.protocol.wire import AUTHORIZATION, checked_meta, status_for
+from tiercache.record import encoding
+from tiercache.record.keys import ChunkKey, validate_key, validate_namespace
+from tiercache.server.auth import Tenant, TenantTable
+from tiercache.server.limits import Counts
+from tiercache.server.metrics import Metrics
+from tiercache.store.same_host import WriteGrant
+from tiercache.store.tiered import TieredStore
+
+log = logging.getLogger("tiercache.server")
+
+DATA_KEEPALIVE_S = 300.0  # an idle connection between requests is closed after this (clients pool connections)
+_SCRATCH_BYTES = 1 << 20  # for draining the payloads of a refused request
+_ACCEPT_BACKLOG = 128
+
+
+class _Incoming(NamedTuple):
+    """Where one put chunk's payload is received: arena pages reserved for it, or a record buffer of its own."""
+
+    views: list[memoryview]
+    grant: WriteGrant | None
+    record: bytearray | None
+
+
+class DataPlane:
+    def __init__(self, config: Config, store: TieredStore, metrics: Metrics, tenants: TenantTable,
+                 tls: ssl.SSLContext | None) -> None:
+        cfg = config.server
+        self.store = store
+        self.metrics = metrics
+        self.tenants = tenants
+        self._tls = tls
+        self._max_chunk_bytes = cfg.max_chunk_bytes
+        self._idle_s = cfg.stream_idle_timeout_s
+        self._all = Counts(cfg.max_data_connections, "data connections open (server.max_data_connections)")
+        self._peers = Counts(cfg.max_streams_per_peer, "data connections open (server.max_streams_per_peer)")
+        self._tenants = Counts(cfg.max_streams_per_tenant, "data connections open (server.max_streams_per_tenant)")
+        self._listeners: list[socket.socket] = []
+        self._connections: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self.port = 0
+        self.unix_socket: str | None = None
+
+    # -- listening --------------------------------------------------------------------------------------------------
+
+    def start(self, host: str, port: int, unix_socket: str | None) -> "DataPlane":
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.create_server((host, port), family=family, backlog=_ACCEPT_BACKLOG)
+        self.port = listener.getsockname()[1]
+        self._listen(listener, "tcp")
+        if unix_socket:
+            self.unix_socket = unix_socket + ".data"
+            _remove_stale_socket(self.unix_socket)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(self.unix_socket)
+            listener.listen(_ACCEPT_BACKLOG)
+            self._listen(listener, "unix")
+        return self
+
+    def _listen(self, listener: socket.socket, kind: str) -> None:
+        self._listeners.append(listener)
+        self._spawn(self._accept, listener, kind, name=f"tiercache-data-accept-{kind}")
+
+    def _spawn(self, target, *args, name: str) -> None:
+        thread = threading.Thread(target=self._tracked, args=(target, *args), name=name, daemon=True)
+        with self._lock:
+            self._threads.add(thread)
+        thread.start()
+
+    def _tracked(self, target, *args) -> None:
+        try:
+            target(*args)
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def _accept(self, listener: socket.socket, kind: str) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn, address = listener.accept()
+            except OSError:
+                return  # closed by stop()
+            peer = address[0] if kind == "tcp" else "unix"
+            if kind == "tcp":
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._connections.add(conn)
+            self._spawn(self._connection, conn, peer, name="tiercache-data")
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Close the listeners and every connection (a request in progress ends: its reservation is aborted)."""
+        self._stopping.set()
+        for listener in self._listeners:
+            listener.close()
+        if self.unix_socket:
+            _remove_stale_socket(self.unix_socket)
+        with self._lock:
+            connections, threads = list(self._connections), list(self._threads)
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv / send
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace_s
+        for thread in threads:
+            thread.join(max(deadline - time.monotonic(), 0.01))
+
+    # -- one connection ---------------------------------------------------------------------------------------------
+
+    def _connection(self, conn: socket.socket, peer: str) -> None:
+        sock = conn
+        try:
+            with self._all.hold("*", "the server"), self._peers.hold(peer, peer):
+                sock.settimeout(self._idle_s)
+                if self._tls is not None:
+                    sock = self._tls.wrap_socket(conn, server_side=True)  # the handshake, within the idle time
+                token = data.read_hello(sock)
+                tenant = self.tenants.authenticate([(AUTHORIZATION, f"Bearer {token}")] if token else [])
+                with self._tenants.hold(tenant.name, f"tenant {tenant.name!r}"):
+                    data.send_all(sock, data.status(data.OK))
+                    self._requests(sock, tenant)
+        except data.ConnectionBroken as exc:
+            log.debug("data connection from %s ended: %s", peer, exc)
+        except (ssl.SSLError, OSError) as exc:
+            log.debug("data connection from %s failed: %s", peer, exc)
+        except TierCacheError as exc:  # refused before any request (token, limits) or malformed: answer, then close
+            self._answer_and_close(sock, data.code_for(exc), str(exc))
+        except Exception:  # noqa: BLE001 - one connection's bug must not take the server's others down
+            log.exception("data connection from %s failed", peer)
+            self._answer_and_close(sock, data.INTERNAL, "internal error")
+        finally:
+            sock.close()
+            with self._lock:
+                self._connections.discard(conn)
+
+    def _answer_and_close(self, sock: socket.socket, code: int, message: str) -> None:
+        try:
+            data.send_all(sock, data.status(code, message))
+        except data.ConnectionBroken:
+            pass
+
+    def _requests(self, sock: socket.socket, tenant: Tenant) -> None:
+        scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        while not self._stopping.is_set():
+            sock.settimeout(DATA_KEEPALIVE_S)
+            request = data.read_request(sock, idle_s=self._idle_s)
+            if request is None:
+                return
+            started = time.perf_counter()
+            name = "DataPut" if request.op == data.OP_PUT else "DataGet"
+            code = "OK"
+            try:
+                if request.op == data.OP_PUT:
+                    self._put(sock, tenant, request, scratch)
+                else:
+                    self._get(sock, tenant, request)
+            except _Refused as refused:
+                code = status_for(refused.error).name
+            except BaseException as exc:
+                code = "CANCELLED" if isinstance(exc, data.ConnectionBroken) else status_for(exc).name
+                raise
+            finally:
+                self.metrics.rpc_seconds.labels(name, code).observe(time.perf_counter() - started)
+
+    def _refuse(self, sock: socket.socket, error: TierCacheError) -> NoReturn:
+        data.send_all(sock, data.status(data.code_for(error), str(error)))
+        raise _Refused(error)
+
+    # -- PUT --------------------------------------------------------------------------------------------------------
+
+    def _put(self, sock: socket.socket, tenant: Tenant, request: data.Request, scratch: memoryview) -> None:
+        entries = request.entries
+        sizes = [entry.size for entry in entries]
+        if any(size > self._max_chunk_bytes for size in sizes):
+            # Not drained: the announced bytes could be anything. Malformed input closes the connection.
+            raise InvalidArgument(f"a chunk exceeds the maximum of {self._max_chunk_bytes} bytes")
+        try:
+            keys = self._checked(tenant, request)
+            metas = [checked_meta(entry.meta) for entry in entries]
+            if tenant.quota_bytes is not None:
+                tenant.check_quota(self.store.held_bytes(tenant.owns), sum(sizes))
+        except TierCacheError as refused:
+            data.drain(sock, sum(sizes), scratch)
+            self._refuse(sock, refused)
+        tiers = []
+        for index, (key, meta, size) in enumerate(zip(keys, metas, sizes)):
+            try:
+                incoming = self._incoming(key, meta, size)
+            except TierCacheError as refused:  # nothing of this chunk read yet
+                data.drain(sock, sum(sizes[index:]), scratch)
+                self._refuse(sock, refused)
+            try:
+                for view in incoming.views:
+                    data.recv_exactly_into(sock, view)
+            except BaseException:
+                if incoming.grant is not None:
+                    self.store.same_host.abort(incoming.grant)
+                raise
+            try:
+                tiers.append(self._store(key, meta, incoming))
+            except TierCacheError as refused:  # this chunk was read whole
+                data.drain(sock, sum(sizes[index + 1:]), scratch)
+                self._refuse(sock, refused)
+        data.send_all(sock, data.status(data.OK), data.tiers_answer(tiers))
+
+    def _incoming(self, key: ChunkKey, meta: encoding.ChunkMeta, size: int) -> _Incoming:
+        """Room for a chunk's payload: reserved arena pages when the arena takes it (received in place, no copy),
+        else a record buffer of its own that the store places in any tier."""
+        same_host = self.store.same_host
+        if same_host is not None:
+            try:
+                grant = same_host.reserve(key, size, meta)
+            except CapacityExceeded:
+                pass
+            else:
+                return _Incoming(same_host.views(grant.payload), grant, None)
+        record = bytearray(encoding.header_bytes(key, meta) + size)
+        return _Incoming([memoryview(record)[len(record) - size:]], None, record)
+
+    def _store(self, key: ChunkKey, meta: encoding.ChunkMeta, incoming: _Incoming) -> str:
+        if incoming.grant is not None:
+            return self.store.same_host.commit(incoming.grant)
+        encoding.seal(incoming.record, key, meta)
+        return self.store.put_record(key, incoming.record)
+
+    # -- GET --------------------------------------------------------------------------------------------------------
+
+    def _get(self, sock: socket.socket, tenant: Tenant, request: data.Request) -> None:
+        try:
+            keys = self._checked(tenant, request)
+        except TierCacheError as refused:
+            self._refuse(sock, refused)
+        data.send_all(sock, data.status(data.OK))
+        for key in keys:
+            self._send_chunk(sock, key)
+
+    def _send_chunk(self, sock: socket.socket, key: ChunkKey) -> None:
+        """One ITEM: from the arena's pages in place when the chunk is (or is promoted) there, else from the copy the
+        store read."""
+        same_host = self.store.same_host
+        if same_host is None:
+            found = self.store.get(key)
+            if found is None:
+                data.send_all(sock, data.item(False))
+            else:
+                data.send_all(sock, data.item(True, len(found.payload), found.tier), found.payload)
+            return
+        read = same_host.pin(key)
+        if read is None:
+            data.send_all(sock, data.item(False))
+        elif not read.pinned:
+            data.send_all(sock, data.item(True, read.size_bytes, read.tier), read.copy)
+        else:
+            try:
+                data.send_all(sock, data.item(True, read.size_bytes, read.tier), *same_host.views(read.payload))
+            finally:
+                same_host.unpin(read)
+
+    def _checked(self, tenant: Tenant, request: data.Request) -> list[ChunkKey]:
+        namespace = validate_namespace(request.namespace)
+        tenant.check_namespace(namespace)
+        return [ChunkKey(namespace, validate_key(key)) for key in request.keys]
+
+
+class _Refused(Exception):
+    """A request answered with an error status; the connection stays open for the next one."""
+
+    def __init__(self, error: TierCacheError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _remove_stale_socket(path: str) -> None:
+    """A socket file left by an earlier server at this path (never any other kind of file)."""
+    try:
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
