@@ -22,6 +22,6 @@ RUN PIP_NO_CACHE_DIR=1 scripts/install.sh "$EXTRAS" \
 
 USER 10001:10001
 # gRPC, plaintext health (probes), Prometheus metrics: the ports deploy/base uses.
-EXPOSE 50051 50052 9400
+EXPOSE 50051 50052 50053 9400
 ENTRYPOINT ["tiercache", "serve"]
 CMD ["--config", "/etc/tiercache/tiercache.yaml"]

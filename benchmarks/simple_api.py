@@ -1,7 +1,7 @@
 """The simple same-host API, one call per chunk: `client.put` and `client.get` of 16 MiB chunks (a fresh `bytes`
-per get), next to memcpy measured in the same run; with `--tune-allocator` the client process first calls
-`tiercache.tune_allocator()` (glibc keeps freed large buffers for reuse: no page faults on the next get's bytes).
-`put_many` / `get_into` are benchmarks/throughput.py's.
+per get), `client.get(..., out=buffer)` into one reused buffer, next to memcpy measured in the same run; with
+`--tune-allocator` the client process first calls `tiercache.tune_allocator()` (glibc keeps freed large buffers for
+reuse: no page faults on the next get's bytes). `put_many` / `get_into` are benchmarks/throughput.py's.
 
     .venv/bin/python benchmarks/simple_api.py [--chunks 32] [--chunk-size 16MiB] [--rounds 3] [--tune-allocator]
 """
@@ -36,7 +36,8 @@ def main() -> None:
     size, n = args.chunk_size, args.chunks
     data = os.urandom(size)
     source, target = np.frombuffer(data, np.uint8), np.empty(size, np.uint8)
-    rates: dict[str, list[float]] = {"memcpy": [], "put": [], "get": []}
+    rates: dict[str, list[float]] = {"memcpy": [], "put": [], "get": [], "get_out": []}
+    reused = bytearray(size)
     with ServerProcess("--host-mem", str(2 * size * n + (64 << 20)), "--disk-size", "0") as server, \
             Client.from_url(server.url) as client:
         assert client.same_host, "the server's arena cannot be mapped here"
@@ -53,9 +54,13 @@ def main() -> None:
             for i in range(n):
                 assert len(client.get("simple", b"k%d" % i)) == size
             rates["get"].append(size * n / (time.perf_counter() - started) / 1e9)
+            started = time.perf_counter()
+            for i in range(n):
+                assert len(client.get("simple", b"k%d" % i, out=reused)) == size
+            rates["get_out"].append(size * n / (time.perf_counter() - started) / 1e9)
     memcpy = statistics.median(rates["memcpy"])
     print(f"{n} x {size >> 20} MiB, one call per chunk, same host{' (tune_allocator)' if args.tune_allocator else ''}")
-    for name in ("memcpy", "put", "get"):
+    for name in ("memcpy", "put", "get", "get_out"):
         rate = statistics.median(rates[name])
         print(f"  {name:<7}{rate:>7.2f} GB/s{'' if name == 'memcpy' else f'   {rate / memcpy:.2f} x memcpy'}")
 

@@ -6,7 +6,9 @@ For chunk sizes 1, 4 and 16 MiB (a working set of --set-mib per size), in GB/s (
   file write / +fsync    raw files in a temp dir; cold read after posix_fadvise(DONTNEED), warm read from page cache
   redis-py SET / GET     against a redis-server this script starts
   tiercache same-host    put_many through the shared-memory arena / get_into preallocated buffers
-  tiercache remote       put_many / get_many streamed over gRPC (same_host=False)
+  redis-py pipelined     the same, all SETs (GETs) of a round in one pipeline
+  tiercache remote       put_many / get_many over the data channel (same_host=False: a plain socket beside gRPC)
+  tiercache remote gRPC  the same streamed over gRPC (data_channel=False), what remote clients used before
   disk tier              DiskTier.put / get in-process (what the server does below the RPC layer)
   redis tier             RedisTier.put / get in-process
   LMCache store/retrieve  with --lmcache-venv: LMCache's multiprocess server (shared-memory transfer mode) started
@@ -136,13 +138,24 @@ def redis_py(payloads, repeat, url):
     set_gbps = rate(total, lambda: [r.set(k, memoryview(p)) for k, p in zip(keys, payloads)], repeat)
     get_gbps = rate(total, lambda: [r.get(k) for k in keys], repeat)
     r.flushall()
-    return set_gbps, get_gbps
+
+    def pipelined(command):
+        def run():
+            pipe = r.pipeline(transaction=False)
+            for k, p in zip(keys, payloads):
+                command(pipe, k, p)
+            pipe.execute()
+        return run
+    pipe_set = rate(total, pipelined(lambda pipe, k, p: pipe.set(k, memoryview(p))), repeat)
+    pipe_get = rate(total, pipelined(lambda pipe, k, p: pipe.get(k)), repeat)
+    r.flushall()
+    return set_gbps, get_gbps, pipe_set, pipe_get
 
 
-def tiercache_paths(payloads, repeat, url, same_host: bool):
+def tiercache_paths(payloads, repeat, url, same_host: bool, data_channel: bool = True):
     total = sum(p.nbytes for p in payloads)
     keys = [b"bench-%d" % i for i in range(len(payloads))]
-    with Client.from_url(url, same_host=same_host, timeout_s=300) as client:
+    with Client.from_url(url, same_host=same_host, timeout_s=300, data_channel=data_channel) as client:
         assert client.same_host == same_host
         put = rate(total, lambda: client.put_many("bench", list(zip(keys, payloads))), repeat)
         if same_host:
@@ -182,9 +195,12 @@ def measure(size: int, set_bytes: int, repeat: int, shared_url: str, remote_url:
     row["loopback_socket"] = loopback_socket(payloads, repeat)
     row["file_write"], row["file_read_cold"], row["file_read_warm"] = files(payloads, repeat, fsync=False)
     row["file_write_fsync"], _, _ = files(payloads, repeat, fsync=True)
-    row["redis_py_set"], row["redis_py_get"] = redis_py(payloads, repeat, redis_url)
+    (row["redis_py_set"], row["redis_py_get"], row["redis_py_pipeline_set"],
+     row["redis_py_pipeline_get"]) = redis_py(payloads, repeat, redis_url)
     row["same_host_put"], row["same_host_get"] = tiercache_paths(payloads, repeat, shared_url, True)
     row["remote_put"], row["remote_get"] = tiercache_paths(payloads, repeat, remote_url, False)
+    row["remote_grpc_put"], row["remote_grpc_get"] = tiercache_paths(payloads, repeat, remote_url, False,
+                                                                     data_channel=False)
     disk_dir = tempfile.mkdtemp(prefix="tiercache-bench-disk-")
     disk = DiskTier(DiskTierConfig(path=disk_dir, capacity_bytes=2 * set_bytes + 64 * MiB))
     row["disk_tier_put"], row["disk_tier_get"] = tier_in_process(disk, payloads, repeat)
@@ -197,6 +213,12 @@ def measure(size: int, set_bytes: int, repeat: int, shared_url: str, remote_url:
     row["ratios"] = {
         "same_host_vs_memcpy": (row["same_host_put"] + row["same_host_get"]) / 2 / row["memcpy"],
         "remote_vs_redis_py": (row["remote_put"] + row["remote_get"]) / (row["redis_py_set"] + row["redis_py_get"]),
+        # against redis-py's better way for each direction: the stricter ratio
+        "remote_vs_best_redis_py": (row["remote_put"] + row["remote_get"]) / (
+            max(row["redis_py_set"], row["redis_py_pipeline_set"]) + max(row["redis_py_get"],
+                                                                         row["redis_py_pipeline_get"])),
+        "remote_grpc_vs_redis_py": (row["remote_grpc_put"] + row["remote_grpc_get"]) / (row["redis_py_set"]
+                                                                                       + row["redis_py_get"]),
         "disk_tier_put_vs_file_write": row["disk_tier_put"] / row["file_write"],
         "disk_tier_get_vs_file_read_warm": row["disk_tier_get"] / row["file_read_warm"],
         "redis_tier_vs_redis_py": (row["redis_tier_put"] + row["redis_tier_get"]) / (row["redis_py_set"]
@@ -260,8 +282,9 @@ def _wait_http(url: str, timeout_s: float) -> None:
 
 
 COLUMNS = ["memcpy", "loopback_socket", "file_write", "file_write_fsync", "file_read_cold", "file_read_warm",
-           "redis_py_set", "redis_py_get", "same_host_put", "same_host_get", "remote_put", "remote_get",
-           "disk_tier_put", "disk_tier_get", "redis_tier_put", "redis_tier_get"]
+           "redis_py_set", "redis_py_get", "redis_py_pipeline_set", "redis_py_pipeline_get", "same_host_put",
+           "same_host_get", "remote_put", "remote_get", "remote_grpc_put", "remote_grpc_get", "disk_tier_put",
+           "disk_tier_get", "redis_tier_put", "redis_tier_get"]
 
 
 def print_table(rows: list[dict]) -> None:

@@ -89,7 +89,7 @@ def test_ports_and_probes_match_the_server(rendered, tmp_path):
     container = _server_container(objects)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": config.server.port, "health": config.security.health_port,
-                     "metrics": config.server.metrics_port}
+                     "metrics": config.server.metrics_port, "data": config.server.data_port}
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert container[probe]["grpc"]["port"] == config.security.health_port, probe
     assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME

@@ -50,6 +50,11 @@ def test_get_into_fills_caller_buffers(start_server):
         assert bytes(buffers[0]) == chunks[b"a"] and bytes(buffers[1][:1000]) == chunks[b"b"]
         with pytest.raises(InvalidArgument):
             client.get_into(NS, [b"a"], [bytearray(10)])
+        reused = bytearray(MiB)  # the simple get into a reused buffer: a view of it comes back
+        for key in (b"a", b"b"):
+            view = client.get(NS, key, out=reused)
+            assert view.obj is reused and view == chunks[key]
+        assert client.get(NS, b"missing", out=reused) is None
 
 
 def test_acquire_promotes_from_disk(start_server):
@@ -63,12 +68,12 @@ def test_acquire_promotes_from_disk(start_server):
         assert client.locate(NS, [b"c0"]) == ["host"]
 
 
-def test_chunk_too_large_for_the_arena_falls_back_to_grpc(start_server):
+def test_chunk_too_large_for_the_arena_goes_the_remote_way(start_server):
     server = start_server(host_bytes=1 * MiB, disk_bytes=16 * MiB)
     with Client.from_url(server.url) as client:
         big = os.urandom(3 * MiB)
-        assert client.put(NS, b"big", big) == "disk"  # Reserve refused: streamed instead
-        assert client.get(NS, b"big") == big  # found but not leasable: streamed instead
+        assert client.put(NS, b"big", big) == "disk"  # Reserve refused: sent over the data channel instead
+        assert client.get(NS, b"big") == big  # found but not leasable: received over the data channel instead
 
 
 def test_abandoned_reservation_is_taken_back_when_its_lease_expires(start_server):

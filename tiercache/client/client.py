@@ -53,7 +53,7 @@ class LookupAnswer(NamedTuple):
 
 
 class Fetched(NamedTuple):
-    data: bytes | bytearray | memoryview  # bytes-like: the caller's buffer (get_into), or a new object of its own
+    data: bytes | memoryview  # new bytes, or a view of the caller's buffer it was copied into (get_into, get(out=))
     tier: str  # the tier it was read from
 
 
@@ -160,8 +160,17 @@ class Client:
 
         return list(self._stub.Put(stream(), timeout=timeout).stored_in)
 
-    def get(self, namespace: str, key: bytes) -> bytes | None:
-        return self.get_many(namespace, [key])[0]
+    def get(self, namespace: str, key: bytes, out=None):
+        """The chunk's bytes, or None for a miss.
+
+        `out`: a writable buffer to fill instead (e.g. one reused for every call: no allocation, no page faults). The
+        result is then a memoryview of `out`'s first bytes: it is valid until the caller writes `out` again, and
+        reading the next chunk into the same buffer overwrites it."""
+        if out is None:
+            return self.get_many(namespace, [key])[0]
+        view = memoryview(out).cast("B")
+        fetched = self._read(namespace, [key], lambda index: view)[0]
+        return None if fetched is None else fetched.data
 
     def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[bytes | None]:
         """One result per key, in order: the bytes, or None for a miss."""

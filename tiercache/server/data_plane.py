@@ -109,6 +109,9 @@ class DataPlane:
                 conn, address = listener.accept()
             except OSError:
                 return  # closed by stop()
+            if self._stopping.is_set():
+                conn.close()
+                return
             peer = address[0] if kind == "tcp" else "unix"
             if kind == "tcp":
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -120,6 +123,10 @@ class DataPlane:
         """Close the listeners and every connection (a request in progress ends: its reservation is aborted)."""
         self._stopping.set()
         for listener in self._listeners:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the thread in accept(); close() alone leaves it listening
+            except OSError:
+                pass
             listener.close()
         if self.unix_socket:
             _remove_stale_socket(self.unix_socket)

@@ -1,0 +1,315 @@
+"""The data channel (tiercache.protocol.data): remote payloads over a plain socket beside gRPC. Real servers, real
+sockets, real certificates; raw sockets play the clients that misbehave."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import struct
+import time
+
+import pytest
+
+from tests.certs import make_pki
+from tests.helpers import wait_for
+from tests.test_security import NS_A, NS_B, TOKEN_A, tenants_file  # noqa: F401 - a fixture, used by name
+from tiercache.client import Chunk, Client
+from tiercache.client.retry import RetryPolicy
+from tiercache.config import MiB, SecurityConfig
+from tiercache.errors import CapacityExceeded, PermissionDenied, TierCacheError, Unauthenticated
+from tiercache.process import ServerProcess, free_port
+from tiercache.protocol import data
+from tiercache.record.encoding import CLASS_STATE, ChunkMeta
+from tiercache.record.keys import ChunkKey
+from tiercache.server import data_plane
+
+NS = "model@main#fp"
+
+
+def _client(server, **options) -> Client:
+    options = {"timeout_s": 10, "retry": RetryPolicy(attempts=1), "same_host": False, **options}
+    return Client.from_url(server.url, **options)
+
+
+def _served(server, method: str, code: str = "OK") -> float:
+    value = server.metrics.registry.get_sample_value("tiercache_rpc_duration_seconds_count",
+                                                     {"method": method, "code": code})
+    return value or 0.0
+
+
+def _wait_served(server, expected: dict[tuple[str, str], int]) -> None:
+    """The server counts a request just after answering it: wait for the counts (a miss fails after 10 s)."""
+    def counted() -> bool:
+        return all(_served(server, method, code) == n for (method, code), n in expected.items())
+    wait_for(counted, timeout_s=10, what=f"requests counted as {expected}")
+
+
+def _raw(server, token: str | None = None) -> socket.socket:
+    """A bare connection to the data port, past its hello when `token` is not None (open servers: token '')."""
+    sock = socket.create_connection(("127.0.0.1", server.data_port), timeout=10)
+    if token is not None:
+        sock.sendall(data.hello(token))
+        data.read_status(sock)
+    return sock
+
+
+def _closed_by_server(sock: socket.socket, timeout_s: float = 10) -> bool:
+    sock.settimeout(timeout_s)
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    return True
+
+
+# -- the path -----------------------------------------------------------------------------------------------------
+
+def test_puts_and_gets_go_over_the_data_channel_byte_exact(start_server):
+    server = start_server()
+    payloads = {b"empty": b"", b"small": b"tiny", b"odd": bytes(range(256)) * 4099, b"big": bytes(5 * MiB + 3)}
+    with _client(server) as client:
+        stored = client.put_many(NS, [(k, v) for k, v in payloads.items()])
+        assert stored == ["host"] * len(payloads)
+        got = client.get_many(NS, [*payloads, b"missing"])
+        assert [bytes(g) if g is not None else None for g in got] == [*payloads.values(), None]
+        buffers = [bytearray(len(v) + 10) for v in payloads.values()]
+        assert client.get_into(NS, list(payloads), buffers) == ["host"] * len(payloads)
+        assert all(bytes(b[:len(v)]) == v for b, v in zip(buffers, payloads.values()))
+        with pytest.raises(TierCacheError, match="cannot hold"):
+            client.get_into(NS, [b"big", b"small"], [bytearray(10), bytearray(10)])
+        assert client.get(NS, b"small") == b"tiny"  # the connection is still in step after the drained chunk
+        reused = bytearray(len(payloads[b"odd"]) + 5)
+        view = client.get(NS, b"odd", out=reused)
+        assert isinstance(view, memoryview) and view.obj is reused and view == payloads[b"odd"]
+    _wait_served(server, {("DataPut", "OK"): 1, ("DataGet", "OK"): 8, ("Put", "OK"): 0, ("Get", "OK"): 0})
+
+
+def test_a_large_batch_is_striped_over_parallel_connections_in_order(start_server):
+    server = start_server(host_bytes=256 * MiB)
+    payloads = [bytes([i]) * (3 * MiB + i) for i in range(8)]
+    keys = [b"s%d" % i for i in range(8)]
+    with _client(server) as client:
+        assert client.put_many(NS, list(zip(keys, payloads))) == ["host"] * 8
+        got = client.get_many(NS, [*keys, b"none"])
+        assert [bytes(g) for g in got[:8]] == payloads and got[8] is None
+    _wait_served(server, {("DataPut", "OK"): 2, ("DataGet", "OK"): 2})
+
+
+def test_metadata_travels_with_the_chunk(start_server):
+    server = start_server()
+    with _client(server) as client:
+        client.put_many(NS, [Chunk(b"kv", b"k" * 100), Chunk(b"state", b"s" * 50, ChunkMeta(CLASS_STATE, 16, b"kv"))])
+    children = server.store.children(ChunkKey(NS, b"kv"))
+    assert [(key.key, meta) for key, meta in children] == [(b"state", ChunkMeta(CLASS_STATE, 16, b"kv"))]
+
+
+def test_chunks_the_arena_cannot_take_are_received_into_a_record_of_their_own(start_server):
+    server = start_server(host_bytes=2 * MiB)
+    payload = bytes(range(256)) * (12 * 4096)  # 12 MiB: larger than the host arena, so it lands on disk
+    with _client(server) as client:
+        assert client.put(NS, b"large", payload) == "disk"
+        assert client.get(NS, b"large") == payload
+
+
+def test_without_an_arena_the_data_channel_still_serves(start_server):
+    server = start_server(shared_memory=False)
+    with _client(server) as client:
+        client.put(NS, b"k", b"no arena")
+        assert client.get(NS, b"k") == b"no arena"
+    _wait_served(server, {("DataPut", "OK"): 1})
+
+
+def test_unix_socket_clients_use_the_unix_data_channel(start_server, tmp_path):
+    path = str(tmp_path / "tc.sock")
+    server = start_server(unix_socket=path)
+    with Client.from_url(f"grpc+unix://{path}", same_host=False) as client:
+        client.put(NS, b"k", b"over unix")
+        assert client.get(NS, b"k") == b"over unix"
+        assert client._data.address == path + ".data"
+    _wait_served(server, {("DataGet", "OK"): 1})
+
+
+def test_no_data_channel_when_the_server_has_none(start_server):
+    server = start_server(data_channel=False)
+    assert server.data_port == 0
+    with _client(server) as client:
+        client.put(NS, b"k", b"streamed")
+        assert client.get(NS, b"k") == b"streamed"
+    _wait_served(server, {("Put", "OK"): 1})
+
+
+# -- the same checks as gRPC --------------------------------------------------------------------------------------
+
+def test_a_connection_without_a_known_token_is_refused(start_server, tenants_file):  # noqa: F811
+    server = start_server(security=SecurityConfig(tenants_file=tenants_file))
+    for token in ("", "not-a-token-of-anyone"):
+        sock = _raw(server)
+        sock.sendall(data.hello(token))
+        with pytest.raises(Unauthenticated):
+            data.read_status(sock)
+        assert _closed_by_server(sock)
+    with _client(server, token=TOKEN_A) as a:
+        a.put(NS_A, b"k", b"a's")
+        assert a.get(NS_A, b"k") == b"a's"
+
+
+def test_a_refused_request_is_answered_and_the_connection_serves_the_next(start_server, tenants_file):  # noqa: F811
+    server = start_server(security=SecurityConfig(tenants_file=tenants_file))
+    with _client(server, token=TOKEN_A) as a:
+        a.put(NS_A, b"k0", bytes(300_000))
+        connection = a._data._idle[0][0]
+        for refused in (lambda: a.put(NS_B, b"k", bytes(200_000)), lambda: a.get(NS_B, b"k")):
+            with pytest.raises(PermissionDenied):
+                refused()
+        with pytest.raises(PermissionDenied):  # both stripes of a large batch are refused, and drained
+            a.put_many(NS_B, [(b"s%d" % i, bytes(3 * MiB)) for i in range(4)])
+        pooled = {sock for sock, _ in a._data._idle}
+        assert connection in pooled and len(pooled) == 2
+        a.put_many(NS_A, [(b"k1", bytes(300_000)), (b"k2", bytes(300_000))])
+        with pytest.raises(CapacityExceeded, match="quota"):  # team a's quota is 1 MiB
+            a.put(NS_A, b"k3", bytes(300_000))
+        assert a.get(NS_A, b"k2") == bytes(300_000) and a.get(NS_A, b"k3") is None
+        assert {sock for sock, _ in a._data._idle} == pooled  # every answer kept them in step
+    _wait_served(server, {("DataPut", "PERMISSION_DENIED"): 3, ("DataGet", "PERMISSION_DENIED"): 1})
+
+
+def test_tls_data_channel_with_the_grpc_ports_certificate_and_client_ca(start_server, tmp_path):
+    pki = make_pki(tmp_path)
+    server = start_server(security=SecurityConfig(tls_cert_file=pki.server_cert, tls_key_file=pki.server_key,
+                                                  tls_client_ca_file=pki.ca))
+    with _client(server, tls_ca_file=pki.ca, tls_cert_file=pki.client_cert, tls_key_file=pki.client_key) as client:
+        client.put(NS, b"k", b"over tls")
+        assert client.get(NS, b"k") == b"over tls"
+    _wait_served(server, {("DataPut", "OK"): 1})
+    # No side door: plaintext gets no answer but a closed connection, a client without a certificate no handshake.
+    sock = _raw(server)
+    sock.sendall(data.hello("") + data.get_request(NS, [b"k"]))
+    assert _closed_by_server(sock)
+    context = ssl.create_default_context(cafile=pki.ca)
+    with pytest.raises((ssl.SSLError, OSError, data.ConnectionBroken)):
+        anonymous = context.wrap_socket(_raw(server), server_hostname="localhost")
+        anonymous.sendall(data.hello(""))
+        data.read_status(anonymous)
+    assert _served(server, "DataGet") == 1  # the client's own
+
+
+# -- misbehaving clients --------------------------------------------------------------------------------------------
+
+def test_stalled_connections_cost_their_own_and_are_ended(start_server):
+    server = start_server(stream_idle_timeout_s=1.0, max_streams_per_peer=64)
+    stalled = []
+    for i in range(20):  # half stall in their hello, half after announcing a put's chunk
+        sock = _raw(server, token=None if i % 2 else "")
+        if not i % 2:
+            sock.sendall(data.put_request(NS, [data.PutEntry(b"half-%d" % i, 4 * MiB, ChunkMeta())]) + bytes(1000))
+        stalled.append(sock)
+    with _client(server, timeout_s=5) as client:
+        started = time.monotonic()
+        client.put(NS, b"fresh", bytes(MiB))
+        assert client.get(NS, b"fresh") == bytes(MiB)
+        assert time.monotonic() - started < 5  # served while they stall (a bound far above the ~ms it takes)
+        assert all(_closed_by_server(sock) for sock in stalled)
+        assert client.get_many(NS, [b"half-%d" % i for i in range(0, 20, 2)]) == [None] * 10
+    host = server.store.stats().tiers[0]
+    assert host.chunks == 1  # the reservations of the half-sent chunks were given back
+
+
+def test_a_reader_that_never_reads_is_ended_and_its_pin_released(start_server):
+    server = start_server(stream_idle_timeout_s=1.0)
+    with _client(server) as client:
+        client.put_many(NS, [(b"big-%d" % i, bytes(8 * MiB)) for i in range(4)])
+        sock = _raw(server, token="")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(data.get_request(NS, [b"big-%d" % i for i in range(4)]))
+        time.sleep(0.2)
+        assert client.get(NS, b"big-0") == bytes(8 * MiB)  # others are served meanwhile
+        wait_for(lambda: _served(server, "DataGet", "CANCELLED") == 1, timeout_s=10, what="the unread Get to end")
+        client.delete(NS, [b"big-0"])  # nothing stays pinned
+        assert client.locate(NS, [b"big-0"]) == [None]
+        sock.close()
+
+
+def test_connections_over_the_per_host_limit_are_refused(start_server):
+    server = start_server(max_streams_per_peer=3)
+    held = [_raw(server, token="") for _ in range(3)]
+    extra = _raw(server)
+    extra.sendall(data.hello(""))
+    with pytest.raises(CapacityExceeded, match="max_streams_per_peer"):
+        data.read_status(extra)
+    for sock in held:
+        sock.close()
+    with _client(server) as client:
+        wait_for(lambda: _put_ok(client), timeout_s=10, what="the limit to free up")
+
+
+def _put_ok(client: Client) -> bool:
+    try:
+        client.put(NS, b"k", b"v")
+    except CapacityExceeded:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("garbage", [
+    b"GET / HTTP/1.1\r\n\r\n",  # not a data-channel client
+    data.hello("") + struct.pack("<BII", 9, 1, 0),  # an unknown op
+    data.hello("") + struct.pack("<BII", data.OP_GET, 1, 3) + b"abc",  # a block that does not parse
+    data.hello("") + data.put_request(NS, [data.PutEntry(b"k", 1 << 40, ChunkMeta())]),  # past max_chunk_bytes
+    data.hello("") + data.put_request(NS, [data.PutEntry(b"k", 1, ChunkMeta(9))]) + b"x",  # an unknown class
+])
+def test_malformed_input_is_answered_and_the_server_serves_on(start_server, garbage):
+    server = start_server()
+    sock = _raw(server)
+    sock.sendall(garbage)
+    with pytest.raises(TierCacheError):
+        data.read_status(sock)
+        data.read_status(sock)
+    with _client(server) as client:
+        client.put(NS, b"after", b"fine")
+        assert client.get(NS, b"after") == b"fine"
+
+
+# -- connections that come and go -----------------------------------------------------------------------------------
+
+def test_a_pooled_connection_the_server_closed_is_replaced_transparently(start_server, monkeypatch):
+    monkeypatch.setattr(data_plane, "DATA_KEEPALIVE_S", 0.2)
+    server = start_server()
+    with _client(server) as client:  # one try: a retry would hide a failure
+        client.put(NS, b"k", b"first")
+        time.sleep(0.6)
+        assert client.get(NS, b"k") == b"first"
+
+
+def test_a_restarted_server_on_another_data_port_is_found_again(tmp_path):
+    proc = ServerProcess("--host-mem", "64MiB").start()
+    try:
+        with Client.from_url(proc.url, same_host=False, timeout_s=20) as client:
+            client.put(NS, b"k", b"before")
+            first = client._data.address
+            proc.kill()
+            proc.start()
+            client.put(NS, b"k", b"after")
+            assert client.get(NS, b"k") == b"after"
+            assert client._data.address != first
+    finally:
+        proc.kill()
+
+
+def test_an_unreachable_data_port_falls_back_to_grpc_once(start_server, caplog):
+    server = start_server()
+    server.data_plane.stop()  # the port the server announces now refuses connections: a firewall, a Service
+    with _client(server) as client, caplog.at_level(logging.WARNING, logger="tiercache.client.client"):
+        client.put(NS, b"k", b"streamed instead")
+        assert client.get(NS, b"k") == b"streamed instead"
+        assert [r.message for r in caplog.records if "gRPC from now on" in r.message]
+    _wait_served(server, {("Put", "OK"): 1, ("Get", "OK"): 1})
+
+
+def test_data_port_is_configurable(start_server):
+    port = free_port()
+    server = start_server(data_port=port)
+    assert server.data_port == port
+    with _client(server) as client:
+        client.put(NS, b"k", b"v")
