@@ -5,12 +5,16 @@ The working set is several times the host and disk tiers, so evictions and demot
 is derived from its key, so a reader can tell wrong bytes from right ones: a get returns the right bytes or a miss.
 Beside the well-behaved clients run `--stalled` clients (a Put that sends its header and then nothing, reopened each
 time the server ends it), `--slow` readers (a Get of 16 MiB read one frame per `--slow-frame-s`) and
-`--disconnecting` clients (streams cancelled half-way). Reports ops/s, p50/p99 latency per operation, errors and
-wrong bytes of the well-behaved clients, how each misbehaving stream ended, evictions, and the server's RSS sampled
-every few seconds next to the configured tier capacity (plus a PNG of RSS and ops/s over time).
+`--disconnecting` clients (streams cancelled half-way). `--remote N` of the well-behaved clients use the data
+channel instead of the shared arena (same_host=False), and `--stalled-data` / `--unread-data` clients misbehave on
+it (a put that stops half-way through its payload; a 16 MiB get that is never read). Reports ops/s, p50/p99 latency
+per operation, errors and wrong bytes of the well-behaved clients, how each misbehaving stream ended, evictions, and
+the server's RSS sampled every few seconds next to the configured tier capacity (plus a PNG of RSS and ops/s over
+time).
 
     .venv/bin/python benchmarks/soak.py [--clients 8] [--seconds 600] [--host-mem 256MiB] [--disk-size 512MiB]
                                         [--stalled 8] [--slow 2] [--disconnecting 2]
+                                        [--remote 4] [--stalled-data 4] [--unread-data 2]
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import hashlib
 import json
 import os
 import random
+import socket
 import statistics
 import sys
 import tempfile
@@ -36,7 +41,9 @@ from tiercache.client.retry import RetryPolicy  # noqa: E402
 from tiercache.config import parse_size  # noqa: E402
 from tiercache.errors import TierCacheError  # noqa: E402
 from tiercache.process import ServerProcess  # noqa: E402
+from tiercache.protocol import data  # noqa: E402
 from tiercache.protocol.wire import pb, pb_grpc  # noqa: E402
+from tiercache.record.encoding import ChunkMeta  # noqa: E402
 
 NS = "soak"
 SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)
@@ -69,9 +76,9 @@ class Tally:
             self.misbehaving[kind][outcome] += 1
 
 
-def client_loop(url: str, n: int, keys: int, deadline: float, tally: Tally) -> None:
+def client_loop(url: str, n: int, keys: int, deadline: float, tally: Tally, remote: bool) -> None:
     rng = random.Random(n)
-    with Client.from_url(url, timeout_s=30, retry=RetryPolicy(attempts=2)) as client:
+    with Client.from_url(url, timeout_s=30, retry=RetryPolicy(attempts=2), same_host=not remote) as client:
         while time.monotonic() < deadline:
             # A hot set (5% of the keys get half the traffic) and a long tail that cycles through the tiers.
             index = rng.randrange(keys // 20) if rng.random() < 0.5 else rng.randrange(keys)
@@ -141,6 +148,43 @@ def misbehaving_loop(kind: str, url: str, deadline: float, tally: Tally, slow_fr
                 release.set()
 
 
+def misbehaving_data_loop(kind: str, url: str, deadline: float, tally: Tally) -> None:
+    """One client misbehaving on the data channel until the deadline: a put that stops half-way through its payload
+    ("stalled-data"), or a 16 MiB get it never reads ("unread-data"); each connection waits for the server to end it."""
+    with Client.from_url(url, same_host=False) as client:
+        client.put(NS, b"probe", b"x")  # learns the data port
+        port = client._data.address[1]
+    host = url.removeprefix("grpc://").rsplit(":", 1)[0]
+    while deadline - time.monotonic() > 0.5:
+        try:
+            with socket.create_connection((host, port), timeout=deadline - time.monotonic()) as sock:
+                sock.sendall(data.hello(None))
+                data.read_status(sock)
+                if kind == "stalled-data":
+                    sock.sendall(data.put_request(NS, [data.PutEntry(b"stalled", 4 << 20, ChunkMeta())])
+                                 + bytes(2 << 20))
+                else:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                    sock.sendall(data.get_request(NS, [b"k3", b"k7", b"k11", b"k15"]))
+                    time.sleep(1.0)  # let the server fill what it can, then read nothing more
+                sock.settimeout(max(deadline - time.monotonic(), 0.1))
+                outcome = "closed by the server" if _drained_to_close(sock) else "outlived the run"
+        except (OSError, TierCacheError) as exc:
+            outcome = type(exc).__name__
+        tally.ended(kind, outcome)
+
+
+def _drained_to_close(sock: socket.socket) -> bool:
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
 def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if len(values) >= 100 else max(values, default=0.0)
 
@@ -154,12 +198,17 @@ def run_load(args, host_mem: str, seconds: float):
                           *config) as server:
         pid = server.process.pid
         deadline = time.monotonic() + seconds
-        threads = [threading.Thread(target=client_loop, args=(server.url, n, args.keys, deadline, tally))
+        threads = [threading.Thread(target=client_loop, args=(server.url, n, args.keys, deadline, tally,
+                                                              n < args.remote))
                    for n in range(args.clients)]
         threads += [threading.Thread(target=misbehaving_loop, args=(kind, server.url, deadline, tally,
                                                                     args.slow_frame_s), daemon=True)
                     for kind, count in (("stalled", args.stalled), ("slow", args.slow),
                                         ("disconnecting", args.disconnecting)) for _ in range(count)]
+        threads += [threading.Thread(target=misbehaving_data_loop, args=(kind, server.url, deadline, tally),
+                                     daemon=True)
+                    for kind, count in (("stalled-data", args.stalled_data), ("unread-data", args.unread_data))
+                    for _ in range(count)]
         started = time.monotonic()
         for t in threads:
             t.start()
@@ -191,6 +240,9 @@ def main() -> None:
     parser.add_argument("--slow", type=int, default=0, help="clients that read a Get one frame at a time")
     parser.add_argument("--slow-frame-s", type=float, default=0.5, help="a slow reader's pause per 1 MiB frame")
     parser.add_argument("--disconnecting", type=int, default=0, help="clients that cancel streams half-way")
+    parser.add_argument("--remote", type=int, default=0, help="of the clients, how many use the data channel")
+    parser.add_argument("--stalled-data", type=int, default=0, help="data-channel clients whose put stalls")
+    parser.add_argument("--unread-data", type=int, default=0, help="data-channel clients that never read a get")
     parser.add_argument("--server-config", help="YAML for the server (e.g. a shorter server.stream_idle_timeout_s)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -216,7 +268,9 @@ def main() -> None:
         "peak_rss_over_capacity_plus_overhead": round(peak_rss / (host_bytes + overhead), 3),
         "rss_samples": [(round(t, 1), r) for t, r, _ in samples],
         "ops_samples": [(round(t, 1), n) for t, _, n in samples],
+        "remote_clients": args.remote,
         "misbehaving": {"stalled": args.stalled, "slow": args.slow, "disconnecting": args.disconnecting,
+                        "stalled_data": args.stalled_data, "unread_data": args.unread_data,
                         "outcomes": {kind: dict(c) for kind, c in tally.misbehaving.items()}},
     }
     if args.plot and samples:

@@ -47,12 +47,15 @@ def test_soak_short_run(tmp_path):
     config.write_text("server:\n  stream_idle_timeout_s: 1\n")
     report = _run_json("soak.py", "--seconds", "8", "--baseline-seconds", "3", "--sample-s", "1", "--keys", "400",
                        "--host-mem", "32MiB", "--disk-size", "64MiB", "--plot", str(tmp_path / "rss.png"),
-                       "--stalled", "2", "--disconnecting", "1", "--server-config", str(config))
+                       "--stalled", "2", "--disconnecting", "1", "--server-config", str(config), "--remote", "2",
+                       "--stalled-data", "2", "--unread-data", "1")
     assert report["ops"] > 0 and report["errors"] == 0 and report["wrong_bytes"] == 0
     assert (tmp_path / "rss.png").stat().st_size > 5_000
     outcomes = report["misbehaving"]["outcomes"]
     assert outcomes["stalled"].get("UNAVAILABLE", 0) > 0  # the idle timeout ended the stalled Puts
     assert outcomes["disconnecting"].get("cancelled by the client", 0) > 0
+    for kind in ("stalled-data", "unread-data"):  # the idle timeout closed their data connections
+        assert outcomes[kind].get("closed by the server", 0) > 0, outcomes
 
 
 def test_restart_small():

@@ -75,9 +75,9 @@ class DataChannel:
                 self._executor = ThreadPoolExecutor(max_workers=self._streams - 1,
                                                     thread_name_prefix="tiercache-data")
             executor = self._executor
-        others = [executor.submit(call) for call in calls[1:]]
+        others = [_submitted(executor, call) for call in calls[1:]]
         outcomes: list = []
-        for step in [calls[0], *(future.result for future in others)]:
+        for step in [calls[0], *others]:
             try:
                 outcomes.append(step())
             except BaseException as exc:  # noqa: BLE001 - raised below, once every stripe is done
@@ -230,6 +230,15 @@ def _raise_answer(sock: socket.socket) -> None:
         return
     except TierCacheError:
         raise
+
+
+def _submitted(executor: ThreadPoolExecutor, call: Callable[[], list]) -> Callable[[], list]:
+    """The call running on the executor (its result, when asked); or, once close() has shut the executor down (the
+    client dropped a channel another thread is still using), the call itself, run inline when asked."""
+    try:
+        return executor.submit(call).result
+    except RuntimeError:
+        return call
 
 
 def _stripes(sizes: Sequence[int], streams: int) -> list[slice]:
