@@ -7,10 +7,10 @@ Beside the well-behaved clients run `--stalled` clients (a Put that sends its he
 time the server ends it), `--slow` readers (a Get of 16 MiB read one frame per `--slow-frame-s`) and
 `--disconnecting` clients (streams cancelled half-way). `--remote N` of the well-behaved clients use the data
 channel instead of the shared arena (same_host=False), and `--stalled-data` / `--unread-data` clients misbehave on
-it (a put that stops half-way through its payload; a 16 MiB get that is never read). Reports ops/s, p50/p99 latency
-per operation, errors and wrong bytes of the well-behaved clients, how each misbehaving stream ended, evictions, and
-the server's RSS sampled every few seconds next to the configured tier capacity (plus a PNG of RSS and ops/s over
-time).
+it (a put that stops half-way through its payload; a get of a 16 MiB chunk that is never read). Reports ops/s,
+p50/p99 latency per operation, errors and wrong bytes of the well-behaved clients, how each misbehaving stream ended,
+evictions, and the server's RSS sampled every few seconds next to the configured tier capacity (plus a PNG of RSS
+and ops/s over time).
 
     .venv/bin/python benchmarks/soak.py [--clients 8] [--seconds 600] [--host-mem 256MiB] [--disk-size 512MiB]
                                         [--stalled 8] [--slow 2] [--disconnecting 2]
@@ -148,36 +148,49 @@ def misbehaving_loop(kind: str, url: str, deadline: float, tally: Tally, slow_fr
                 release.set()
 
 
-def misbehaving_data_loop(kind: str, url: str, deadline: float, tally: Tally) -> None:
+def misbehaving_data_loop(kind: str, url: str, deadline: float, tally: Tally, hold_s: float) -> None:
     """One client misbehaving on the data channel until the deadline: a put that stops half-way through its payload
-    ("stalled-data"), or a 16 MiB get it never reads ("unread-data"); each connection waits for the server to end it."""
-    with Client.from_url(url, same_host=False) as client:
-        client.put(NS, b"probe", b"x")  # learns the data port
-        port = client._data.address[1]
-    host = url.removeprefix("grpc://").rsplit(":", 1)[0]
+    ("stalled-data"), or a 16 MiB get it does not read for `hold_s` ("unread-data"); then it sees whether the server
+    ended the connection meanwhile."""
+    client = Client.from_url(url, same_host=False)
+    client.put(NS, b"probe", b"x")  # learns the data port
+    host, port = client._data.address
+    unread = b"unread-%d" % threading.get_ident()
     while deadline - time.monotonic() > 0.5:
         try:
+            if kind == "unread-data":  # the chunk it will not read (evictions may have taken the last one)
+                client.put(NS, unread, bytes(16 << 20))
             with socket.create_connection((host, port), timeout=deadline - time.monotonic()) as sock:
                 sock.sendall(data.hello(None))
                 data.read_status(sock)
                 if kind == "stalled-data":
                     sock.sendall(data.put_request(NS, [data.PutEntry(b"stalled", 4 << 20, ChunkMeta())])
                                  + bytes(2 << 20))
+                    sock.settimeout(max(deadline - time.monotonic(), 0.1))
+                    budget_s = 3600.0
                 else:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-                    sock.sendall(data.get_request(NS, [b"k3", b"k7", b"k11", b"k15"]))
-                    time.sleep(1.0)  # let the server fill what it can, then read nothing more
-                sock.settimeout(max(deadline - time.monotonic(), 0.1))
-                outcome = "closed by the server" if _drained_to_close(sock) else "outlived the run"
+                    sock.sendall(data.get_request(NS, [unread]))
+                    time.sleep(min(hold_s, max(deadline - time.monotonic(), 0)))  # past the server's idle timeout
+                    # Through a tiny window, what the server queued before closing drains at a crawl and its FIN
+                    # with it; but a closed socket answers new bytes with a reset at once.
+                    sock.sendall(b"\0")
+                    sock.settimeout(0.5)
+                    budget_s = 5.0
+                outcome = "closed by the server" if _drained_to_close(sock, budget_s) else "outlived the run"
         except (OSError, TierCacheError) as exc:
             outcome = type(exc).__name__
         tally.ended(kind, outcome)
+    client.close()
 
 
-def _drained_to_close(sock: socket.socket) -> bool:
+def _drained_to_close(sock: socket.socket, budget_s: float = 3600) -> bool:
+    """Whether the peer closed: what it sent before is read first (the unread get's buffered bytes)."""
+    ends = time.monotonic() + budget_s
     try:
         while sock.recv(1 << 16):
-            pass
+            if time.monotonic() > ends:
+                return False
     except TimeoutError:
         return False
     except OSError:
@@ -205,8 +218,8 @@ def run_load(args, host_mem: str, seconds: float):
                                                                     args.slow_frame_s), daemon=True)
                     for kind, count in (("stalled", args.stalled), ("slow", args.slow),
                                         ("disconnecting", args.disconnecting)) for _ in range(count)]
-        threads += [threading.Thread(target=misbehaving_data_loop, args=(kind, server.url, deadline, tally),
-                                     daemon=True)
+        threads += [threading.Thread(target=misbehaving_data_loop, args=(kind, server.url, deadline, tally,
+                                                                         args.unread_hold_s), daemon=True)
                     for kind, count in (("stalled-data", args.stalled_data), ("unread-data", args.unread_data))
                     for _ in range(count)]
         started = time.monotonic()
@@ -243,6 +256,8 @@ def main() -> None:
     parser.add_argument("--remote", type=int, default=0, help="of the clients, how many use the data channel")
     parser.add_argument("--stalled-data", type=int, default=0, help="data-channel clients whose put stalls")
     parser.add_argument("--unread-data", type=int, default=0, help="data-channel clients that never read a get")
+    parser.add_argument("--unread-hold-s", type=float, default=15, help="how long they hold it unread (more than "
+                        "server.stream_idle_timeout_s)")
     parser.add_argument("--server-config", help="YAML for the server (e.g. a shorter server.stream_idle_timeout_s)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

@@ -48,7 +48,7 @@ def test_soak_short_run(tmp_path):
     report = _run_json("soak.py", "--seconds", "8", "--baseline-seconds", "3", "--sample-s", "1", "--keys", "400",
                        "--host-mem", "32MiB", "--disk-size", "64MiB", "--plot", str(tmp_path / "rss.png"),
                        "--stalled", "2", "--disconnecting", "1", "--server-config", str(config), "--remote", "2",
-                       "--stalled-data", "2", "--unread-data", "1")
+                       "--stalled-data", "2", "--unread-data", "1", "--unread-hold-s", "2.5")
     assert report["ops"] > 0 and report["errors"] == 0 and report["wrong_bytes"] == 0
     assert (tmp_path / "rss.png").stat().st_size > 5_000
     outcomes = report["misbehaving"]["outcomes"]
