@@ -15,6 +15,7 @@ from tests.certs import make_pki
 from tests.helpers import wait_for
 from tests.test_security import NS_A, NS_B, TOKEN_A, tenants_file  # noqa: F401 - a fixture, used by name
 from tiercache.client import Chunk, Client
+from tiercache.client.data_channel import DEFAULT_STREAMS, STRIPE_MIN_BYTES, _stripes
 from tiercache.client.retry import RetryPolicy
 from tiercache.config import MiB, SecurityConfig
 from tiercache.errors import CapacityExceeded, PermissionDenied, TierCacheError, Unauthenticated
@@ -43,6 +44,15 @@ def _wait_served(server, expected: dict[tuple[str, str], int]) -> None:
     def counted() -> bool:
         return all(_served(server, method, code) == n for (method, code), n in expected.items())
     wait_for(counted, timeout_s=10, what=f"requests counted as {expected}")
+
+
+def _requests_for(sizes: list[int]) -> int:
+    """How many requests (stripes) a batch of chunks of these sizes becomes; gets count every key as a full stripe."""
+    return len(_stripes(sizes, DEFAULT_STREAMS))
+
+
+def _gets_for(keys: int) -> int:
+    return _requests_for([STRIPE_MIN_BYTES] * keys)
 
 
 def _raw(server, token: str | None = None) -> socket.socket:
@@ -83,7 +93,9 @@ def test_puts_and_gets_go_over_the_data_channel_byte_exact(start_server):
         reused = bytearray(len(payloads[b"odd"]) + 5)
         view = client.get(NS, b"odd", out=reused)
         assert isinstance(view, memoryview) and view.obj is reused and view == payloads[b"odd"]
-    _wait_served(server, {("DataPut", "OK"): 1, ("DataGet", "OK"): 8, ("Put", "OK"): 0, ("Get", "OK"): 0})
+    gets = _gets_for(5) + _gets_for(4) + _gets_for(2) + 2
+    puts = _requests_for([len(v) for v in payloads.values()])
+    _wait_served(server, {("DataPut", "OK"): puts, ("DataGet", "OK"): gets, ("Put", "OK"): 0, ("Get", "OK"): 0})
 
 
 def test_a_large_batch_is_striped_over_parallel_connections_in_order(start_server):
@@ -94,7 +106,9 @@ def test_a_large_batch_is_striped_over_parallel_connections_in_order(start_serve
         assert client.put_many(NS, list(zip(keys, payloads))) == ["host"] * 8
         got = client.get_many(NS, [*keys, b"none"])
         assert [bytes(g) for g in got[:8]] == payloads and got[8] is None
-    _wait_served(server, {("DataPut", "OK"): 2, ("DataGet", "OK"): 2})
+    puts, gets = _requests_for([len(p) for p in payloads]), _gets_for(9)
+    assert puts > 1 and gets > 1  # several stripes, in parallel
+    _wait_served(server, {("DataPut", "OK"): puts, ("DataGet", "OK"): gets})
 
 
 def test_metadata_travels_with_the_chunk(start_server):
@@ -166,13 +180,14 @@ def test_a_refused_request_is_answered_and_the_connection_serves_the_next(start_
         with pytest.raises(PermissionDenied):  # both stripes of a large batch are refused, and drained
             a.put_many(NS_B, [(b"s%d" % i, bytes(3 * MiB)) for i in range(4)])
         pooled = {sock for sock, _ in a._data._idle}
-        assert connection in pooled and len(pooled) == 2
+        assert connection in pooled and len(pooled) == _requests_for([3 * MiB] * 4)
         a.put_many(NS_A, [(b"k1", bytes(300_000)), (b"k2", bytes(300_000))])
         with pytest.raises(CapacityExceeded, match="quota"):  # team a's quota is 1 MiB
             a.put(NS_A, b"k3", bytes(300_000))
         assert a.get(NS_A, b"k2") == bytes(300_000) and a.get(NS_A, b"k3") is None
         assert {sock for sock, _ in a._data._idle} == pooled  # every answer kept them in step
-    _wait_served(server, {("DataPut", "PERMISSION_DENIED"): 3, ("DataGet", "PERMISSION_DENIED"): 1})
+    _wait_served(server, {("DataPut", "PERMISSION_DENIED"): 1 + _requests_for([3 * MiB] * 4),
+                          ("DataGet", "PERMISSION_DENIED"): 1})
 
 
 def test_tls_data_channel_with_the_grpc_ports_certificate_and_client_ca(start_server, tmp_path):
