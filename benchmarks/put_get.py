@@ -1,11 +1,12 @@
 """Put/get throughput of 4 MiB chunks, one call per chunk, client -> `tiercache serve`, next to a raw loopback socket.
 
 Starts its own server (host tier big enough for the working set, so this measures the call path, not eviction)
-unless --server is given. `--path same-host` moves payloads through the shared-memory arena, `--path grpc` streams
-them over gRPC. Prints medians of --repeat rounds and the ratio to the raw socket measured in the same run. For
-batched calls and every other baseline see benchmarks/throughput.py.
+unless --server is given. `--path same-host` moves payloads through the shared-memory arena, `--path data` over the
+data channel (the remote path), `--path grpc` streams them over gRPC. Prints medians of --repeat rounds and the
+ratio to the raw socket measured in the same run. For batched calls and every other baseline see
+benchmarks/throughput.py.
 
-    .venv/bin/python benchmarks/put_get.py [--path grpc|same-host] [--chunks 64] [--chunk-size 4MiB] [--repeat 3]
+    .venv/bin/python benchmarks/put_get.py [--path data|grpc|same-host] [--chunks 64] [--chunk-size 4MiB] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ def loopback_socket_gbps(size: int, count: int) -> float:
     return loopback_socket([payload] * count, repeat=1)
 
 
-def tiercache_gbps(url: str, size: int, count: int, same_host: bool) -> tuple[float, float]:
+def tiercache_gbps(url: str, size: int, count: int, path: str) -> tuple[float, float]:
     chunks = [os.urandom(size) for _ in range(min(count, 8))]
     keys = [b"bench-%06d" % i for i in range(count)]
-    with Client.from_url(url, same_host=same_host) as client:
+    with Client.from_url(url, same_host=path == "same-host", data_channel=path == "data") as client:
         start = time.perf_counter()
         for i, key in enumerate(keys):
             client.put("bench", key, chunks[i % len(chunks)])
@@ -56,7 +57,7 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=parse_size, default=parse_size("4MiB"))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--server", help="use a running server instead of starting one")
-    parser.add_argument("--path", choices=["grpc", "same-host"], default="grpc")
+    parser.add_argument("--path", choices=["data", "grpc", "same-host"], default="data")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -70,7 +71,7 @@ def main() -> None:
         rounds = {"socket": [], "put": [], "get": []}
         for _ in range(args.repeat):
             rounds["socket"].append(loopback_socket_gbps(args.chunk_size, args.chunks))
-            put, get = tiercache_gbps(url, args.chunk_size, args.chunks, args.path == "same-host")
+            put, get = tiercache_gbps(url, args.chunk_size, args.chunks, args.path)
             rounds["put"].append(put)
             rounds["get"].append(get)
     finally:

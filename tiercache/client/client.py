@@ -183,11 +183,14 @@ class Client:
     def get_into(self, namespace: str, keys: Sequence[bytes], buffers: Sequence) -> list[str | None]:
         """Copy chunks into caller-owned buffers (e.g. pinned staging buffers, reused across calls: no allocation,
         no page faults); returns per key the tier it came from, or None for a miss. A buffer must hold its chunk."""
+        return [f.tier if f is not None else None for f in self.fetch_into(namespace, keys, buffers)]
+
+    def fetch_into(self, namespace: str, keys: Sequence[bytes], buffers: Sequence) -> list[Fetched | None]:
+        """Like get_into, with each chunk's bytes as a view of its buffer (its length is the chunk's size)."""
         outs = [memoryview(b).cast("B") for b in buffers]
         if len(outs) != len(keys):
             raise InvalidArgument("get_into needs one buffer per key")
-        fetched = self._read(namespace, keys, lambda index: outs[index])
-        return [f.tier if f is not None else None for f in fetched]
+        return self._read(namespace, keys, lambda index: outs[index])
 
     def _read(self, namespace: str, keys: Sequence[bytes], out_for) -> list[Fetched | None]:
         """Read through the arena when attached (leased ranges copied out, then released), else over gRPC.
