@@ -15,6 +15,7 @@ from tests.certs import make_pki
 from tests.helpers import wait_for
 from tests.test_security import NS_A, NS_B, TOKEN_A, tenants_file  # noqa: F401 - a fixture, used by name
 from tiercache.client import Chunk, Client
+from tiercache.client import client as client_module
 from tiercache.client.data_channel import DEFAULT_STREAMS, STRIPE_MIN_BYTES, _stripes
 from tiercache.client.retry import RetryPolicy
 from tiercache.config import MiB, SecurityConfig
@@ -246,25 +247,88 @@ def test_a_reader_that_never_reads_is_ended_and_its_pin_released(start_server):
         sock.close()
 
 
-def test_connections_over_the_per_host_limit_are_refused(start_server):
-    server = start_server(max_streams_per_peer=3)
+def test_connections_over_the_per_host_limit_are_refused_and_the_call_goes_over_grpc(start_server):
+    server = start_server(max_data_connections_per_peer=3)
     held = [_raw(server, token="") for _ in range(3)]
     extra = _raw(server)
     extra.sendall(data.hello(""))
-    with pytest.raises(CapacityExceeded, match="max_streams_per_peer"):
+    with pytest.raises(data.Busy, match="max_data_connections_per_peer"):
         data.read_status(extra)
+    with _client(server) as client:  # refused at its hello: this call is streamed over gRPC instead
+        client.put(NS, b"k", b"v")
+        assert client.get(NS, b"k") == b"v"
+    _wait_served(server, {("Put", "OK"): 1, ("Get", "OK"): 1, ("DataPut", "OK"): 0})
     for sock in held:
         sock.close()
+
+
+def test_requests_over_the_in_flight_limit_go_over_grpc(start_server):
+    server = start_server(max_streams_per_peer=2, stream_idle_timeout_s=30)
+    stalled = []
+    for i in range(2):  # two puts in flight, stalled half-way through their payload
+        sock = _raw(server, token="")
+        sock.sendall(data.put_request(NS, [data.PutEntry(b"half-%d" % i, MiB, ChunkMeta())]) + bytes(1000))
+        stalled.append(sock)
+    time.sleep(0.2)
     with _client(server) as client:
-        wait_for(lambda: _put_ok(client), timeout_s=10, what="the limit to free up")
+        client.put(NS, b"k", bytes(100_000))
+        assert client.get(NS, b"k") == bytes(100_000)
+    _wait_served(server, {("Put", "OK"): 1, ("Get", "OK"): 1, ("DataPut", "RESOURCE_EXHAUSTED"): 1,
+                          ("DataGet", "RESOURCE_EXHAUSTED"): 1})
+    for sock in stalled:
+        sock.close()
 
 
-def _put_ok(client: Client) -> bool:
-    try:
-        client.put(NS, b"k", b"v")
-    except CapacityExceeded:
-        return False
-    return True
+def test_a_trickling_put_is_ended_before_it_completes(start_server):
+    server = start_server(stream_idle_timeout_s=1)
+    sock = _raw(server, token="")
+    sock.sendall(data.put_request(NS, [data.PutEntry(b"trickle", 2 * MiB, ChunkMeta())]))
+    ended = time.monotonic() + 30
+    with pytest.raises(OSError):  # 1 KiB every 0.2 s would take ten minutes; the server gives it ~2 s
+        while time.monotonic() < ended:
+            sock.sendall(bytes(1024))
+            time.sleep(0.2)
+    with _client(server) as client:
+        assert client.get(NS, b"trickle") is None
+
+
+def test_a_get_that_fails_half_way_closes_the_connection_and_the_client_retries(start_server, monkeypatch):
+    server = start_server()
+    with _client(server, retry=RetryPolicy(attempts=3, backoff_s=0.01)) as client:
+        client.put_many(NS, [(b"a", b"first"), (b"b", b"second")])
+        pin = server.store.same_host.pin
+        failures = []
+
+        def failing_once(key):
+            if key.key == b"b" and not failures:
+                failures.append(key)
+                raise OSError("a tier failed")
+            return pin(key)
+        monkeypatch.setattr(server.store.same_host, "pin", failing_once)
+        assert client.get_many(NS, [b"a", b"b"]) == [b"first", b"second"]  # the retry, on a new connection
+        assert failures
+
+
+def test_unix_socket_clients_of_a_tls_server_use_the_plaintext_unix_data_channel(start_server, tmp_path):
+    pki = make_pki(tmp_path)
+    path = str(tmp_path / "tc.sock")
+    server = start_server(unix_socket=path, security=SecurityConfig(tls_cert_file=pki.server_cert,
+                                                                     tls_key_file=pki.server_key))
+    with Client.from_url(f"grpc+unix://{path}", same_host=False, retry=RetryPolicy(attempts=1)) as client:
+        client.put(NS, b"k", b"local")
+        assert client.get(NS, b"k") == b"local"
+    _wait_served(server, {("DataPut", "OK"): 1, ("DataGet", "OK"): 1})
+
+
+def test_stopping_the_server_ends_idle_tls_connections(start_server, tmp_path):
+    pki = make_pki(tmp_path)
+    server = start_server(security=SecurityConfig(tls_cert_file=pki.server_cert, tls_key_file=pki.server_key))
+    client = _client(server, tls_ca_file=pki.ca)
+    client.put(NS, b"k", b"v")  # leaves an idle TLS connection in the pool, its server thread in recv
+    assert server.data_plane._connections
+    server.stop(grace_s=5)
+    assert not server.data_plane._threads  # every connection's thread ended
+    client.close()
 
 
 @pytest.mark.parametrize("garbage", [
@@ -312,14 +376,20 @@ def test_a_restarted_server_on_another_data_port_is_found_again(tmp_path):
         proc.kill()
 
 
-def test_an_unreachable_data_port_falls_back_to_grpc_once(start_server, caplog):
+def test_an_unreachable_data_port_falls_back_to_grpc_and_is_tried_again_later(start_server, caplog, monkeypatch):
+    monkeypatch.setattr(client_module, "DATA_CHANNEL_RETRY_S", 0.3)
     server = start_server()
     server.data_plane.stop()  # the port the server announces now refuses connections: a firewall, a Service
     with _client(server) as client, caplog.at_level(logging.WARNING, logger="tiercache.client.client"):
         client.put(NS, b"k", b"streamed instead")
         assert client.get(NS, b"k") == b"streamed instead"
-        assert [r.message for r in caplog.records if "gRPC from now on" in r.message]
-    _wait_served(server, {("Put", "OK"): 1, ("Get", "OK"): 1})
+        def warnings() -> int:
+            return len([r for r in caplog.records if "streaming payloads over gRPC for" in r.getMessage()])
+        assert warnings() == 1  # once, not per call
+        time.sleep(0.4)
+        client.put(NS, b"k2", b"again")  # the wait is over: the data channel is asked for (and refused) again
+        assert warnings() == 2
+    _wait_served(server, {("Put", "OK"): 2, ("Get", "OK"): 1})
 
 
 def test_data_port_is_configurable(start_server):

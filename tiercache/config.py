@@ -187,13 +187,15 @@ class ServerConfig:
     # <unix_socket>.data.
     data_channel: bool = True
     data_port: int = 0
-    max_data_connections: int = 1024  # data connections open at once, all clients together (one thread each)
+    max_data_connections: int = 512  # data connections open at once, all clients together (a thread and a file each)
+    max_data_connections_per_peer: int = 128  # from one host (clients pool a few each: 4 per client by default)
 
     def __post_init__(self) -> None:
         _require(self.lease_ttl_s > 0, "server.lease_ttl_s must be positive")
         _require(0 <= self.port <= 65535, f"server.port must be 0..65535, got {self.port}")
         _require(0 <= self.data_port <= 65535, f"server.data_port must be 0..65535, got {self.data_port}")
         _require(self.max_data_connections >= 1, "server.max_data_connections must be >= 1")
+        _require(self.max_data_connections_per_peer >= 1, "server.max_data_connections_per_peer must be >= 1")
         _require(self.max_chunk_bytes >= 1, "server.max_chunk_bytes must be positive")
         _require(64 * KiB <= self.frame_bytes <= 16 * MiB, "server.frame_bytes must be 64KiB..16MiB")
         _require(self.workers >= 1, "server.workers must be >= 1")

@@ -290,6 +290,41 @@ def test_a_stored_page_of_another_size_is_a_miss_never_part_of_a_page(server):
     backend.close()
 
 
+def test_with_a_replicated_kv_only_mamba_states_are_kept_per_rank(server):
+    def rank(r: int) -> TierCacheStorage:
+        return TierCacheStorage(storage_config("mla/model", {**FACTORY, "url": server.url}, is_mla_model=True,
+                                               tp_rank=r, tp_size=2))
+    rank0, rank1 = rank(0), rank(1)
+    kv = rank0._kv("flat").namespace
+    assert rank1._kv("flat").namespace == kv  # written by one rank, read by all (SGLang's writer rank)
+    assert rank0._side(str(PoolName.SWA)).namespace == rank1._side(str(PoolName.SWA)).namespace == kv
+    assert rank0._side(str(PoolName.MAMBA)).namespace != rank1._side(str(PoolName.MAMBA)).namespace
+    for backend in (rank0, rank1):
+        backend.close()
+
+
+class _PoolWithoutFlatPages:
+    """Fault injection: a host pool SGLang could register whose pages have no flat form."""
+
+    page_size = 1
+
+    def get_dummy_flat_data_page(self):
+        raise NotImplementedError("no flat pages")
+
+    def get_data_page(self, index, flat=True):
+        raise NotImplementedError("no flat pages")
+
+
+def test_no_exception_reaches_sglang_from_a_pool_that_does_not_fit(server):
+    backend = tiercache_backend(server.url, "broken/pool")
+    backend.register_mem_host_pool_v2(_PoolWithoutFlatPages(), PoolName.SWA)
+    transfer = PoolTransfer(name=PoolName.SWA, host_indices=torch.tensor([0]), keys=page_keys(11, 1))
+    assert backend.batch_get_v2([transfer]) == {PoolName.SWA: [False]}
+    assert backend.batch_set_v2([transfer]) == {PoolName.SWA: [False]}
+    assert backend.batch_get_v1(page_keys(11, 1), torch.arange(PAGE)) == [False]  # no host pool registered
+    backend.close()
+
+
 def test_prefix_keys_give_positions_and_parents(server):
     backend = tiercache_backend(server.url, "names/prefix")
     keys = page_keys(7, 3)

@@ -27,7 +27,7 @@ from tiercache.client.transport import Security, data_tls_context, open_channel,
 from tiercache.config import DEFAULT_FRAME_BYTES, DEFAULT_MAX_CHUNK_BYTES
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound, TierCacheError, Unavailable
 from tiercache.prefix.objects import ChainShape
-from tiercache.protocol.data import ConnectionBroken
+from tiercache.protocol.data import Busy, ConnectionBroken
 from tiercache.protocol.wire import (ANSWERED_BY_SERVER, error_for, frames, lookup_request, max_message_bytes, pb,
                                      pb_grpc, stats_dict)
 from tiercache.record.encoding import ChunkMeta
@@ -35,6 +35,7 @@ from tiercache.record.keys import validate_key, validate_namespace
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+DATA_CHANNEL_RETRY_S = 60
 
 
 class Chunk(NamedTuple):
@@ -83,6 +84,8 @@ class Client:
         self._same_host = same_host
         self._shared: SharedArena | None = None
         self._use_data_channel = data_channel
+        self._data_retry_at = 0.0  # while the data channel is unreachable or absent: stream over gRPC until then
+        self._max_chunk_bytes = max_chunk_bytes
         self._data: DataChannel | None = None
         self._attached: pb.AttachResponse | None = None  # the server's Attach answer, asked once (and after a restart)
         self._attach_lock = threading.Lock()
@@ -248,9 +251,10 @@ class Client:
         """One try of a remote put or get: over the data channel when the server has one, else streamed over gRPC.
 
         A data port that cannot be reached right after the server named it, while its gRPC port answers, is a
-        deployment that does not expose it (a Service or firewall): this client streams over gRPC from then on, and
-        says so once. A channel that worked before and fails to connect is asked for again (the server may have
-        restarted on another port)."""
+        deployment that does not expose it (a Service or firewall): this client streams over gRPC for the next
+        DATA_CHANNEL_RETRY_S, and says so. A channel that worked before and fails to connect is asked for again (the
+        server may have restarted on another port). A server at its data-connection limits answers Busy: that call
+        goes over gRPC."""
         channel, fresh = self._data_channel(timeout)
         if channel is None:
             return over_grpc(timeout)
@@ -261,10 +265,13 @@ class Client:
             if not fresh:
                 raise
             result = over_grpc(timeout)  # raises when the server is down: then nothing is concluded
-            log.warning("%s; its gRPC port answers: streaming payloads over gRPC from now on (expose the server's "
-                        "data port, or set server.data_channel: false)", exc)
-            self._use_data_channel = False
+            log.warning("%s; its gRPC port answers: streaming payloads over gRPC for %d s (expose the server's data "
+                        "port, or set server.data_channel: false)", exc, DATA_CHANNEL_RETRY_S)
+            self._data_retry_at = time.monotonic() + DATA_CHANNEL_RETRY_S
             return result
+        except Busy as exc:  # at the data channel's limits (a quota or a full store is no Busy: gRPC would fail too)
+            log.debug("data channel at its limits (%s): this call goes over gRPC", exc)
+            return over_grpc(timeout)
 
     def _release(self, ids: Sequence[int]) -> list[int]:
         """Release read leases now; returns those that had already lapsed (what was copied under them is suspect)."""
@@ -344,22 +351,26 @@ class Client:
         return self._attached
 
     def _data_channel(self, timeout: float) -> tuple[DataChannel | None, bool]:
-        """The server's data channel (None: stream over gRPC), and whether the server named it just now."""
-        if self._use_data_channel is False:
+        """The server's data channel (None: stream over gRPC), and whether the server named it just now. A server
+        that named none, or one that could not be reached, is asked again after DATA_CHANNEL_RETRY_S."""
+        if self._use_data_channel is False or time.monotonic() < self._data_retry_at:
             return None, False
         with self._attach_lock:
             if self._data is not None:
                 return self._data, False
+            if self._data_retry_at:  # the wait is over: ask the server afresh
+                self._attached, self._data_retry_at = None, 0.0
             reply = self._attach(timeout)
-            if self._target_is_unix():
-                address = reply.data_unix_socket or None
+            if self._target_is_unix():  # plaintext, like the gRPC unix socket
+                address, tls = reply.data_unix_socket or None, None
             else:
                 address = (_host_of(self.target), reply.data_port) if reply.data_port else None
+                tls = data_tls_context(self._security) if self._tls else None
             if address is None:
+                self._data_retry_at = time.monotonic() + DATA_CHANNEL_RETRY_S
                 return None, False
-            tls = data_tls_context(self._security) if self._tls else None
             self._data = DataChannel(address, token=self._security.token, tls=tls,
-                                     server_name=self._security.tls_server_name)
+                                     server_name=self._security.tls_server_name, max_chunk_bytes=self._max_chunk_bytes)
             return self._data, True
 
     def _forget_data_channel(self, channel: DataChannel) -> None:

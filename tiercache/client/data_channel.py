@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, NamedTuple, Sequence
 
+from tiercache.config import DEFAULT_MAX_CHUNK_BYTES
 from tiercache.errors import InvalidArgument, TierCacheError
 from tiercache.protocol import data
 from tiercache.record.encoding import ChunkMeta
@@ -40,30 +41,33 @@ class Received(NamedTuple):
 class DataChannel:
     def __init__(self, address: str | tuple[str, int], *, token: str | None,
                  tls: ssl.SSLContext | None = None, server_name: str | None = None,
-                 streams: int = DEFAULT_STREAMS) -> None:
+                 streams: int = DEFAULT_STREAMS, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
         """`address`: (host, port), or a unix socket path. `streams`: connections one batch may use at once."""
         self.address = address
+        self.max_chunk_bytes = max_chunk_bytes
         self._hello = data.hello(token)
         self._tls = tls
         self._server_name = server_name
         self._streams = max(streams, 1)
-        self._pool_size = 2 * self._streams  # idle connections kept: enough for two callers' stripes
+        self._pool_size = self._streams  # idle connections kept (each holds a thread on the server)
         self._executor: ThreadPoolExecutor | None = None
         self._idle: list[tuple[socket.socket, float]] = []
         self._lock = threading.Lock()
 
     def put(self, namespace: str, chunks: Sequence[tuple[bytes, memoryview, ChunkMeta]], timeout_s: float) -> list[str]:
         """Store chunks; per chunk, the tier that holds it. A large batch is striped over parallel connections."""
+        deadline = time.monotonic() + timeout_s  # for every stripe, however long it waits for a thread
         stripes = _stripes([len(payload) for _, payload, _ in chunks], self._streams)
-        return self._in_parallel([functools.partial(self._put_stripe, namespace, chunks[s], timeout_s)
+        return self._in_parallel([functools.partial(self._put_stripe, namespace, chunks[s], deadline)
                                   for s in stripes])
 
     def get(self, namespace: str, keys: Sequence[bytes], outs: Sequence[memoryview | None],
             timeout_s: float) -> list[Received | None]:
         """Per key: its bytes (in `outs[i]` when given, else new bytes) and tier, or None for a miss. Several
         keys are striped over parallel connections."""
+        deadline = time.monotonic() + timeout_s
         stripes = _stripes([STRIPE_MIN_BYTES] * len(keys), self._streams)
-        return self._in_parallel([functools.partial(self._get_stripe, namespace, keys[s], outs[s], timeout_s)
+        return self._in_parallel([functools.partial(self._get_stripe, namespace, keys[s], outs[s], deadline)
                                   for s in stripes])
 
     def _in_parallel(self, calls: list[Callable[[], list]]) -> list:
@@ -88,7 +92,11 @@ class DataChannel:
                 raise outcome
         return [item for stripe in outcomes for item in stripe]
 
-    def _put_stripe(self, namespace: str, chunks, timeout_s: float) -> list[str]:
+    def _put_stripe(self, namespace: str, chunks, deadline: float) -> list[str]:
+        """One stripe: one request per MAX_BATCH chunks."""
+        if len(chunks) > data.MAX_BATCH:
+            return [tier for start in range(0, len(chunks), data.MAX_BATCH)
+                    for tier in self._put_stripe(namespace, chunks[start:start + data.MAX_BATCH], deadline)]
         request = data.put_request(namespace, [data.PutEntry(key, len(payload), meta) for key, payload, meta in chunks])
 
         def exchange(sock: socket.socket) -> list[str]:
@@ -99,12 +107,15 @@ class DataChannel:
                 raise
             data.read_status(sock)
             return data.read_tiers(sock, len(chunks))
-        return self._exchange(exchange, timeout_s)
+        return self._exchange(exchange, deadline)
 
     def _get_stripe(self, namespace: str, keys: Sequence[bytes], outs: Sequence[memoryview | None],
-                    timeout_s: float) -> list[Received | None]:
+                    deadline: float) -> list[Received | None]:
+        if len(keys) > data.MAX_BATCH:
+            return [item for start in range(0, len(keys), data.MAX_BATCH)
+                    for item in self._get_stripe(namespace, keys[start:start + data.MAX_BATCH],
+                                                 outs[start:start + data.MAX_BATCH], deadline)]
         request = data.get_request(namespace, keys)
-        deadline = time.monotonic() + timeout_s
 
         def exchange(sock: socket.socket) -> list[Received | None]:
             data.send_all(sock, request)
@@ -113,8 +124,7 @@ class DataChannel:
             too_small = None
             for out in outs:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                found, size, tier_bytes = data.ITEM.unpack(data.recv_exactly(sock, data.ITEM.size))
-                tier = bytes(data.recv_exactly(sock, tier_bytes)).decode()
+                found, size, tier = data.read_item(sock, self.max_chunk_bytes)
                 if not found:
                     results.append(None)
                 elif out is not None and len(out) < size:
@@ -132,7 +142,7 @@ class DataChannel:
             if too_small is not None:
                 raise too_small
             return results
-        return self._exchange(exchange, timeout_s)
+        return self._exchange(exchange, deadline)
 
     def close(self) -> None:
         with self._lock:
@@ -145,14 +155,16 @@ class DataChannel:
 
     # -- connections ------------------------------------------------------------------------------------------------
 
-    def _exchange(self, exchange: Callable[[socket.socket], object], timeout_s: float):
+    def _exchange(self, exchange: Callable[[socket.socket], object], deadline: float):
         """Run one request on a pooled connection (or a new one). A pooled connection that turns out closed (the
-        server ended it while idle, or restarted) is replaced once at no cost to the caller."""
-        deadline = time.monotonic() + timeout_s
+        server ended it while idle, or restarted) is replaced once at no cost to the caller; one that timed out is
+        not (the server is slow or hung: a new connection would only wait again)."""
         sock = self._pooled()
         if sock is not None:
             try:
                 return self._on(sock, exchange, deadline)
+            except data.TimedOut:
+                raise
             except data.ConnectionBroken:
                 pass
         return self._on(self._connect(deadline), exchange, deadline)
@@ -257,10 +269,10 @@ def _stripes(sizes: Sequence[int], streams: int) -> list[slice]:
     return stripes
 
 
-_bytes_of_size = ctypes.pythonapi.PyBytes_FromStringAndSize
-_bytes_of_size.argtypes, _bytes_of_size.restype = (ctypes.c_void_p, ctypes.c_ssize_t), ctypes.py_object
-_bytes_buffer = ctypes.pythonapi.PyBytes_AsString
-_bytes_buffer.argtypes, _bytes_buffer.restype = (ctypes.py_object,), ctypes.c_void_p
+# Prototypes of our own (setting argtypes on ctypes.pythonapi's shared function objects would change them for everyone).
+_bytes_of_size = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t)(
+    ("PyBytes_FromStringAndSize", ctypes.pythonapi))
+_bytes_buffer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object)(("PyBytes_AsString", ctypes.pythonapi))
 
 
 def _new_bytes(size: int) -> tuple[bytes, memoryview]:

@@ -25,13 +25,15 @@ A connection (all integers little-endian):
 
 A request the server refuses (a namespace the tenant does not own, a quota) is answered with its error STATUS after
 the server has read (and dropped) the payloads already on their way, so the connection stays usable. Malformed input
-gets an error STATUS and the connection is closed.
+gets an error STATUS and the connection is closed; a get that fails after its STATUS (a tier's error half-way) just
+closes the connection.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
+import time
 from typing import NamedTuple, Sequence
 
 from tiercache.errors import (
@@ -61,11 +63,15 @@ _U16 = struct.Struct("<H")
 _PUT_ENTRY = struct.Struct("<QBQH")  # size, object class, prefix tokens, parent length (after the key)
 ITEM = struct.Struct("<BQB")  # found, size, tier length
 
+class Busy(CapacityExceeded):
+    """The server is at its data-connection or in-flight limits: the client sends this call over gRPC instead."""
+
+
 OK = 0
 INTERNAL = 7
 # One code per error class, like protocol.wire's gRPC status table (the order matters: subclasses first).
 _CODES: tuple[tuple[int, type[TierCacheError]], ...] = (
-    (1, InvalidArgument), (2, NotFound), (3, CapacityExceeded), (4, Unavailable), (5, Unauthenticated),
+    (1, InvalidArgument), (2, NotFound), (8, Busy), (3, CapacityExceeded), (4, Unavailable), (5, Unauthenticated),
     (6, PermissionDenied),
 )
 
@@ -73,6 +79,10 @@ _CODES: tuple[tuple[int, type[TierCacheError]], ...] = (
 class ConnectionBroken(Unavailable):
     """The connection closed or failed mid-exchange (the peer went away, a timeout passed, malformed bytes). The
     connection is unusable; a client may retry on a new one."""
+
+
+class TimedOut(ConnectionBroken):
+    """The peer made no progress within the socket's timeout, or too little before a deadline."""
 
 
 class PutEntry(NamedTuple):
@@ -97,11 +107,17 @@ def error_for(code: int, message: str) -> TierCacheError:
 
 # -- sockets ----------------------------------------------------------------------------------------------------------
 
-def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from the socket (the kernel copies straight into it); ConnectionBroken at an early end."""
+def recv_exactly_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view` from the socket (the kernel copies straight into it); ConnectionBroken at an early end. Each read
+    waits up to the socket's timeout; `deadline` (time.monotonic()) bounds them all, so a peer that trickles a byte
+    now and then cannot hold the read (and what it holds) forever."""
     while view:
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimedOut("data channel: the peer sent too slowly")
         try:
             n = sock.recv_into(view)
+        except TimeoutError:
+            raise TimedOut("data channel: the peer sent nothing within the timeout") from None
         except (OSError, ValueError) as exc:  # ValueError: the socket was closed under us (server shutdown)
             raise ConnectionBroken(f"data channel: {exc or type(exc).__name__}") from None
         if not n:
@@ -109,9 +125,9 @@ def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
-def recv_exactly(sock: socket.socket, size: int) -> bytearray:
+def recv_exactly(sock: socket.socket, size: int, deadline: float | None = None) -> bytearray:
     buffer = bytearray(size)
-    recv_exactly_into(sock, memoryview(buffer))
+    recv_exactly_into(sock, memoryview(buffer), deadline)
     return buffer
 
 
@@ -123,6 +139,8 @@ def send_all(sock: socket.socket, *parts) -> None:
             view = memoryview(part).cast("B")
             for start in range(0, len(view), SEND_SLICE_BYTES):
                 sock.sendall(view[start:start + SEND_SLICE_BYTES])
+    except TimeoutError:
+        raise TimedOut("data channel: the peer read nothing within the timeout") from None
     except (OSError, ValueError) as exc:
         raise ConnectionBroken(f"data channel: {exc or type(exc).__name__}") from None
 
@@ -144,14 +162,14 @@ def hello(token: str | None) -> bytes:
     return _HELLO.pack(MAGIC, len(data)) + data
 
 
-def read_hello(sock: socket.socket) -> str:
+def read_hello(sock: socket.socket, deadline: float | None = None) -> str:
     """The token a connection opens with ('' for none); InvalidArgument when it is not a data-channel client."""
-    magic, length = _HELLO.unpack(recv_exactly(sock, _HELLO.size))
+    magic, length = _HELLO.unpack(recv_exactly(sock, _HELLO.size, deadline))
     if magic != MAGIC:
         raise InvalidArgument("not a tiercache data-channel client (bad magic)")
     if length > MAX_TOKEN_BYTES:
         raise InvalidArgument("token too long")
-    return bytes(recv_exactly(sock, length)).decode(errors="replace")
+    return bytes(recv_exactly(sock, length, deadline)).decode(errors="replace")
 
 
 def status(code: int, message: str = "") -> bytes:
@@ -278,3 +296,12 @@ def read_tiers(sock: socket.socket, count: int) -> list[str]:
 def item(found: bool, size: int = 0, tier: str = "") -> bytes:
     name = tier.encode()
     return ITEM.pack(1 if found else 0, size, len(name)) + name
+
+
+def read_item(sock: socket.socket, max_size: int) -> tuple[bool, int, str]:
+    """An ITEM header: (found, payload size, tier). Anything else where an item belongs (a server that failed half-way
+    through a get closes the connection) is ConnectionBroken, never a size to allocate."""
+    found, size, tier_bytes = ITEM.unpack(recv_exactly(sock, ITEM.size))
+    if found not in (0, 1) or size > max_size or (not found and size):
+        raise ConnectionBroken(f"data channel: malformed item (found {found}, {size} bytes)")
+    return bool(found), size, bytes(recv_exactly(sock, tier_bytes)).decode(errors="replace")

@@ -99,6 +99,16 @@ class CacheServer:
 
     def start(self) -> "CacheServer":
         cfg = self.config.server
+        if cfg.data_channel:  # before gRPC: an Attach answered during start must already name its port
+            self.data_plane = DataPlane(self.config, self.store, self.metrics, self.tenants,
+                                        data_tls_context(self.config.security))
+            try:
+                self.data_plane.start(cfg.host, cfg.data_port, cfg.unix_socket)
+            except OSError as exc:
+                self.data_plane.stop(grace_s=0)
+                self.store.close()
+                raise ConfigError(f"cannot serve the data channel on {cfg.host}:{cfg.data_port}: "
+                                  f"{exc.strerror or exc}") from None
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="tiercache-server", daemon=True)
         self._loop_thread.start()
@@ -106,16 +116,9 @@ class CacheServer:
             self._on_loop(self._start())
         except BaseException:
             self._stop_loop()
+            if self.data_plane is not None:
+                self.data_plane.stop(grace_s=0)
             raise
-        if cfg.data_channel:
-            try:
-                self.data_plane = DataPlane(self.config, self.store, self.metrics, self.tenants,
-                                            data_tls_context(self.config.security))
-                self.data_plane.start(cfg.host, cfg.data_port, cfg.unix_socket)
-            except OSError as exc:
-                self.stop(grace_s=0)
-                raise ConfigError(f"cannot serve the data channel on {cfg.host}:{cfg.data_port}: "
-                                  f"{exc.strerror or exc}") from None
         if cfg.metrics_port is not None:
             try:
                 self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)

@@ -3,9 +3,12 @@ and sent from the arena's pages in place (wire format and the reasons for it: ti
 
 One thread per connection, blocking I/O: a thread waits in `recv_into` / `sendall` with the GIL released, which is
 what moves bytes fastest from Python. A client that stalls holds only its own connection's thread, never a shared
-worker, and only for `server.stream_idle_timeout_s` per read or write mid-request (or DATA_KEEPALIVE_S between
-requests); connections are bounded per peer host and per tenant (the stream limits' numbers) and in all
-(`server.max_data_connections`), so threads are too.
+worker: a read or write mid-request that makes no progress for `server.stream_idle_timeout_s` ends the connection,
+and a chunk's payload must arrive at 1 MiB per idle timeout at least (what a trickling client holds in the arena is
+bounded in time); between requests a connection may idle DATA_KEEPALIVE_S. Connections are bounded in all
+(`server.max_data_connections`) and per peer host (`server.max_data_connections_per_peer`), so threads are too;
+requests in flight count against the stream limits of their peer and tenant, like gRPC streams (a refused one is
+answered RESOURCE_EXHAUSTED, and the client sends it over gRPC instead).
 
 Requests are checked exactly like their gRPC twins (servicer.TierCacheServicer.Put / Get): the caller's tenant from
 the same bearer token, the namespace it owns, key and size limits, its quota.
@@ -13,6 +16,7 @@ the same bearer token, the namespace it owns, key and size limits, its quota.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -29,7 +33,7 @@ from tiercache.protocol.wire import AUTHORIZATION, checked_meta, status_for
 from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey, validate_key, validate_namespace
 from tiercache.server.auth import Tenant, TenantTable
-from tiercache.server.limits import Counts
+from tiercache.server.limits import Counts, StreamLimits
 from tiercache.server.metrics import Metrics
 from tiercache.store.same_host import WriteGrant
 from tiercache.store.tiered import TieredStore
@@ -59,9 +63,12 @@ class DataPlane:
         self._tls = tls
         self._max_chunk_bytes = cfg.max_chunk_bytes
         self._idle_s = cfg.stream_idle_timeout_s
-        self._all = Counts(cfg.max_data_connections, "data connections open (server.max_data_connections)")
-        self._peers = Counts(cfg.max_streams_per_peer, "data connections open (server.max_streams_per_peer)")
-        self._tenants = Counts(cfg.max_streams_per_tenant, "data connections open (server.max_streams_per_tenant)")
+        # Over a limit the refusal is Busy: the client sends that call over gRPC instead.
+        self._all = Counts(cfg.max_data_connections, "data connections open (server.max_data_connections)",
+                           data.Busy)
+        self._connections_per_peer = Counts(cfg.max_data_connections_per_peer,
+                                            "data connections open (server.max_data_connections_per_peer)", data.Busy)
+        self._streams = StreamLimits(cfg.max_streams_per_peer, cfg.max_streams_per_tenant, data.Busy)  # in flight
         self._listeners: list[socket.socket] = []
         self._connections: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
@@ -107,8 +114,13 @@ class DataPlane:
         while not self._stopping.is_set():
             try:
                 conn, address = listener.accept()
-            except OSError:
-                return  # closed by stop()
+            except OSError as exc:
+                if self._stopping.is_set():
+                    return  # closed by stop()
+                # Out of file descriptors (EMFILE), or a connection reset before it was accepted: keep listening.
+                log.warning("data channel: accept failed (%s); retrying", exc)
+                time.sleep(0.1)
+                continue
             if self._stopping.is_set():
                 conn.close()
                 return
@@ -117,7 +129,13 @@ class DataPlane:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._connections.add(conn)
-            self._spawn(self._connection, conn, peer, name="tiercache-data")
+            try:
+                # TLS on TCP only: the unix socket is reachable by local processes alone (like gRPC's, plaintext).
+                self._spawn(self._connection, conn, peer, kind == "tcp", name="tiercache-data")
+            except RuntimeError:  # no thread to be had: refuse this one, keep serving the others
+                log.warning("data channel: cannot start a thread for a connection from %s", peer)
+                self._forget(conn)
+                conn.close()
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Close the listeners and every connection (a request in progress ends: its reservation is aborted)."""
@@ -143,18 +161,21 @@ class DataPlane:
 
     # -- one connection ---------------------------------------------------------------------------------------------
 
-    def _connection(self, conn: socket.socket, peer: str) -> None:
+    def _connection(self, conn: socket.socket, peer: str, tls: bool) -> None:
         sock = conn
         try:
-            with self._all.hold("*", "the server"), self._peers.hold(peer, peer):
+            with self._all.hold("*", "the server"), self._connections_per_peer.hold(peer, peer):
                 sock.settimeout(self._idle_s)
-                if self._tls is not None:
+                if tls and self._tls is not None:
                     sock = self._tls.wrap_socket(conn, server_side=True)  # the handshake, within the idle time
-                token = data.read_hello(sock)
+                    self._track(conn, sock)
+                token = data.read_hello(sock, deadline=time.monotonic() + self._idle_s)
                 tenant = self.tenants.authenticate([(AUTHORIZATION, f"Bearer {token}")] if token else [])
-                with self._tenants.hold(tenant.name, f"tenant {tenant.name!r}"):
-                    data.send_all(sock, data.status(data.OK))
-                    self._requests(sock, tenant)
+                data.send_all(sock, data.status(data.OK))
+                self._requests(sock, tenant, peer)
+        except _OutOfStep as exc:  # failed after answering OK: nothing more can be said on this connection
+            log.log(logging.WARNING if isinstance(exc.__cause__, TierCacheError) else logging.ERROR,
+                    "data connection from %s: a get failed half-way", peer, exc_info=exc.__cause__)
         except data.ConnectionBroken as exc:
             log.debug("data connection from %s ended: %s", peer, exc)
         except (ssl.SSLError, OSError) as exc:
@@ -166,8 +187,17 @@ class DataPlane:
             self._answer_and_close(sock, data.INTERNAL, "internal error")
         finally:
             sock.close()
-            with self._lock:
-                self._connections.discard(conn)
+            self._forget(sock)
+
+    def _track(self, raw: socket.socket, wrapped: socket.socket) -> None:
+        """Stop shuts down what the connection's thread blocks in: after TLS wraps it, that is the TLS socket."""
+        with self._lock:
+            self._connections.discard(raw)
+            self._connections.add(wrapped)
+
+    def _forget(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._connections.discard(sock)
 
     def _answer_and_close(self, sock: socket.socket, code: int, message: str) -> None:
         try:
@@ -175,7 +205,7 @@ class DataPlane:
         except data.ConnectionBroken:
             pass
 
-    def _requests(self, sock: socket.socket, tenant: Tenant) -> None:
+    def _requests(self, sock: socket.socket, tenant: Tenant, peer: str) -> None:
         scratch = memoryview(bytearray(_SCRATCH_BYTES))
         while not self._stopping.is_set():
             sock.settimeout(DATA_KEEPALIVE_S)
@@ -186,10 +216,11 @@ class DataPlane:
             name = "DataPut" if request.op == data.OP_PUT else "DataGet"
             code = "OK"
             try:
-                if request.op == data.OP_PUT:
-                    self._put(sock, tenant, request, scratch)
-                else:
-                    self._get(sock, tenant, request)
+                with self._in_flight(sock, request, peer, tenant, scratch):
+                    if request.op == data.OP_PUT:
+                        self._put(sock, tenant, request, scratch)
+                    else:
+                        self._get(sock, tenant, request)
             except _Refused as refused:
                 code = status_for(refused.error).name
             except BaseException as exc:
@@ -197,6 +228,18 @@ class DataPlane:
                 raise
             finally:
                 self.metrics.rpc_seconds.labels(name, code).observe(time.perf_counter() - started)
+
+    @contextlib.contextmanager
+    def _in_flight(self, sock, request: data.Request, peer: str, tenant: Tenant, scratch: memoryview):
+        """Count the request against its peer's and tenant's stream limits while it runs; over them, refuse it."""
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(self._streams.stream(peer, tenant.name))
+            except data.Busy as refused:
+                if request.op == data.OP_PUT:
+                    data.drain(sock, sum(entry.size for entry in request.entries), scratch)
+                self._refuse(sock, refused)
+            yield
 
     def _refuse(self, sock: socket.socket, error: TierCacheError) -> NoReturn:
         data.send_all(sock, data.status(data.code_for(error), str(error)))
@@ -225,9 +268,11 @@ class DataPlane:
             except TierCacheError as refused:  # nothing of this chunk read yet
                 data.drain(sock, sum(sizes[index:]), scratch)
                 self._refuse(sock, refused)
+            # At least 1 MiB per idle timeout: a client that trickles bytes cannot hold the reservation for long.
+            deadline = time.monotonic() + self._idle_s * max(1.0, size / (1 << 20))
             try:
                 for view in incoming.views:
-                    data.recv_exactly_into(sock, view)
+                    data.recv_exactly_into(sock, view, deadline)
             except BaseException:
                 if incoming.grant is not None:
                     self.store.same_host.abort(incoming.grant)
@@ -267,8 +312,13 @@ class DataPlane:
         except TierCacheError as refused:
             self._refuse(sock, refused)
         data.send_all(sock, data.status(data.OK))
-        for key in keys:
-            self._send_chunk(sock, key)
+        try:
+            for key in keys:
+                self._send_chunk(sock, key)
+        except data.ConnectionBroken:
+            raise
+        except Exception as exc:  # a tier failed half-way: the client expects an item, so only closing is left
+            raise _OutOfStep() from exc
 
     def _send_chunk(self, sock: socket.socket, key: ChunkKey) -> None:
         """One ITEM: from the arena's pages in place when the chunk is (or is promoted) there, else from the copy the
@@ -296,6 +346,10 @@ class DataPlane:
         namespace = validate_namespace(request.namespace)
         tenant.check_namespace(namespace)
         return [ChunkKey(namespace, validate_key(key)) for key in request.keys]
+
+
+class _OutOfStep(Exception):
+    """A get failed after its OK status: the connection must close without another word."""
 
 
 class _Refused(Exception):

@@ -29,9 +29,10 @@ class Counts:
     """How many things each name holds open, at most `limit` per name. Thread-safe: the gRPC handlers count from the
     event loop, the data plane (server.data_plane) from its connection threads."""
 
-    def __init__(self, limit: int, what: str) -> None:
+    def __init__(self, limit: int, what: str, refusal: type[CapacityExceeded] = CapacityExceeded) -> None:
         self.limit = limit
         self._what = what  # how a refusal names the limit, e.g. "streams open (server.max_streams_per_peer)"
+        self._refusal = refusal
         self._open: Counter[str] = Counter()
         self._lock = threading.Lock()
 
@@ -40,7 +41,7 @@ class Counts:
         """Count one more for `name` while the block runs; CapacityExceeded when it already holds `limit`."""
         with self._lock:
             if self._open[name] >= self.limit:
-                raise CapacityExceeded(f"{label} has {self._open[name]} {self._what}")
+                raise self._refusal(f"{label} has {self._open[name]} {self._what}")
             self._open[name] += 1
         try:
             yield
@@ -54,9 +55,9 @@ class Counts:
 class StreamLimits:
     """Open Put / Get streams per peer host and per tenant."""
 
-    def __init__(self, per_peer: int, per_tenant: int) -> None:
-        self.peers = Counts(per_peer, "streams open (server.max_streams_per_peer)")
-        self.tenants = Counts(per_tenant, "streams open (server.max_streams_per_tenant)")
+    def __init__(self, per_peer: int, per_tenant: int, refusal: type[CapacityExceeded] = CapacityExceeded) -> None:
+        self.peers = Counts(per_peer, "streams open (server.max_streams_per_peer)", refusal)
+        self.tenants = Counts(per_tenant, "streams open (server.max_streams_per_tenant)", refusal)
 
     @contextlib.contextmanager
     def stream(self, peer: str, tenant: str) -> Iterator[None]:

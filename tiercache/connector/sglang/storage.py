@@ -23,6 +23,7 @@ client's circuit breaker turns a dead server into instant misses), logged once p
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -57,6 +58,7 @@ SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "fil
                "hicache_storage_pass_prefix_keys")
 # Pools whose pages are recurrent states (the rest are KV-like pages). By value: PoolName hashes by its member name.
 STATE_POOLS = {str(PoolName.MAMBA)}
+PER_RANK_POOLS = {str(PoolName.MAMBA)}  # sharded by TP rank even in a model whose KV every rank holds whole
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,28 @@ class Settings:
                        ValueError)
         extra["url"] = extra.get("url") or os.environ.get("TIERCACHE_URL", DEFAULT_URL)
         return cls(**extra, interface_v1=interface_v1)
+
+
+def _answers(failed: Callable[..., Any]):
+    """No exception from a decorated call reaches SGLang's threads: any error (a bug, a pool that does not fit) is
+    logged once per method and answered with `failed(self, *args)`: misses, False."""
+    def decorate(method):
+        @functools.wraps(method)
+        def guarded(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - see above
+                if method.__name__ not in self._refusals:
+                    self._refusals.add(method.__name__)
+                    log.exception("TierCacheStorage.%s failed (answered as a miss; logged once): %r", method.__name__,
+                                  exc)
+                return failed(self, *args, **kwargs)
+        return guarded
+    return decorate
+
+
+def _all_failed(transfers) -> dict[str, list[bool]]:
+    return {t.name: [False] * len(t.keys or []) for t in transfers or []}
 
 
 class TierCacheStorage(HiCacheStorage):
@@ -139,10 +163,13 @@ class TierCacheStorage(HiCacheStorage):
             object_class = CLASS_STATE if pool_name in STATE_POOLS else CLASS_KV
             if pool_name == PoolName.KV:
                 return self._kv("flat")
-            if not self.storage_config.is_mla_model:  # sharded like the KV: states name their page as parent
+            replicated_kv = bool(self.storage_config.is_mla_model)  # MLA / DeepSeek-V4: one KV for every TP rank
+            if not replicated_kv or pool_name not in PER_RANK_POOLS:
+                # Sharded like the KV (SGLang's file backend names them so too): in the KV's namespace, and a state
+                # names its page's KV as parent.
                 kv = self._kv("v1" if self.settings.interface_v1 else "flat")
                 pool = _Pool(kv.namespace, naming.pool_digest(pool_name, layout), object_class)
-            else:  # MLA's KV is replicated, a Mamba state is not: its own namespace, by rank
+            else:  # a Mamba state is TP-sharded even when the KV is replicated: its own namespace, by rank
                 identity = {"pool": pool_name, **layout, **naming.ranks(self.storage_config, replicated=False)}
                 pool = _Pool(naming.namespace(self.model, identity, self.settings.salt),
                              naming.pool_digest(pool_name, layout), object_class, shares_kv=False)
@@ -154,6 +181,7 @@ class TierCacheStorage(HiCacheStorage):
     def get(self, key: str, target_location=None, target_sizes=None) -> torch.Tensor | None:
         return self.batch_get([key], [target_location] if target_location is not None else None)[0]
 
+    @_answers(lambda self, keys, *rest, **kw: [None] * len(keys))
     def batch_get(self, keys: list[str], target_locations=None, target_sizes=None) -> list[torch.Tensor | None]:
         pool = self._kv("flat")
         if target_locations is None:
@@ -170,6 +198,7 @@ class TierCacheStorage(HiCacheStorage):
     def set(self, key: str, value=None, target_location=None, target_sizes=None) -> bool:
         return self.batch_set([key], [value])
 
+    @_answers(lambda self, *args, **kw: False)
     def batch_set(self, keys: list[str], values=None, target_locations=None, target_sizes=None,
                   extra_info: HiCacheStorageExtraInfo | None = None) -> bool:
         if values is None or len(values) != len(keys):
@@ -179,6 +208,7 @@ class TierCacheStorage(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
+    @_answers(lambda self, *args, **kw: 0)
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         pool = self._kv("v1" if self.settings.interface_v1 else "flat")
         where = self._guarded(lambda: self.client.locate(pool.namespace, [pool.key(k) for k in keys]),
@@ -187,6 +217,7 @@ class TierCacheStorage(HiCacheStorage):
 
     # -- v1: pages straight from and into the host pool's memory ------------------------------------------------------
 
+    @_answers(lambda self, keys, *rest, **kw: [False] * len(keys))
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         pages = self._regions(keys, host_indices)
@@ -201,6 +232,7 @@ class TierCacheStorage(HiCacheStorage):
                 _scatter(buffer, regions)
         return fetched
 
+    @_answers(lambda self, keys, *rest, **kw: [False] * len(keys))
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         pages = self._regions(keys, host_indices)
@@ -215,18 +247,19 @@ class TierCacheStorage(HiCacheStorage):
             return None if self.mem_pool_host is None else []
         try:
             pointers, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        except Exception:  # noqa: BLE001 - a pool or index SGLang gave us that does not fit: a failed transfer
-            log.exception("TierCacheStorage: the host pool cannot describe these pages")
+        except Exception as exc:  # noqa: BLE001 - a pool or index SGLang gave us that does not fit: a failed transfer
+            self._log_once("regions", f"the host pool cannot describe these pages ({exc!r}); v1 transfers fail")
             return None
         per_page = len(pointers) // len(keys)
         if per_page * len(keys) != len(pointers):
-            log.error("TierCacheStorage: %d regions for %d pages", len(pointers), len(keys))
+            self._log_once("regions", f"{len(pointers)} regions for {len(keys)} pages; v1 transfers fail")
             return None
         return [list(zip(pointers[i * per_page:(i + 1) * per_page], sizes[i * per_page:(i + 1) * per_page]))
                 for i in range(len(keys))]
 
     # -- v2: the pools of a hybrid model ------------------------------------------------------------------------------
 
+    @_answers(lambda self, *args, **kw: PoolTransferResult(0, {}, []))
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
                         extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
         """As SGLang's file backend answers: the leading run of KV pages, then per pool the prefixes it can restore
@@ -236,7 +269,7 @@ class TierCacheStorage(HiCacheStorage):
         transfers = [t for t in pool_transfers or [] if t.hit_policy in (PoolHitPolicy.ALL_PAGES,
                                                                            PoolHitPolicy.TRAILING_PAGES)]
         if len(transfers) != len(pool_transfers or []):
-            log.warning("TierCacheStorage: block-group pools are not supported; they count as misses")
+            self._log_once("block-groups", "block-group pools (DeepSeek-V4) are not supported; they count as misses")
             return PoolTransferResult(0, {}, [])
         wanted = [(kv, keys)] + [(self._side(str(t.name)), keys) for t in transfers]
         present = self._guarded(lambda: self._present(wanted), None)
@@ -268,6 +301,7 @@ class TierCacheStorage(HiCacheStorage):
         where = {ns: dict(zip(ks, self.client.locate(ns, ks))) for ns, ks in by_namespace.items()}
         return [[where[pool.namespace][pool.key(k)] is not None for k in keys] for pool, keys in wanted]
 
+    @_answers(lambda self, transfers, *rest, **kw: _all_failed(transfers))
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         results = {}
@@ -285,6 +319,7 @@ class TierCacheStorage(HiCacheStorage):
             results[transfer.name] = fetched
         return results
 
+    @_answers(lambda self, transfers, *rest, **kw: _all_failed(transfers))
     def batch_set_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         results = {}
@@ -339,7 +374,9 @@ class TierCacheStorage(HiCacheStorage):
                extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
         """Put objects; each page names the page before it as parent (the chain SGLang's hashes follow), a side
         pool's object its page's KV (when in the same namespace)."""
-        prefix = list(getattr(extra_info, "prefix_keys", None) or []) if extra_info is not None else []
+        # The pages before this batch, when SGLang passes them (hicache_storage_pass_prefix_keys): [] is a batch at
+        # the prompt's start, None an unknown position.
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
         chunks = []
         for index, (key, payload) in enumerate(zip(keys, payloads)):
             page = naming.page_key(key)
@@ -348,10 +385,15 @@ class TierCacheStorage(HiCacheStorage):
             else:
                 before = keys[index - 1] if index else (prefix[-1] if prefix else None)
                 parent = naming.page_key(before) if before is not None else b""
-            tokens = (len(prefix) + index + 1) * self._page_size() if prefix else 0
+            tokens = (len(prefix) + index + 1) * self._page_size() if prefix is not None else 0
             chunks.append(Chunk(pool.key(key), payload, ChunkMeta(pool.object_class, tokens, parent)))
         stored = self._guarded(lambda: self.client.put_many(pool.namespace, chunks), None)
         return [stored is not None] * len(keys)
+
+    def _log_once(self, kind: str, message: str) -> None:
+        if kind not in self._refusals:
+            self._refusals.add(kind)
+            log.warning("TierCacheStorage: %s (logged once)", message)
 
     def _page_size(self) -> int:
         return int(getattr(self.mem_pool_host, "page_size", 0) or 0)
