@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -395,3 +399,14 @@ def test_settings_take_sglangs_keys_and_ours():
     settings = TierCacheStorage.__init__.__globals__["Settings"].from_extra_config(
         {**FACTORY, "interface_v1": 1, "file_storage_path": "/x", "url": "grpc://h:1", "salt": "s", "timeout_s": 2})
     assert dataclasses.astuple(settings)[:1] == ("grpc://h:1",) and settings.interface_v1 and settings.salt == "s"
+
+
+def test_the_benchmark_script_runs():
+    from tests.helpers import python_env
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, str(root / "benchmarks" / "sglang_backend.py"), "--pages", "8",
+                             "--page-tokens", "4", "--layers", "2", "--heads", "2", "--head-dim", "8", "--rounds", "1",
+                             "--json"], capture_output=True, text=True, env=python_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert all(report[name]["get_gbps"] > 0 for name in ("file", "tiercache_v0", "tiercache_v1"))
