@@ -239,7 +239,7 @@ def test_a_reader_that_never_reads_is_ended_and_its_pin_released(start_server):
         sock = _raw(server, token="")
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.sendall(data.get_request(NS, [b"big-%d" % i for i in range(4)]))
-        time.sleep(0.2)
+        wait_for(lambda: _held(server) == 1, what="the unread get in flight")
         assert client.get(NS, b"big-0") == bytes(8 * MiB)  # others are served meanwhile
         wait_for(lambda: _served(server, "DataGet", "CANCELLED") == 1, timeout_s=10, what="the unread Get to end")
         client.delete(NS, [b"big-0"])  # nothing stays pinned
@@ -269,7 +269,7 @@ def test_requests_over_the_in_flight_limit_go_over_grpc(start_server):
         sock = _raw(server, token="")
         sock.sendall(data.put_request(NS, [data.PutEntry(b"half-%d" % i, MiB, ChunkMeta())]) + bytes(1000))
         stalled.append(sock)
-    time.sleep(0.2)
+    wait_for(lambda: _held(server) == 2, what="both stalled puts in flight")
     with _client(server) as client:
         client.put(NS, b"k", bytes(100_000))
         assert client.get(NS, b"k") == bytes(100_000)
@@ -277,6 +277,11 @@ def test_requests_over_the_in_flight_limit_go_over_grpc(start_server):
                           ("DataGet", "RESOURCE_EXHAUSTED"): 1})
     for sock in stalled:
         sock.close()
+
+
+def _held(server) -> int:
+    """Data requests in flight from this host."""
+    return server.data_plane._streams.peers._open.get("127.0.0.1", 0)
 
 
 def test_a_trickling_put_is_ended_before_it_completes(start_server):
@@ -357,7 +362,7 @@ def test_a_pooled_connection_the_server_closed_is_replaced_transparently(start_s
     server = start_server()
     with _client(server) as client:  # one try: a retry would hide a failure
         client.put(NS, b"k", b"first")
-        time.sleep(0.6)
+        wait_for(lambda: not server.data_plane._connections, what="the server to close the idle connection")
         assert client.get(NS, b"k") == b"first"
 
 

@@ -25,14 +25,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import yaml
 
 from tiercache.config import parse_size, read_file, refuse_unknown
 from tiercache.errors import CapacityExceeded, ConfigError, PermissionDenied, Unauthenticated
 from tiercache.protocol.wire import AUTHORIZATION
-from tiercache.record.keys import salt_suffix
+from tiercache.record.keys import ChunkKey, salt_suffix, validate_key, validate_namespace
 
 _BEARER = "bearer "
 _TENANT_KEYS = {"token", "token_sha256", "salt", "quota_bytes", "same_host", "admin"}
@@ -58,6 +58,22 @@ class Tenant:
     def check_same_host(self) -> None:
         if not self.same_host:
             raise PermissionDenied(f"tenant {self.name!r} may not use the shared-memory path (same_host: false)")
+
+    def checked_namespace(self, namespace: object) -> str:
+        """A namespace from a request: valid, and this tenant's (checked once per request, not per key)."""
+        validate_namespace(namespace)
+        self.check_namespace(namespace)
+        return namespace
+
+    def checked_keys(self, namespace: object, keys: Iterable[object]) -> list[ChunkKey]:
+        namespace = self.checked_namespace(namespace)
+        return [ChunkKey(namespace, validate_key(k)) for k in keys]
+
+    def check_room(self, store, adding_bytes: int) -> None:
+        """Before storing `adding_bytes` more: within the tenant's quota? (`store` counts what the tenant holds:
+        TieredStore.held_bytes; a store call.) Concurrent puts of one tenant may overshoot by their own sizes."""
+        if self.quota_bytes is not None:
+            self.check_quota(store.held_bytes(self.owns), adding_bytes)
 
     def check_quota(self, held_bytes: int, adding_bytes: int) -> None:
         """Raise when storing `adding_bytes` more would take the tenant past its quota."""

@@ -31,7 +31,7 @@ from tiercache.errors import CapacityExceeded, InvalidArgument, TierCacheError
 from tiercache.protocol import data
 from tiercache.protocol.wire import AUTHORIZATION, checked_meta, status_for
 from tiercache.record import encoding
-from tiercache.record.keys import ChunkKey, validate_key, validate_namespace
+from tiercache.record.keys import ChunkKey
 from tiercache.server.auth import Tenant, TenantTable
 from tiercache.server.limits import Counts, StreamLimits
 from tiercache.server.metrics import Metrics
@@ -254,10 +254,9 @@ class DataPlane:
             # Not drained: the announced bytes could be anything. Malformed input closes the connection.
             raise InvalidArgument(f"a chunk exceeds the maximum of {self._max_chunk_bytes} bytes")
         try:
-            keys = self._checked(tenant, request)
+            keys = tenant.checked_keys(request.namespace, request.keys)
             metas = [checked_meta(entry.meta) for entry in entries]
-            if tenant.quota_bytes is not None:
-                tenant.check_quota(self.store.held_bytes(tenant.owns), sum(sizes))
+            tenant.check_room(self.store, sum(sizes))
         except TierCacheError as refused:
             data.drain(sock, sum(sizes), scratch)
             self._refuse(sock, refused)
@@ -308,7 +307,7 @@ class DataPlane:
 
     def _get(self, sock: socket.socket, tenant: Tenant, request: data.Request) -> None:
         try:
-            keys = self._checked(tenant, request)
+            keys = tenant.checked_keys(request.namespace, request.keys)
         except TierCacheError as refused:
             self._refuse(sock, refused)
         data.send_all(sock, data.status(data.OK))
@@ -341,11 +340,6 @@ class DataPlane:
                 data.send_all(sock, data.item(True, read.size_bytes, read.tier), *same_host.views(read.payload))
             finally:
                 same_host.unpin(read)
-
-    def _checked(self, tenant: Tenant, request: data.Request) -> list[ChunkKey]:
-        namespace = validate_namespace(request.namespace)
-        tenant.check_namespace(namespace)
-        return [ChunkKey(namespace, validate_key(key)) for key in request.keys]
 
 
 class _OutOfStep(Exception):

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import time
 from concurrent.futures import Executor
-from typing import AsyncIterator, Callable, Iterable
+from typing import AsyncIterator, Callable
 
 from tiercache import __version__
 from tiercache.config import Config
@@ -19,7 +19,7 @@ from tiercache.errors import InvalidArgument, Unavailable
 from tiercache.prefix.lookup import find_hit
 from tiercache.protocol.wire import chunk_meta, frames, lookup_query, pb, pb_grpc
 from tiercache.record import encoding
-from tiercache.record.keys import ChunkKey, validate_key, validate_namespace
+from tiercache.record.keys import ChunkKey
 from tiercache.server.auth import Tenant, TenantTable
 from tiercache.server.leases import LeaseTable
 from tiercache.server.limits import StreamLimits
@@ -86,17 +86,6 @@ class _StoreChain:
         return [(key.key, meta) for key, meta in self.store.children(ChunkKey(self.namespaces[0], parent))]
 
 
-def _chunk_keys(tenant: Tenant, namespace: str, keys: Iterable[bytes]) -> list[ChunkKey]:
-    _namespace(tenant, namespace)  # once per request, not per key
-    return [ChunkKey(namespace, validate_key(k)) for k in keys]
-
-
-def _namespace(tenant: Tenant, namespace: str) -> str:
-    validate_namespace(namespace)
-    tenant.check_namespace(namespace)
-    return namespace
-
-
 def _stats_message(stats: StoreStats, *, version: str, uptime_s: float, max_chunk_bytes: int) -> pb.StatsResponse:
     return pb.StatsResponse(
         version=version, uptime_s=uptime_s, max_chunk_bytes=max_chunk_bytes,
@@ -130,12 +119,6 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         """A blocking call on the pool, awaited."""
         return await asyncio.get_running_loop().run_in_executor(self._blocking, functools.partial(call, *args))
 
-    def _check_quota(self, tenant: Tenant, size_bytes: int) -> None:
-        """Checked per chunk before it is stored (a store call: on the pool); concurrent puts of one tenant may
-        overshoot by their own sizes."""
-        if tenant.quota_bytes is not None:
-            tenant.check_quota(self.store.held_bytes(tenant.owns), size_bytes)
-
     async def _within_idle(self, step, stalled: str):
         """Await one read or write of a stream; Unavailable when it does not finish within the idle time."""
         try:
@@ -166,7 +149,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                     raise InvalidArgument("a chunk header arrived before the previous chunk's data was complete")
                 key, meta = _checked_header(frame.header, frame.header.namespace, self._max_chunk_bytes, tenant)
                 if tenant.quota_bytes is not None:
-                    await self._run(self._check_quota, tenant, frame.header.size_bytes)
+                    await self._run(tenant.check_room, self.store, frame.header.size_bytes)
                 current = _ChunkAssembler(key, meta, frame.header.size_bytes)
             elif part == "data":
                 if current is None:
@@ -184,7 +167,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     @rpc(stream=True)
     async def Get(self, request: pb.GetRequest, context, tenant: Tenant) -> None:
-        keys = _chunk_keys(tenant, request.namespace, request.keys)
+        keys = tenant.checked_keys(request.namespace, request.keys)
         for index, key in enumerate(keys):
             found = await self._run(self.store.get, key)
             if found is None:
@@ -198,17 +181,17 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     @rpc
     async def Exists(self, request: pb.KeysRequest, context, tenant: Tenant) -> pb.ExistsResponse:
-        where = await self._run(self.store.locate, _chunk_keys(tenant, request.namespace, request.keys))
+        where = await self._run(self.store.locate, tenant.checked_keys(request.namespace, request.keys))
         return pb.ExistsResponse(tier=[w or "" for w in where])
 
     @rpc
     async def Delete(self, request: pb.KeysRequest, context, tenant: Tenant) -> pb.DeleteResponse:
-        deleted = await self._run(self.store.delete, _chunk_keys(tenant, request.namespace, request.keys))
+        deleted = await self._run(self.store.delete, tenant.checked_keys(request.namespace, request.keys))
         return pb.DeleteResponse(deleted=deleted)
 
     @rpc
     async def ReportLookup(self, request: pb.LookupReport, context, tenant: Tenant) -> pb.LookupReportAck:
-        _namespace(tenant, request.namespace)
+        tenant.checked_namespace(request.namespace)
         hit = dict(request.hit_tokens_by_tier)
         if sum(hit.values()) > request.requested_tokens:
             raise InvalidArgument("a lookup cannot hit more tokens than it requested")
@@ -217,7 +200,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     @rpc
     async def Lookup(self, request: pb.LookupRequest, context, tenant: Tenant) -> pb.LookupResponse:
-        namespaces = [_namespace(tenant, ns) for ns in (request.namespace, *request.rank_namespaces)]
+        namespaces = [tenant.checked_namespace(ns) for ns in (request.namespace, *request.rank_namespaces)]
         query = lookup_query(request)
         found = await self._run(self._lookup, query, namespaces, request.report)
         tiers = found.tiers
@@ -266,7 +249,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         try:
             for header in request.chunks:
                 key, meta = _checked_header(header, request.namespace, self._max_chunk_bytes, tenant)
-                self._check_quota(tenant, header.size_bytes)
+                tenant.check_room(self.store, header.size_bytes)
                 grant = same_host.reserve(key, header.size_bytes, meta)
                 granted.append((self.leases.grant(grant, same_host.abort, writable=True), grant))
         except Exception:
@@ -293,7 +276,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
     @rpc
     async def Acquire(self, request: pb.KeysRequest, context, tenant: Tenant) -> pb.AcquireResponse:
         same_host = self._same_host(tenant, "Get")
-        keys = _chunk_keys(tenant, request.namespace, request.keys)
+        keys = tenant.checked_keys(request.namespace, request.keys)
         return pb.AcquireResponse(leases=await self._run(self._acquire, keys, same_host))
 
     def _acquire(self, keys: list[ChunkKey], same_host: SameHostPath) -> list:

@@ -304,32 +304,30 @@ class TierCacheStorage(HiCacheStorage):
     @_answers(lambda self, transfers, *rest, **kw: _all_failed(transfers))
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        results = {}
-        for transfer in transfers:
-            host, keys, offsets = self._transfer_pages(transfer)
-            if offsets is None:
-                results[transfer.name] = [False] * len(keys)
-                continue
-            dummy = host.get_dummy_flat_data_page()
-            pages = [torch.empty_like(dummy) for _ in keys]
-            fetched = self._fetch(self._side(str(transfer.name)), keys, [_tensor_bytes(p) for p in pages])
+        def read(pool: _Pool, host, keys: list[str], offsets: list[int]) -> list[bool]:
+            pages = [torch.empty_like(host.get_dummy_flat_data_page()) for _ in keys]
+            fetched = self._fetch(pool, keys, [_tensor_bytes(p) for p in pages])
             for ok, page, offset in zip(fetched, pages, offsets):
                 if ok:
                     host.set_from_flat_data_page(offset, page)
-            results[transfer.name] = fetched
-        return results
+            return fetched
+        return self._per_transfer(transfers, read)
 
     @_answers(lambda self, transfers, *rest, **kw: _all_failed(transfers))
     def batch_set_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        def write(pool: _Pool, host, keys: list[str], offsets: list[int]) -> list[bool]:
+            payloads = [_tensor_bytes(host.get_data_page(offset, flat=True)) for offset in offsets]
+            return self._store(pool, keys, payloads, extra_info)
+        return self._per_transfer(transfers, write)
+
+    def _per_transfer(self, transfers: list[PoolTransfer], move) -> dict[str, list[bool]]:
+        """Per transfer: `move(pool, host pool, keys, host offsets)`, or all False when it does not fit its pool."""
         results = {}
         for transfer in transfers:
             host, keys, offsets = self._transfer_pages(transfer)
-            if offsets is None:
-                results[transfer.name] = [False] * len(keys)
-                continue
-            payloads = [_tensor_bytes(host.get_data_page(offset, flat=True)) for offset in offsets]
-            results[transfer.name] = self._store(self._side(str(transfer.name)), keys, payloads, extra_info)
+            results[transfer.name] = ([False] * len(keys) if offsets is None
+                                      else move(self._side(str(transfer.name)), host, keys, offsets))
         return results
 
     def _transfer_pages(self, transfer: PoolTransfer):
