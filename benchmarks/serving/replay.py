@@ -1,0 +1,96 @@
+"""An open-loop replay of trace requests against OpenAI-compatible servers: each request is sent at its arrival time
+whether or not earlier ones have finished (as users arrive), streamed, so the time to first token is measured when
+the first token reaches the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import aiohttp
+
+from benchmarks.serving.trace import TraceRequest
+
+
+@dataclass
+class Outcome:
+    index: int
+    server: str
+    ok: bool
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    output_tokens: int = 0
+    error: str = ""
+
+
+async def replay(requests: Sequence[TraceRequest], servers: Sequence[str], model: str,
+                 on_done: Callable[[Outcome], None] = lambda outcome: None, timeout_s: float = 600.0
+                 ) -> tuple[list[Outcome], float]:
+    """Send every request at its arrival time (offset from now) to `servers` in turn (round robin); the outcomes in
+    request order and the wall time from the first send to the last answer."""
+    limits = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=limits, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        started = time.perf_counter()
+
+        async def one(position: int, request: TraceRequest) -> Outcome:
+            delay = request.arrival_s - (time.perf_counter() - started)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            outcome = await complete(session, servers[position % len(servers)], model, request)
+            on_done(outcome)
+            return outcome
+
+        outcomes = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+        return list(outcomes), time.perf_counter() - started
+
+
+async def complete(session: aiohttp.ClientSession, server: str, model: str, request: TraceRequest) -> Outcome:
+    body = {"model": model, "prompt": list(request.prompt), "max_tokens": request.max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    sent = time.perf_counter()
+    outcome = Outcome(request.index, server, ok=False)
+    try:
+        async with session.post(server + "/v1/completions", json=body) as answer:
+            if answer.status != 200:
+                outcome.error = f"HTTP {answer.status}: {(await answer.text())[:200]}"
+                return outcome
+            async for line in answer.content:
+                event = line.strip()
+                if not event.startswith(b"data:") or event == b"data: [DONE]":
+                    continue
+                choices = json.loads(event[5:]).get("choices") or []
+                tokens = sum(len(c.get("token_ids") or ()) for c in choices)
+                if tokens and not outcome.output_tokens:
+                    outcome.ttft_s = time.perf_counter() - sent
+                outcome.output_tokens += tokens
+        outcome.e2e_s = time.perf_counter() - sent
+        outcome.ok = outcome.output_tokens > 0
+        if not outcome.ok:
+            outcome.error = "no token streamed"
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"
+    return outcome
+
+
+def summary(outcomes: Sequence[Outcome], wall_s: float) -> dict:
+    """Latency percentiles (ms) over the requests that succeeded, throughput over the whole replay."""
+    good = [o for o in outcomes if o.ok]
+    return {"requests": len(outcomes), "errors": len(outcomes) - len(good),
+            "ttft_ms": percentiles([o.ttft_s for o in good], (50, 90, 99)),
+            "e2e_ms": percentiles([o.e2e_s for o in good], (50, 90)),
+            "throughput_rps": round(len(good) / wall_s, 3) if wall_s > 0 else 0.0,
+            "wall_s": round(wall_s, 2)}
+
+
+def percentiles(seconds: Sequence[float], points: Sequence[int]) -> dict[str, float]:
+    if not seconds:
+        return {f"p{p}": None for p in points}
+    if len(seconds) == 1:
+        return {f"p{p}": round(seconds[0] * 1e3, 2) for p in points}
+    cuts = statistics.quantiles(seconds, n=100, method="inclusive")
+    return {f"p{p}": round(cuts[p - 1] * 1e3, 2) for p in points}
