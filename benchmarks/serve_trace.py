@@ -60,7 +60,8 @@ class Bench:
         max_len = self.args.max_input_tokens + self.args.max_output_tokens + 16
         return dataclasses.replace(EngineSettings(
             model_dir=self.model_dir, block_size=self.block_size, kv_cache_bytes=self.args.kv_cache_mib * MiB,
-            max_model_len=max_len, max_num_batched_tokens=self.args.max_num_batched_tokens), **changes)
+            max_model_len=max_len, max_num_batched_tokens=self.args.max_num_batched_tokens,
+            cpus=compute_cpus(os.cpu_count() or 2)), **changes)
 
     def connector(self, cache) -> dict:
         return {"url": cache.url, "model_name": "serve-trace", "lookup_timeout_s": 2.0}
@@ -137,11 +138,11 @@ def arm_restart(bench: Bench, name: str, requests) -> dict:
 
 
 def arm_two(bench: Bench, name: str, requests) -> dict:
-    """Two vLLM servers, each on a core of its own, sharing one tiercache; requests alternate between them."""
+    """Two vLLM servers, each on half the cores, sharing one tiercache; requests alternate between them."""
     cache = bench.cache_server()
     engines = []
     try:
-        for i, cpus in enumerate(("0", "1")):
+        for i, cpus in enumerate(halves(os.cpu_count() or 2)):
             engines.append(bench.start(f"{name}-{i}", bench.engine(connector=bench.connector(cache), cpus=cpus)))
         return measure(bench, name, engines, requests, cache)
     finally:
@@ -161,6 +162,21 @@ def run_arm(bench: Bench, name: str) -> dict:
     result = runner(bench, name, requests)
     result["arm_s"] = round(time.monotonic() - started, 1)
     return result
+
+
+def compute_cpus(cores: int) -> str:
+    """Every arm's engine computes on the same cores: all but the last, which is left to vLLM's scheduler process, the
+    API server, tiercache's server and this client. (vLLM's CPU auto-binding keeps one core free, but two when a KV
+    connector is configured, and on a 2-core machine it then keeps none: the connector's arms would compute on more
+    cores than vLLM alone's, and fight its scheduler for them.)"""
+    return "0" if cores <= 2 else f"0-{cores - 2}"
+
+
+def halves(cores: int) -> tuple[str, str]:
+    if cores <= 2:
+        return "0", str(cores - 1)
+    half = cores // 2
+    return f"0-{half - 1}", f"{half}-{cores - 1}"
 
 
 # -- measuring -----------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ groups); the engine core and its one worker run inside this process (VLLM_ENABLE
 executor), so a test can reach the scheduler's connector and the fixes below apply to the worker too.
 
 Protocol: one JSON object per line on stdin, one answer per line on stdout ({"ready": ...} first). Commands:
-  {"op": "generate", "prompts": [[ids]], "max_tokens": n, "stop_token_ids": [..], "ignore_eos": bool}
+  {"op": "generate", "prompts": [[ids]], "max_tokens": n, "stop_token_ids": [..], "ignore_eos": bool,
+   "settle": bool (default true: run the engine until the requests' end-of-request saves are stored)}
       -> {"results": [{"cached": n, "tokens": [..], "logprobs": [{id: logprob}], "finish": reason}]}
   {"op": "generate_embeds", "seed": s, "length": n, "max_tokens": n} -> the same, for a prompt of embeddings
   {"op": "stats"} -> {"connector": {...} | null}
@@ -143,7 +144,8 @@ def main() -> None:
             break
         if command["op"] == "generate":
             answer = generate(llm, command)
-            settle(llm)
+            if command.get("settle", True):
+                settle(llm)
         elif command["op"] == "generate_embeds":
             answer = generate_from_embeddings(llm, command)
             settle(llm)

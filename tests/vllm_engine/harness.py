@@ -58,9 +58,10 @@ class EngineProcess:
         return [Completion.from_json(r) for r in self._generate(prompts, **options)["results"]]
 
     def _generate(self, prompts: list[list[int]], max_tokens: int = 1, stop_token_ids: list[int] | None = None,
-                  ignore_eos: bool = True, timeout_s: float = 600) -> dict:
+                  ignore_eos: bool = True, timeout_s: float = 600, settle: bool = True) -> dict:
+        """`settle=False`: return as soon as vLLM's generate does, as a script would before it exits."""
         return self._call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
-                           "stop_token_ids": stop_token_ids, "ignore_eos": ignore_eos}, timeout_s)
+                           "stop_token_ids": stop_token_ids, "ignore_eos": ignore_eos, "settle": settle}, timeout_s)
 
     def one(self, prompt: list[int], **options) -> Completion:
         return self.generate([prompt], **options)[0]

@@ -79,6 +79,23 @@ def test_chat_turns_resume_at_the_previous_end_on_length_and_on_stop(trio):
     assert_same_computation(fresh.one(turn_three_prompt, max_tokens=4), own_three, "turn 3 in the fresh engine")
 
 
+def test_a_process_that_exits_right_after_a_turn_keeps_the_turns_end(engines, cache_server, trio):
+    """With vLLM's engine core in the process (as here: an offline `LLM`), a request's end-of-request save reaches
+    the worker with the next step, and a script that exits after its last request runs none: the connector's
+    shutdown stores it. The next turn, in another engine, resumes at the reply's end, not the prompt's."""
+    alone, _, fresh, n = trio
+    system = prompt(500, n + 40)
+    script = engines.start("exits", cache_server.url)
+    reply = script.one(system, max_tokens=n // 2 + 3, settle=False).tokens
+    script.close()  # the process exits; its connector's shutdown runs the pending save
+    end_of_turn = len(system) + len(reply) - 1
+    next_turn = system + reply + prompt(501, n + 7)
+    resumed = fresh.one(next_turn, max_tokens=2)
+    assert resumed.cached == end_of_turn, f"resumed at {resumed.cached}, the turn ended at {end_of_turn}"
+    alone.one(system, max_tokens=n // 2 + 3)
+    assert alone.one(next_turn, max_tokens=2).cached < end_of_turn  # vLLM alone goes back to a block boundary
+
+
 def test_diverging_questions_after_one_system_prompt_hit_the_shared_blocks(trio):
     alone, first, fresh, n = trio
     system = prompt(400, 2 * n + 50)

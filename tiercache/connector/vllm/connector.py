@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -46,6 +47,12 @@ from tiercache.prefix.objects import CacheSpec
 log = logging.getLogger(__name__)
 
 DEFAULT_URL = "grpc://127.0.0.1:50051"
+
+# Scheduler-role connectors of this process. With vLLM's engine core in the process that computes (the `uni`
+# executor and VLLM_ENABLE_V1_MULTIPROCESSING=0, e.g. an offline `LLM`), a request's end-of-request save reaches the
+# worker with the next step's metadata, and a process that exits after its last request runs no next step: the
+# worker role takes those saves from here when it shuts down (vLLM shuts the workers down first, blocks still held).
+_SCHEDULERS: "weakref.WeakSet[TierCacheConnector]" = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                                       breaker=breaker)
             cache = PrefixCache(lookups, self.spec, all_ranks=True)
             self._planner = Planner(cache, self.groups)
+            _SCHEDULERS.add(self)
         else:
             self._transfers = Transfers(self.client, self.groups, self.spec, settings.max_pending_save_bytes)
         log.info("TierCacheConnector (%s) on %s: namespace %s, N=%d, u=%d", role.name, settings.url,
@@ -194,7 +202,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._transfers.save(self._get_connector_metadata().plan.saves)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        loaded, failed, saved = self._transfers.results()
+        idle = self.has_connector_metadata() and self._get_connector_metadata().plan.idle
+        loaded, failed, saved = self._transfers.results(idle=idle)
         return KVConnectorTransferResults(finished_sending=saved, finished_recving=loaded, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -221,6 +230,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         if self._transfers is not None:
+            for scheduler in list(_SCHEDULERS):  # in-process engine core: saves no later step will deliver
+                if scheduler._vllm_config is self._vllm_config and self._transfers.views is not None:
+                    self._transfers.save(scheduler._planner.take_finishes(), inline=True)
             self._transfers.shutdown()
         if self._planner is not None:
             self._planner.cache.client.close()

@@ -40,6 +40,10 @@ class Transfer:
 
     ref: ObjectRef
     blocks: tuple[int, ...]  # kv/tail: the one attention block whose page it is; state: one block per Mamba group
+    # The bytes live in a block the request's next step writes (its running recurrent state): a copy that runs
+    # beside vLLM (CUDA) must be done before that step. Full blocks, committed boundary states and the blocks of a
+    # finished request (vLLM keeps them until the worker reports the save) are not written again.
+    running: bool = False
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class StepPlan:
 
     loads: list[Job] = field(default_factory=list)
     saves: list[Job] = field(default_factory=list)
+    idle: bool = False  # vLLM computes nothing this step (e.g. only loads in flight): the workers may wait for them
 
 
 @dataclass
@@ -133,7 +138,8 @@ class Planner:
     # -- saves ---------------------------------------------------------------------------------------------------
 
     def plan_step(self, scheduler_output) -> StepPlan:
-        plan = StepPlan(loads=self._loads, saves=self._finishes)
+        plan = StepPlan(loads=self._loads, saves=self._finishes,
+                        idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 0))
         self._loads, self._finishes = [], []
         block_state = scheduler_output.kv_connector_block_state
         gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
@@ -169,12 +175,17 @@ class Planner:
         spec = tracked.cache.spec
         plan = plan_finish_admission(spec, spec.hashes(_tokens(request)[:end]), request.num_prompt_tokens,
                                      tracked.saved)
-        transfers = self._transfers_for(tracked, plan.objects, block_ids, {})
+        transfers = self._transfers_for(tracked, plan.objects, block_ids, {}, running=False)
         if not transfers:
             return False
         self._finishes.append(Job(request.request_id, spec.salt, tuple(transfers), finish=True))
         self.stats.saves_planned += len(transfers)
         return True
+
+    def take_finishes(self) -> list[Job]:
+        """End-of-request saves planned and not yet handed to the workers (they go out with the next step)."""
+        finishes, self._finishes = self._finishes, []
+        return finishes
 
     def _step_saves(self, tracked: _Tracked, block_ids, start: int, end: int, offered) -> list[Transfer]:
         """What tiercache.prefix's admission wants saved after a step that computed [start, end) and in which vLLM
@@ -199,14 +210,21 @@ class Planner:
         return {position: tuple(blocks[g] for g in self.groups.mamba) for position, blocks in by_position.items()
                 if self.groups.mamba and set(blocks) == set(self.groups.mamba) and position <= limit}
 
-    def _transfers_for(self, tracked: _Tracked, refs, block_ids, state_blocks: dict[int, tuple[int, ...]]
-                       ) -> list[Transfer]:
+    def _transfers_for(self, tracked: _Tracked, refs, block_ids, state_blocks: dict[int, tuple[int, ...]],
+                       running: bool = True) -> list[Transfer]:
         """Where the planned objects' bytes are: a state in the block vLLM committed it to (or the request's running
-        state block), kv and tails in the request's attention blocks. They count as saved from now on."""
+        state block), kv and tails in the request's attention blocks. They count as saved from now on. `running`:
+        the request goes on, so a state read from its running block is marked as such."""
         tracked.saved.update(ref.key for ref in refs)
-        return [Transfer(ref, state_blocks[ref.position])
-                if ref.kind is ObjectKind.STATE and ref.position in state_blocks else self._transfer(ref, block_ids)
-                for ref in refs]
+        transfers = []
+        for ref in refs:
+            if ref.kind is ObjectKind.STATE and ref.position in state_blocks:
+                transfers.append(Transfer(ref, state_blocks[ref.position]))
+            else:
+                transfer = self._transfer(ref, block_ids)
+                transfers.append(dataclasses.replace(transfer, running=True)
+                                 if running and ref.kind is ObjectKind.STATE else transfer)
+        return transfers
 
     def _transfer(self, ref: ObjectRef, block_ids) -> Transfer:
         if ref.kind is ObjectKind.STATE:

@@ -22,11 +22,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from tiercache import kernels
@@ -34,10 +33,16 @@ from tiercache.client import Client
 from tiercache.connector.prefix_cache import save_objects
 from tiercache.connector.vllm.layout import EngineGroups, PagedViews
 from tiercache.connector.vllm.plan import Job, Transfer
+from tiercache.connector.vllm.staging import StagingPool
 from tiercache.errors import CircuitOpen, TierCacheError
 from tiercache.prefix.objects import CacheSpec, ObjectKind
 
 log = logging.getLogger(__name__)
+
+# How long a step in which vLLM computes nothing waits for loads still being fetched (a same-host fetch takes about a
+# millisecond; a slow or remote one is reported at a later step instead of stalling the engine).
+IDLE_FETCH_WAIT_S = 0.05
+FLUSH_TIMEOUT_S = 10.0  # how long vLLM's exit waits for saves already gathered
 
 
 @dataclass
@@ -65,15 +70,23 @@ class Transfers:
         self._loaded: set[str] = set()
         self._failed: set[str] = set()
         self._saved_finished: set[str] = set()
-        self._pending_save_bytes = 0
         self._load_stream = None
+        self._save_stream = None
+        self._save_staging: StagingPool | None = None
+        self._load_staging: StagingPool | None = None
         self._namespaces: dict[str, str] = {}
         self._fetches: list[_PendingLoad] = []  # loads started, not reported yet (vLLM's thread only)
+        self._gathering: list[tuple[set[str], object]] = []  # end-of-request saves whose copies are in flight (CUDA)
+        self._last_put: Future | None = None  # the saver runs puts in order: this one ends after all others
 
     def register(self, views: PagedViews) -> None:
         self.views = views
-        if views.device.type == "cuda":
+        cuda = views.device.type == "cuda"
+        if cuda:
             self._load_stream = torch.cuda.Stream(views.device)
+            self._save_stream = torch.cuda.Stream(views.device)
+        self._save_staging = StagingPool(self.max_pending_save_bytes, pinned=cuda)
+        self._load_staging = StagingPool(self.max_pending_save_bytes, pinned=cuda)
 
     # -- loads ---------------------------------------------------------------------------------------------------
 
@@ -85,30 +98,54 @@ class Transfers:
         for job in jobs:
             self._fetches.append(_PendingLoad(job, ready, self._loader.submit(self._fetch, job)))
 
-    def _fetch(self, job: Job) -> list | None:
-        """The job's objects' bytes (background thread: network and shared memory, little Python), or None."""
+    def _fetch(self, job: Job) -> "_Fetched | None":
+        """The job's objects' bytes, fetched into a staging buffer, an object per row of each pool set's part
+        (background thread: network and shared memory, little Python), or None when the load failed."""
+        sizes = [self.object_bytes(t) for t in job.transfers]
+        staged = self._load_staging.take(sum(sizes))
+        kept = staged is not None
+        if staged is None:  # more than max_pending_save_bytes of loads at once: this one's buffer is not kept
+            staged = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=self._load_staging.pinned)
+        rows = _ObjectRows(staged, sizes)
         try:
-            fetched = self.client.fetch_many(self.namespace(job.salt), [t.ref.key for t in job.transfers])
+            fetched = self.client.fetch_into(self.namespace(job.salt), [t.ref.key for t in job.transfers],
+                                             rows.buffers())
         except TierCacheError as exc:
             (log.debug if isinstance(exc, CircuitOpen) else log.warning)(
                 "tiercache load for request %s failed, recomputing: %s", job.req_id, exc)
+            fetched = None
+        except BaseException:
+            self._give_back_load(staged, kept)
+            raise
+        if fetched is not None:
+            for transfer, item, size in zip(job.transfers, fetched, sizes):
+                if item is None or len(item.data) != size:
+                    log.warning("tiercache load for request %s: object at %d (%s) is %s; recomputing", job.req_id,
+                                transfer.ref.position, transfer.ref.kind.name,
+                                "gone" if item is None else f"{len(item.data)} bytes, not {size}")
+                    fetched = None
+                    break
+        if fetched is None:
+            self._give_back_load(staged, kept)
             return None
-        for transfer, item in zip(job.transfers, fetched):
-            if item is None or len(item.data) != self.object_bytes(transfer):
-                log.warning("tiercache load for request %s: object at %d (%s) is %s; recomputing", job.req_id,
-                            transfer.ref.position, transfer.ref.kind.name,
-                            "gone" if item is None else f"{len(item.data)} bytes, not {self.object_bytes(transfer)}")
-                return None
-        return [item.data for item in fetched]
+        return _Fetched(rows, kept)
 
-    def _complete_loads(self, wait: bool = False) -> None:
-        """Copy every fetched load into its blocks, on vLLM's thread (called each step, from results); `wait`: for
-        every started load to be fetched and copied.
+    def _give_back_load(self, staged: torch.Tensor, kept: bool) -> None:
+        if kept:
+            self._load_staging.give_back(staged)
+
+    def _complete_loads(self, wait_s: float = 0.0, wait: bool = False) -> None:
+        """Copy every fetched load into its blocks, on vLLM's thread (called each step, from results).
+        `wait_s`: wait up to this long for fetches still running (a step in which vLLM computes nothing: the engine
+        has nothing better to do, and a fetch thread that needs the GIL gets it while this thread sleeps);
+        `wait`: for every started load to be fetched and copied.
 
         The copies run here and not on the fetching thread: vLLM's busy scheduling loop holds the GIL between
         steps, and each torch call a background thread makes waits for it again (a 4,096-token load spent ~130 ms
         copying on a thread, a few ms here: benchmarks/vllm_engine.py). On CUDA the copies go on the load stream and
         the load is reported once its event has completed."""
+        if wait_s > 0 and self._fetches:
+            futures_wait([p.fetch for p in self._fetches if p.copied is None], timeout=wait_s)
         still = []
         for pending in self._fetches:
             if pending.copied is None:
@@ -121,6 +158,7 @@ class Transfers:
             if wait:
                 pending.copied.synchronize()
             if pending.copied.query():
+                self._give_back_load(pending.staged.rows.buffer, pending.staged.kept)
                 self._finish_load(pending.job.req_id, True, pending.size)
             else:
                 still.append(pending)
@@ -129,27 +167,30 @@ class Transfers:
     def _copy(self, pending: "_PendingLoad") -> bool:
         """Start copying a fetched load into its blocks; False when the load failed (fetch or copy)."""
         try:
-            payloads = pending.fetch.result()
-            if payloads is None:
+            fetched = pending.fetch.result()
+            if fetched is None:
                 return False
-            pending.copied = self._scatter_job(pending.job, payloads, pending.ready)
-            pending.size = sum(len(p) for p in payloads)
+            pending.staged = fetched
+            pending.copied = self._scatter_job(pending.job, fetched.rows, pending.ready)
+            pending.size = fetched.rows.total
             return True
         except Exception:  # a load must end reported, whatever went wrong; vLLM then recomputes
             log.exception("tiercache load for request %s failed", pending.job.req_id)
+            if pending.staged is not None:
+                self._give_back_load(pending.staged.rows.buffer, pending.staged.kept)
             return False
 
-    def _scatter_job(self, job: Job, payloads: list, ready):
+    def _scatter_job(self, job: Job, rows: "_ObjectRows", ready):
         """Copy a job's objects into their blocks; what marks the end of the copies (a CUDA event, or _COPIED)."""
         stream = self._load_stream
         if stream is None:
-            for transfers, group in _by_pools(job.transfers, payloads):
-                self._scatter(transfers, group)
+            for indices in _by_pools(job.transfers):
+                self._scatter([job.transfers[i] for i in indices], rows.part(indices))
             return _COPIED
         stream.wait_event(ready)
         with torch.cuda.stream(stream):
-            for transfers, group in _by_pools(job.transfers, payloads):
-                self._scatter(transfers, group)
+            for indices in _by_pools(job.transfers):
+                self._scatter([job.transfers[i] for i in indices], rows.part(indices))
             done = torch.cuda.Event()
             done.record(stream)
         return done
@@ -163,60 +204,123 @@ class Transfers:
             else:
                 self.stats.loads_failed += 1
 
-    def _scatter(self, transfers: list[Transfer], payloads: list) -> None:
-        """Every object that lives in the same pools (one attention group's pages, or the states) in one copy per
-        pool set, not one per object: each torch call costs Python time on vLLM's thread."""
-        rows = np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in payloads]).reshape(len(payloads), -1)
-        buffer = self._staged(torch.from_numpy(rows))
+    def _scatter(self, transfers: list[Transfer], rows: torch.Tensor) -> None:
+        """Objects that live in the same pools (one attention group's pages, or the states), one per row of `rows`,
+        in one copy per pool set, not one per object: each torch call costs Python time on vLLM's thread."""
         blocks = list(zip(*(t.blocks for t in transfers)))  # per pool set: the block of every object
-        for pools, pool_blocks, part in zip(self._pools(transfers[0]), blocks, self._columns(transfers[0], buffer)):
+        for pools, pool_blocks, part in zip(self._pools(transfers[0]), blocks, self._columns(transfers[0], rows)):
             kernels.states_from_buffer(pools, self._slots(list(pool_blocks)), part)
 
     # -- saves ---------------------------------------------------------------------------------------------------
 
-    def save(self, jobs: list[Job]) -> None:
-        """Gather every job's objects now (the blocks hold them until this step ends), put them in the background."""
-        for job in jobs:
-            payloads = {t.ref: self._gather(t) for t in job.transfers}
-            if self.views.device.type == "cuda":
-                torch.cuda.current_stream(self.views.device).synchronize()
-            if job.finish:
-                with self._lock:
-                    self._saved_finished.add(job.req_id)  # vLLM may free the blocks now: the bytes are ours
-            size = sum(len(p) for p in payloads.values())
-            with self._lock:
-                if self._pending_save_bytes + size > self.max_pending_save_bytes:
-                    self.stats.saves_dropped += len(payloads)
-                    log.warning("tiercache: %d bytes of saves pending, dropping %d objects of request %s",
-                                self._pending_save_bytes, len(payloads), job.req_id)
-                    continue
-                self._pending_save_bytes += size
-            self._saver.submit(self._put, self.namespace(job.salt), payloads, size)
+    def save(self, jobs: list[Job], inline: bool = False) -> None:
+        """Gather every object this step's jobs name into one staging buffer now (the blocks hold them until this
+        step ends), and put them on the background thread: one put per namespace, the engine never waits for it
+        (`inline`: on this thread, at shutdown).
 
-    def _put(self, namespace: str, payloads: dict, size: int) -> None:
+        On CUDA the gather runs on a side stream after this step's forward pass, vLLM's thread does not wait for it
+        and the put waits for its event; vLLM's stream waits for it (on the device) only when an object lives in a
+        block the next step writes (a request's running recurrent state). On CPU the gather is a copy here."""
+        transfers = sorted(((job, t) for job in jobs for t in job.transfers), key=lambda item: _pool_key(item[1]))
+        finished = {job.req_id for job in jobs if job.finish}
+        if not transfers:
+            self._finished_saving(finished, _COPIED)
+            return
+        sizes = [self.object_bytes(t) for _, t in transfers]
+        staged = self._save_staging.take(sum(sizes))
+        if staged is None:
+            with self._lock:
+                self.stats.saves_dropped += len(transfers)
+            log.warning("tiercache: %d bytes of saves pending, dropping %d objects of %d requests",
+                        self._save_staging.out_bytes, len(transfers), len(jobs))
+            self._finished_saving(finished, _COPIED)  # nothing to copy: vLLM may free the blocks
+            return
+        rows = _ObjectRows(staged, sizes)
         try:
-            result = save_objects(self.client, namespace, {ref: memoryview(p) for ref, p in payloads.items()})
-        except Exception:  # a save must never take the engine down
-            log.exception("tiercache save of %d objects failed", len(payloads))
-            result = None
+            # Inference mode as in vLLM's steps (the staging buffers are inference tensors once a step made them);
+            # a flush at shutdown runs outside the steps.
+            with torch.inference_mode():
+                gathered = self._gather_step([t for _, t in transfers], rows)
+        except BaseException:
+            self._save_staging.give_back(staged)
+            raise
+        self._finished_saving(finished, gathered)
+        by_namespace: dict[str, dict] = {}
+        views = rows.views()
+        for (job, transfer), view in zip(transfers, views):
+            by_namespace.setdefault(self.namespace(job.salt), {})[transfer.ref] = view
+        if inline:  # at exit: the interpreter's shutdown refuses new work for the saver thread
+            self._put(by_namespace, gathered, staged, rows.total)
+        else:
+            self._last_put = self._saver.submit(self._put, by_namespace, gathered, staged, rows.total)
+
+    def _gather_step(self, transfers: list[Transfer], rows: "_ObjectRows"):
+        """Copy the objects' bytes into their rows; what marks the end of the copies (a CUDA event, or _COPIED)."""
+        stream = self._save_stream
+        if stream is None:
+            for indices in _by_pools(transfers):
+                self._gather([transfers[i] for i in indices], rows.part(indices))
+            return _COPIED
+        current = torch.cuda.current_stream(self.views.device)
+        stream.wait_stream(current)  # after this step's forward pass wrote the blocks
+        with torch.cuda.stream(stream):
+            for indices in _by_pools(transfers):
+                self._gather([transfers[i] for i in indices], rows.part(indices))
+            done = torch.cuda.Event()
+            done.record(stream)
+        if any(t.running for t in transfers):
+            current.wait_event(done)  # the next step rewrites a running state: not before it is copied
+        return done
+
+    def _gather(self, transfers: list[Transfer], rows: torch.Tensor) -> None:
+        blocks = list(zip(*(t.blocks for t in transfers)))
+        for pools, pool_blocks, part in zip(self._pools(transfers[0]), blocks, self._columns(transfers[0], rows)):
+            if part.is_contiguous():
+                kernels.states_to_buffer(pools, self._slots(list(pool_blocks)), part)
+            else:  # one pool set of several (e.g. two Mamba groups): gathered apart, then placed in its columns
+                whole = torch.empty(part.shape, dtype=torch.uint8, device=self.views.device)
+                kernels.states_to_buffer(pools, self._slots(list(pool_blocks)), whole)
+                part.copy_(whole, non_blocking=True)
+
+    def _finished_saving(self, req_ids: set[str], gathered) -> None:
+        """End-of-request saves: vLLM may free the blocks once their bytes are copied out."""
+        if not req_ids:
+            return
         with self._lock:
-            self._pending_save_bytes -= size
-            if result is not None:
+            if gathered is _COPIED:
+                self._saved_finished |= req_ids
+            else:
+                self._gathering.append((req_ids, gathered))
+
+    def _put(self, by_namespace: dict[str, dict], gathered, staged: torch.Tensor, size: int) -> None:
+        try:
+            gathered.synchronize()  # CUDA: the side stream's copies (a wait that releases the GIL)
+            results = [save_objects(self.client, namespace, payloads) for namespace, payloads in by_namespace.items()]
+        except Exception:  # a save must never take the engine down
+            log.exception("tiercache save of %d bytes failed", size)
+            results = []
+        finally:
+            self._save_staging.give_back(staged)
+        with self._lock:
+            for result in results:
                 self.stats.objects_saved += result.objects
                 self.stats.bytes_saved += sum(result.bytes_by_tier.values())
 
-    def _gather(self, transfer: Transfer) -> np.ndarray:
-        payload = self._host_buffer(self.object_bytes(transfer))
-        for pools, block, buffer in zip(self._pools(transfer), transfer.blocks, self._parts(transfer, payload)):
-            kernels.states_to_buffer(pools, self._slots([block]), buffer)
-        return payload.numpy()
-
     # -- results -------------------------------------------------------------------------------------------------
 
-    def results(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished loads, failed loads, finished end-of-request saves) since the last call."""
-        self._complete_loads()
+    def results(self, idle: bool = False) -> tuple[set[str], set[str], set[str]]:
+        """(finished loads, failed loads, finished end-of-request saves) since the last call. `idle`: vLLM computed
+        nothing this step, so loads still being fetched are waited for (briefly) and reported now, not a step
+        later."""
+        self._complete_loads(wait_s=IDLE_FETCH_WAIT_S if idle else 0.0)
         with self._lock:
+            still = []
+            for req_ids, gathered in self._gathering:
+                if gathered.query():
+                    self._saved_finished |= req_ids
+                else:
+                    still.append((req_ids, gathered))
+            self._gathering = still
             loaded, failed, saved = self._loaded, self._failed, self._saved_finished
             self._loaded, self._failed, self._saved_finished = set(), set(), set()
         return loaded | failed, failed, saved
@@ -224,17 +328,19 @@ class Transfers:
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait for every started load (fetched and copied) and put (shutdown, tests); False when `timeout_s`
         passed first."""
-        try:
-            self._loader.submit(lambda: None).result(timeout_s)
-            self._saver.submit(lambda: None).result(timeout_s)
-        except FutureTimeout:
+        # (Waits on the futures already there: at interpreter exit the executors take no new work.)
+        running = [p.fetch for p in self._fetches] + ([self._last_put] if self._last_put is not None else [])
+        if futures_wait(running, timeout=timeout_s).not_done:
             return False
         self._complete_loads(wait=True)
         return True
 
-    def shutdown(self) -> None:
-        self._loader.shutdown(wait=True)
-        self._saver.shutdown(wait=True)
+    def shutdown(self, flush_s: float = FLUSH_TIMEOUT_S) -> None:
+        """Finish the saves already gathered (bounded: a hung server must not hang vLLM's exit), then stop."""
+        if not self.drain(flush_s):
+            log.warning("tiercache: saves still pending after %.0f s at shutdown are dropped", flush_s)
+        self._loader.shutdown(wait=False, cancel_futures=True)
+        self._saver.shutdown(wait=False, cancel_futures=True)
 
     def namespace(self, salt: str) -> str:
         namespace = self._namespaces.get(salt)
@@ -257,29 +363,41 @@ class Transfers:
     def _slots(self, blocks: list[int]) -> torch.Tensor:
         return torch.tensor(blocks, dtype=torch.int64, device=self.views.device)
 
-    def _parts(self, transfer: Transfer, payload: torch.Tensor) -> list[torch.Tensor]:
-        """The object's bytes split per pool set, each [1, record bytes] as the row copies take it."""
-        return self._columns(transfer, payload.view(1, -1))
-
     def _columns(self, transfer: Transfer, rows: torch.Tensor) -> list[torch.Tensor]:
-        """Objects' bytes, one per row, split per pool set: [objects, record bytes] each, contiguous."""
+        """Objects' bytes, one per row, split per pool set: [objects, record bytes] each (contiguous when the
+        object lives in one pool set)."""
         parts, offset = [], 0
         for pools in self._pools(transfer):
             size = kernels.state_record_bytes(pools)
-            part = rows[:, offset:offset + size]
-            parts.append(part if part.is_contiguous() else part.contiguous())
+            parts.append(rows[:, offset:offset + size])
             offset += size
         return parts
 
-    def _host_buffer(self, size: int) -> torch.Tensor:
-        pinned = self.views.device.type == "cuda"
-        return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
 
-    def _staged(self, payload: torch.Tensor) -> torch.Tensor:
-        """Host bytes where the copy kernels can read them: pinned memory for CUDA caches."""
-        if self.views.device.type == "cuda":
-            return payload.pin_memory()
-        return payload
+class _ObjectRows:
+    """A staging buffer cut into objects' bytes, back to back in the order given. Objects of one kind (same size,
+    same pools) that are consecutive form a [count, size] matrix the row copies take in one call."""
+
+    def __init__(self, buffer: torch.Tensor, sizes: list[int]) -> None:
+        self.buffer = buffer
+        self.sizes = sizes
+        self.offsets = [0]
+        for size in sizes:
+            self.offsets.append(self.offsets[-1] + size)
+        self.total = self.offsets[-1]
+
+    def buffers(self) -> list[memoryview]:
+        """Each object's bytes as a writable view (what the client fetches into)."""
+        whole = memoryview(self.buffer.numpy()).cast("B")
+        return [whole[self.offsets[i]:self.offsets[i + 1]] for i in range(len(self.sizes))]
+
+    def views(self) -> list[memoryview]:
+        return self.buffers()
+
+    def part(self, indices: list[int]) -> torch.Tensor:
+        """The rows of objects `indices` (consecutive, of one size) as one [count, size] tensor."""
+        first, size = indices[0], self.sizes[indices[0]]
+        return self.buffer[self.offsets[first]:self.offsets[first] + size * len(indices)].view(len(indices), size)
 
 
 class _CopiedOnHost:
@@ -296,20 +414,35 @@ _COPIED = _CopiedOnHost()
 
 
 @dataclass
+class _Fetched:
+    rows: _ObjectRows
+    kept: bool  # the staging buffer goes back to the pool (else it was made for this load only)
+
+
+@dataclass
 class _PendingLoad:
     job: Job
     ready: object  # CUDA event: this step's block zeroing is done (None on CPU)
-    fetch: object  # Future of the fetched payloads (its result is None when the load failed)
+    fetch: object  # Future of the fetched rows (its result is None when the load failed)
     copied: object = None  # once copying started: the CUDA event of the copies, or _COPIED
+    staged: _Fetched | None = None
     size: int = 0
 
 
-def _by_pools(transfers, payloads) -> list[tuple[list[Transfer], list]]:
-    """Objects grouped by the pools they live in: the states, and each attention group's pages."""
-    groups: dict[tuple, tuple[list, list]] = {}
-    for transfer, payload in zip(transfers, payloads):
-        key = ("state",) if transfer.ref.kind is ObjectKind.STATE else ("attention", transfer.ref.group)
-        members = groups.setdefault(key, ([], []))
-        members[0].append(transfer)
-        members[1].append(payload)
-    return list(groups.values())
+def _by_pools(transfers) -> list[list[int]]:
+    """Runs of consecutive objects that live in the same pools (the states, or one attention group's pages): each
+    run is one copy per pool set. The planner lists a job's objects kind by kind, so runs are long."""
+    runs: list[list[int]] = []
+    previous = None
+    for index, transfer in enumerate(transfers):
+        key = _pool_key(transfer)
+        if key != previous:
+            runs.append([])
+            previous = key
+        runs[-1].append(index)
+    return runs
+
+
+def _pool_key(transfer: Transfer) -> tuple:
+    """Which pools an object lives in: the states (-1), or one attention group's pages (its group)."""
+    return (-1,) if transfer.ref.kind is ObjectKind.STATE else (transfer.ref.group,)

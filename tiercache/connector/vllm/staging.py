@@ -1,0 +1,60 @@
+"""Host staging buffers for the vLLM worker's loads and saves, allocated once and reused.
+
+A save's bytes wait in host memory from the step that gathered them until its put is done; a load's bytes wait there
+from the fetch until they are copied into vLLM's blocks. For a CUDA cache these buffers are page-locked (the copy
+kernels write into and read from them directly, across PCIe), and page-locking is slow (cudaHostAlloc: ~1 ms per
+MiB, and it serializes with the GPU's work), so buffers are kept and handed out again rather than made per object.
+For a CPU cache they are plain host memory, kept for the same reason at a smaller scale (no page faults per save).
+
+Buffers come in power-of-two size classes from 1 MiB; a request larger than any kept buffer makes a new one. The
+pool holds at most `limit_bytes` in buffers handed out: past it, `take` returns None and the caller drops the save
+(a cache may forget, an engine must not stall) or fetches into new memory.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+MIN_CLASS_BYTES = 1 << 20
+
+
+class StagingPool:
+    def __init__(self, limit_bytes: int, pinned: bool) -> None:
+        self.limit_bytes = limit_bytes
+        self.pinned = pinned
+        self._lock = threading.Lock()
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._out_bytes = 0  # capacity of the buffers handed out and not given back
+
+    def take(self, size: int) -> torch.Tensor | None:
+        """A uint8 buffer of at least `size` bytes, or None when the buffers out already hold `limit_bytes`."""
+        capacity = size_class(size)
+        with self._lock:
+            if self._out_bytes + capacity > self.limit_bytes:
+                return None
+            self._out_bytes += capacity
+            kept = self._free.get(capacity)
+            if kept:
+                return kept.pop()
+        try:
+            return torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pinned)
+        except BaseException:
+            with self._lock:
+                self._out_bytes -= capacity
+            raise
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self._out_bytes -= buffer.numel()
+            self._free.setdefault(buffer.numel(), []).append(buffer)
+
+    @property
+    def out_bytes(self) -> int:
+        with self._lock:
+            return self._out_bytes
+
+
+def size_class(size: int) -> int:
+    return max(MIN_CLASS_BYTES, 1 << max(size - 1, 0).bit_length())
