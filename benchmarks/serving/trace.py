@@ -69,21 +69,26 @@ def block_tokens(hash_id: int, vocab: int) -> np.ndarray:
 
 
 def shared_prefix_tokens(requests: list[TraceRequest]) -> int:
-    """Prompt tokens that repeat a prefix an earlier request of the slice already had, whole blocks only: what a
-    cache that never forgets could reuse (an upper bound on hit tokens, before the engine's own rules)."""
-    seen: set[tuple[int, ...]] = set()
+    """Prompt tokens each request shares with the longest matching prefix of an earlier request of the slice (at
+    most its length - 1: the engine computes the last token): what a cache that never forgets could reuse, an upper
+    bound on hit tokens before the engine's own rules (states only at some positions)."""
+    covered: dict[tuple[int, ...], int] = {}  # block-id prefix -> most tokens an earlier prompt had of its last block
     shared = 0
     for request in requests:
-        shared += _reusable(request.hash_ids, seen, len(request.prompt))
-        seen.update(request.hash_ids[:i + 1] for i in range(len(request.hash_ids)))
+        ids, length = request.hash_ids, len(request.prompt)
+        reuse = 0
+        for i in range(len(ids)):
+            earlier = covered.get(ids[:i + 1])
+            if earlier is None:
+                break
+            reuse = min(earlier, length)
+            if earlier < (i + 1) * BLOCK_TOKENS:  # the earlier prompt ended inside this block
+                break
+        shared += min(reuse, max(length - 1, 0))
+        for i in range(len(ids)):
+            end = min(length, (i + 1) * BLOCK_TOKENS)
+            covered[ids[:i + 1]] = max(covered.get(ids[:i + 1], 0), end)
     return shared
-
-
-def _reusable(ids: tuple[int, ...], seen: set, length: int) -> int:
-    blocks = 0
-    while blocks < len(ids) and ids[:blocks + 1] in seen:
-        blocks += 1
-    return min(blocks * BLOCK_TOKENS, max(length - 1, 0))
 
 
 def conversation(hash_ids) -> int:

@@ -1,0 +1,39 @@
+"""benchmarks/serve_trace.py still runs end to end (a smoke run: two arms, a few requests of the real trace): real
+OpenAI-compatible vLLM servers, a real tiercache server, streamed completions. Its figures go to the notes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake-conversation.jsonl"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the repository")
+def test_two_arms_on_a_few_requests(tmp_path):
+    report_path, plot_path = tmp_path / "report.json", tmp_path / "plot.png"
+    command = [sys.executable, str(ROOT / "benchmarks" / "serve_trace.py"), "--arms", "alone,tiercache",
+               "--max-requests", "6", "--conversations", "1", "--time-scale", "0.02", "--max-input-tokens", "1024",
+               "--max-output-tokens", "4", "--work-dir", str(tmp_path / "work"), "--json", str(report_path),
+               "--plot", str(plot_path), "--no-progress"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert list(report["arms"]) == ["alone", "tiercache"]
+    for name, arm in report["arms"].items():
+        assert arm["requests"] == 6 and arm["errors"] == 0, (name, arm.get("error_kinds"))
+        assert arm["ttft_ms"]["p50"] > 0 and arm["e2e_ms"]["p90"] >= arm["ttft_ms"]["p50"] > 0
+        assert arm["prompt_tokens"] == report["params"]["slice_prompt_tokens"] > 0
+        assert 0 <= arm["hit_tokens"] <= arm["prompt_tokens"]
+        assert all(o["output_tokens"] == 4 for o in arm["outcomes"])
+    # Every request of the trace's first seconds shares its first block: vLLM's own cache serves those hits.
+    assert report["arms"]["alone"]["hit_tokens_by_source"]["vllm_prefix_cache"] > 0
+    assert "tiercache_server" in report["arms"]["tiercache"]["hit_tokens_by_source"]
+    assert plot_path.stat().st_size > 10_000
+    assert "alone" in result.stdout and "tiercache" in result.stdout  # the table
