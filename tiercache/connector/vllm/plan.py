@@ -192,6 +192,9 @@ class Planner:
         committed the boundary states `offered`, and where each object's bytes are."""
         request = tracked.request
         state_blocks = self._complete_states(offered, len(request.all_token_ids))
+        n = self.groups.block_size
+        if not state_blocks and start // n == end // n:
+            return []  # no block completed, no state offered (most decode steps): nothing to hash or save
         deepest = max([end, *state_blocks])
         if deepest <= 0:
             return []
