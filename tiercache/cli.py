@@ -10,7 +10,7 @@ import sys
 from typing import Sequence
 
 from tiercache.config import Config, format_size, load_file, parse_size, with_overrides
-from tiercache.errors import TierCacheError
+from tiercache.errors import StartCancelled, TierCacheError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -127,20 +127,28 @@ def serve(args: argparse.Namespace) -> int:
     from tiercache.server.app import CacheServer
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("tiercache")
     tune_allocator()
     config = config_from_args(args)
-    server = CacheServer(config).start()
+    try:
+        # A signal that arrives while the tiers are prepared stays pending (blocked above): preparing a host arena of
+        # many GiB asks between pieces whether one is, and stops (issue 24: it used to finish first, minutes later).
+        server = CacheServer(config, cancelled=lambda: bool(signal.sigpending() & signals)).start()
+    except StartCancelled as exc:
+        received = min(signal.sigpending() & signals)
+        log.info("%s: %s; exiting without serving", signal.Signals(received).name, exc)
+        return 0
     tiers = ", ".join(f"{t.name}" for t in server.store.tiers)
-    logging.getLogger("tiercache").info(
+    log.info(
         "serving on %s (tiers: %s; max chunk %s)%s", server.url, tiers, format_size(config.server.max_chunk_bytes),
         (f"; metrics on :{server.metrics_port}" if server.metrics_port is not None else "")
         + (f"; data channel on :{server.data_port}" if server.data_port else "")
         + (f"; health on :{server.health_port}" if server.health_port is not None else "")
         + (f"; {len(server.tenants.tenants)} tenants" if server.tenants.enabled else ""))
     received = signal.sigwait(signals)
-    logging.getLogger("tiercache").info("%s: stopping (running RPCs get 5 s)", signal.Signals(received).name)
+    log.info("%s: stopping (running RPCs get 5 s)", signal.Signals(received).name)
     server.stop()  # further signals stay blocked and pending: they cannot cut the graceful stop short
-    logging.getLogger("tiercache").info("stopped")
+    log.info("stopped")
     return 0
 
 

@@ -7,6 +7,7 @@ import asyncio
 import ssl
 import threading
 from concurrent import futures
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -78,9 +79,12 @@ class CacheServer:
     reading or writing waits there without holding a thread. The store's blocking work runs on `server.workers`
     threads (`blocking`)."""
 
-    def __init__(self, config: Config, store: TieredStore | None = None) -> None:
+    def __init__(self, config: Config, store: TieredStore | None = None,
+                 cancelled: Callable[[], bool] | None = None) -> None:
+        """`cancelled`: asked while the tiers are prepared (a large host arena takes a while); true stops that with
+        StartCancelled."""
         self.config = config
-        self.store = store or TieredStore.from_config(config)
+        self.store = store or TieredStore.from_config(config, cancelled)
         self.metrics = Metrics(self.store)
         self.leases = LeaseTable(config.server.lease_ttl_s)
         self.tenants = TenantTable.load(config.security.tenants_file)
