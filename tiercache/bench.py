@@ -25,6 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tiercache.client import Client
+from tiercache.client.probe import require_server
 from tiercache.connector.prefix_cache import PrefixCache
 from tiercache.prefix.objects import CacheSpec, ObjectRef
 from tiercache.prefix.presets import preset
@@ -264,7 +265,9 @@ def cliff_command(args) -> int:
     document_tokens = args.document_tokens or (262144 if not args.quick else 16384)
     server = None
     url = args.server
-    if url is None:
+    if url is not None:
+        require_server(url)  # a dead server is one line at once, not a run of misses and warnings
+    else:
         host_mem = "4GiB" if not args.quick else "1GiB"
         server = ServerProcess("--host-mem", host_mem, "--disk-size", "16GiB").start()  # a scratch disk dir
         url = server.url

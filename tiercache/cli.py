@@ -153,11 +153,9 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def show_stats(args: argparse.Namespace) -> int:
-    from tiercache.client import Client
-    from tiercache.client.retry import RetryPolicy
+    from tiercache.client.probe import require_server
 
-    with Client.from_url(args.server, timeout_s=10, retry=RetryPolicy(attempts=1)) as client:
-        stats = client.stats()
+    stats = require_server(args.server)
     if args.json:
         print(json.dumps(stats, indent=2))
         return 0
