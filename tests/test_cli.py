@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -71,9 +72,30 @@ def test_bad_input_is_one_clear_line(args, needle):
     assert "Traceback" not in result.stderr
 
 
-def test_port_in_use_is_one_clear_line(served, tmp_path):
-    result = run_cli("serve", "--port", str(served.port), "--disk-dir", str(tmp_path / "d2"))
-    assert result.returncode == 2 and "cannot listen" in result.stderr
+def test_a_bad_size_in_the_config_file_is_one_line_naming_file_and_key(tmp_path):
+    config = tmp_path / "tiercache.yaml"
+    config.write_text("host:\n  capacity_bytes: lots\n")
+    result = run_cli("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"tiercache: error: config file {config}: host.capacity_bytes: not a size: 'lots' (use e.g. 512MiB, 4GiB or "
+        f"a byte count)"], result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--port", "--data-port"])
+def test_port_in_use_is_one_clear_line(tmp_path, flag):
+    # Before: grpc's own `E1124 ... add_port.cc:83] Failed to add port` line came first, and only after the tiers
+    # were built (minutes for a large host tier). Now the ports are checked before anything is built.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["--port", str(port)] if flag == "--port" else ["--port", "0", "--data-port", str(port)]
+        result = run_cli("serve", *args, "--disk-dir", str(tmp_path / "d2"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"tiercache: error: cannot listen on 127.0.0.1:{port} for {'gRPC' if flag == '--port' else 'the data channel'} "
+        f"({flag}): Address already in use"], result.stderr
 
 
 @pytest.mark.parametrize("command", [["stats"], ["demo", "--no-progress"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from typing import Sequence
@@ -123,6 +124,9 @@ def serve(args: argparse.Namespace) -> int:
     # condition half-released when signals came in quick succession (tests/test_cli.py covers both).
     signals = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    # grpc's C core logs some failures itself (a taken port: `E1124 ... add_port.cc:83] Failed to add port`) before the
+    # exception we turn into one line; it reads this before its first import. GRPC_VERBOSITY=ERROR brings them back.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     from tiercache.malloc import tune_allocator
     from tiercache.server.app import CacheServer
 

@@ -117,11 +117,14 @@ class TenantTable:
         if not isinstance(tenants, dict) or not tenants:
             raise ConfigError(f"tenants file {path} must hold a non-empty mapping under 'tenants:'")
         table: dict[bytes, Tenant] = {}
-        for name, entry in tenants.items():
-            digest, tenant = _tenant(str(name), entry)
-            if digest in table:
-                raise ConfigError(f"tenants {table[digest].name!r} and {name!r} share a token")
-            table[digest] = tenant
+        try:
+            for name, entry in tenants.items():
+                digest, tenant = _tenant(str(name), entry)
+                if digest in table:
+                    raise ConfigError(f"tenants {table[digest].name!r} and {name!r} share a token")
+                table[digest] = tenant
+        except ConfigError as exc:  # say which file: a server may be given several YAML files
+            raise ConfigError(f"tenants file {path}: {exc}") from None
         return cls(table)
 
     def authenticate(self, metadata: Sequence[tuple[str, str | bytes]]) -> Tenant:
@@ -159,7 +162,9 @@ def _tenant(name: str, entry: object) -> tuple[bytes, Tenant]:
     salt = entry.get("salt")
     if not admin and (not isinstance(salt, str) or not salt):
         raise ConfigError(f"tenant {name!r}: a salt is required unless admin: true")
-    quota = entry.get("quota_bytes")
-    return digest, Tenant(name, salt_suffix(salt) if salt else None,
-                          None if quota is None else parse_size(quota),
+    try:
+        quota = None if entry.get("quota_bytes") is None else parse_size(entry["quota_bytes"])
+    except ConfigError as exc:
+        raise ConfigError(f"tenant {name!r}: quota_bytes: {exc}") from None
+    return digest, Tenant(name, salt_suffix(salt) if salt else None, quota,
                           same_host=entry.get("same_host", False) is True, admin=admin)
