@@ -9,7 +9,8 @@ The tenants file (YAML, mounted from a Secret) is the only place tokens live; th
 
     tenants:
       team-a:
-        token_sha256: 9f86d0...     # or `token: <plain text>`; the digest keeps the file free of the secret
+        token_sha256: 9f86d0...     # `tiercache token-hash < token-file`; or `token: <plain text>` (the digest keeps
+                                    # the file free of the secret)
         salt: a-long-random-string  # the same salt team-a's connectors are configured with
         quota_bytes: 20GiB          # optional: most bytes team-a may hold in this server's local tiers
         same_host: false            # optional: may map the shared-memory arena (it holds every tenant's chunks)
@@ -35,6 +36,7 @@ from tiercache.protocol.wire import AUTHORIZATION
 from tiercache.record.keys import ChunkKey, salt_suffix, validate_key, validate_namespace
 
 _BEARER = "bearer "
+MIN_TOKEN_CHARS = 16
 _TENANT_KEYS = {"token", "token_sha256", "salt", "quota_bytes", "same_host", "admin"}
 
 
@@ -148,8 +150,8 @@ def _tenant(name: str, entry: object) -> tuple[bytes, Tenant]:
     if ("token" in entry) == ("token_sha256" in entry):
         raise ConfigError(f"tenant {name!r}: give exactly one of token or token_sha256")
     if "token" in entry:
-        if not isinstance(entry["token"], str) or len(entry["token"]) < 16:
-            raise ConfigError(f"tenant {name!r}: token must be a string of at least 16 characters")
+        if not isinstance(entry["token"], str) or len(entry["token"]) < MIN_TOKEN_CHARS:
+            raise ConfigError(f"tenant {name!r}: token must be a string of at least {MIN_TOKEN_CHARS} characters")
         digest = token_digest(entry["token"])
     else:
         try:
