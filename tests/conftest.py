@@ -47,6 +47,10 @@ def start_server(tmp_path):
     servers = []
 
     def start(**options) -> CacheServer:
+        # Each server its own disk directory, as each node has its own disk: the disk tier locks its directory, and
+        # two "nodes" of a test on one directory would have indexed and evicted each other's files.
+        disk = tmp_path / ("disk" if not servers else f"disk-{len(servers) + 1}")
+        options["disk_options"] = {"path": str(disk), **(options.get("disk_options") or {})}
         server = CacheServer(make_config(tmp_path, **options)).start()
         servers.append(server)
         return server

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import socket
 import subprocess
 import sys
 
 import pytest
 
 from tests.helpers import ServerProcess, free_port, python_env
+from tiercache.cli import build_parser
 from tiercache.client import Client
 
 
@@ -71,14 +74,43 @@ def test_bad_input_is_one_clear_line(args, needle):
     assert "Traceback" not in result.stderr
 
 
-def test_port_in_use_is_one_clear_line(served, tmp_path):
-    result = run_cli("serve", "--port", str(served.port), "--disk-dir", str(tmp_path / "d2"))
-    assert result.returncode == 2 and "cannot listen" in result.stderr
+def test_a_bad_size_in_the_config_file_is_one_line_naming_file_and_key(tmp_path):
+    config = tmp_path / "tiercache.yaml"
+    config.write_text("host:\n  capacity_bytes: lots\n")
+    result = run_cli("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"tiercache: error: config file {config}: host.capacity_bytes: not a size: 'lots' (use e.g. 512MiB, 4GiB or "
+        f"a byte count)"], result.stderr
 
 
-def test_stats_of_a_dead_server_fails_cleanly():
-    result = run_cli("stats", "--server", f"grpc://127.0.0.1:{free_port()}")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
+@pytest.mark.parametrize("flag", ["--port", "--data-port"])
+def test_port_in_use_is_one_clear_line(tmp_path, flag):
+    # Before: grpc's own `E1124 ... add_port.cc:83] Failed to add port` line came first, and only after the tiers
+    # were built (minutes for a large host tier). Now the ports are checked before anything is built.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["--port", str(port)] if flag == "--port" else ["--port", "0", "--data-port", str(port)]
+        result = run_cli("serve", *args, "--disk-dir", str(tmp_path / "d2"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"tiercache: error: cannot listen on 127.0.0.1:{port} for {'gRPC' if flag == '--port' else 'the data channel'} "
+        f"({flag}): Address already in use"], result.stderr
+
+
+@pytest.mark.parametrize("command", [["stats"], ["demo", "--no-progress"],
+                                     ["bench", "cliff", "--quick", "--no-progress"]])
+def test_a_command_pointed_at_a_dead_server_says_so_in_one_line(command):
+    # Before: stats printed gRPC's raw text; demo exited 0 after ~20 warnings with "warm ... 0" rows; bench cliff ran
+    # ~50 s through ~110 warnings before failing. Now one probe, before any work (no model, no requests).
+    url = f"grpc://127.0.0.1:{free_port()}"  # nobody listens there
+    result = run_cli(*command, "--server", url)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [
+        f"tiercache: error: no tiercache server at {url}: is `tiercache serve` running?"], result.stderr
+    assert result.stdout == ""
 
 
 @pytest.mark.parametrize("signals", [("SIGTERM",), ("SIGINT",), ("SIGTERM", "SIGTERM", "SIGINT")])
@@ -93,3 +125,85 @@ def test_signals_stop_the_server_gracefully(tmp_path, signals):
         assert code == 0 and "stopped" in err
     finally:
         server.kill()
+
+
+# -- the command line itself ------------------------------------------------------------------------------------------
+
+def test_version():
+    import tiercache
+
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout == f"tiercache {tiercache.__version__}\n"
+
+
+def _parsers(parser: argparse.ArgumentParser, path: str = "tiercache"):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, f"{path} {name}")
+
+
+def test_every_flag_says_what_it_does():
+    missing = [f"{path} {'/'.join(action.option_strings) or action.dest}" for path, parser in _parsers(build_parser())
+               for action in parser._actions
+               if not isinstance(action, argparse._SubParsersAction) and not action.help]
+    assert missing == []
+
+
+def test_bench_cliff_lists_its_presets_and_takes_a_tp_size():
+    from tiercache.prefix.presets import PRESETS
+
+    text = run_cli("bench", "cliff", "--help").stdout
+    assert all(name in text for name in PRESETS) and "--tp N" in text
+    wrong = run_cli("bench", "cliff", "--preset", "llama-7b")
+    assert wrong.returncode == 2 and "invalid choice: 'llama-7b'" in wrong.stderr
+    assert len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
+    # Checked before a server is started or asked for (none listens at this URL).
+    uneven = run_cli("bench", "cliff", "--tp", "3", "--server", f"grpc://127.0.0.1:{free_port()}")
+    assert uneven.returncode == 2
+    assert uneven.stderr.strip().splitlines() == ["tiercache: error: kv_heads=2 does not split over tp_size=3"]
+
+
+def test_bench_cliff_simulates_one_tp_rank_and_plots_only_when_asked(tmp_path):
+    """--tp 2: objects of one rank (half the state); no PNG in the working directory unless --plot names one (it
+    used to write tiercache-cliff.png unasked)."""
+    small = ["bench", "cliff", "--quick", "--repeats", "1", "--turns", "1", "--system-tokens", "64",
+             "--document-tokens", "1100", "--questions", "1", "--no-progress", "--json"]
+    with ServerProcess("--host-mem", "256MiB", "--disk-size", "0") as server:
+        reports = {}
+        for tp in (1, 2):
+            result = subprocess.run([sys.executable, "-m", "tiercache", *small, "--tp", str(tp), "--server",
+                                     server.url], capture_output=True, text=True, timeout=300, env=python_env(),
+                                    cwd=tmp_path)
+            assert result.returncode == 0, result.stderr
+            reports[tp] = json.loads(result.stdout)
+        assert list(tmp_path.iterdir()) == []
+    assert reports[2]["tp_size"] == 2 and reports[2]["state_bytes"] * 2 == reports[1]["state_bytes"]
+    assert reports[2]["kv_chunk_bytes"] * 2 == reports[1]["kv_chunk_bytes"]
+    assert reports[1]["namespace"] != reports[2]["namespace"]
+
+
+def test_building_the_parser_starts_no_thread():
+    """`serve` blocks SIGTERM before it imports what starts threads; a thread started earlier (numpy's BLAS pool,
+    say, through an import build_parser needs) would take the signal and kill the process without a graceful stop."""
+    script = "import os, tiercache.cli as c; c.build_parser(); print(len(os.listdir('/proc/self/task')))"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=python_env())
+    assert out.stdout.strip() == "1"
+
+
+def test_token_hash_makes_the_digest_a_server_accepts(tmp_path):
+    token = "a-token-of-team-a-0123456789"
+    made = subprocess.run([sys.executable, "-m", "tiercache", "token-hash"], input=token + "\n", capture_output=True,
+                          text=True, timeout=30, env=python_env())
+    assert made.returncode == 0, made.stderr
+    digest = made.stdout.strip()
+    assert len(digest) == 64 and token not in made.stdout + made.stderr
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(f"tenants:\n  ops:\n    token_sha256: {digest}\n    admin: true\n")
+    with ServerProcess("--host-mem", "8MiB", "--disk-size", "0", "--tenants-file", str(tenants)) as server:
+        with Client.from_url(server.url, token=token) as client:
+            assert client.stats()["tiers"][0]["name"] == "host"
+    short = subprocess.run([sys.executable, "-m", "tiercache", "token-hash"], input="short\n", capture_output=True,
+                           text=True, timeout=30, env=python_env())
+    assert short.returncode == 2 and "at least 16 characters" in short.stderr and short.stdout == ""

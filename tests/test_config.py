@@ -31,12 +31,23 @@ def test_file_then_overrides(tmp_path):
     ({"server": {"port": "abc"}}, "server.port"),
     ({"server": {"port": 70000}}, "server.port"),
     ({"redis": {"url": "http://x"}}, "redis.url"),
-    ({"host": {"capacity_bytes": "lots"}}, "lots"),
+    ({"host": {"capacity_bytes": "lots"}}, "host.capacity_bytes: not a size: 'lots'"),
     ({"server": {8080: 1}}, "server.8080"),  # YAML keys need not be strings
 ])
 def test_invalid_config_names_the_key(values, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         from_mapping(values)
+
+
+def test_a_bad_value_in_a_file_names_the_file_and_the_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("disk:\n  capacity_bytes: 100 GB of it\n")
+    with pytest.raises(ConfigError, match=rf"^config file {tmp_path}/c\.yaml: disk\.capacity_bytes: not a size: "
+                                          r"'100 GB of it' \(use e\.g\. 512MiB"):
+        load_file(path)
+    path.write_text("server:\n  port: 99999\n")
+    with pytest.raises(ConfigError, match=rf"^config file {tmp_path}/c\.yaml: server\.port must be 0\.\.65535"):
+        load_file(path)
 
 
 def test_bad_yaml_is_a_config_error(tmp_path):

@@ -1,10 +1,12 @@
 """The Kubernetes manifests and the Dockerfile, checked offline: every overlay renders with kustomize, every object
 validates against the Kubernetes schema, and what the manifests say agrees with what `tiercache serve` accepts
-(flags, config keys, ports, probes, mounted paths, memory sized from the tier capacities)."""
+(flags, config keys, ports, probes, mounted paths, memory sized from the tier capacities), every namespaced object
+lands in the one namespace, and every name a pod refers to (Services, Secrets, ConfigMaps) is there."""
 
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -24,6 +26,10 @@ KUBERNETES_VERSION = "1.30"  # the oldest release the manifests promise to work 
 NO_SCHEMA = {"ServiceMonitor"}  # CRD of the Prometheus Operator: checked by the consistency tests below instead
 SERVER_OVERHEAD = 1 * GiB  # the DaemonSet's memory request beyond the host tier
 REDIS_OVERHEAD = 2 * GiB
+# Kinds without a namespace; every other object must land in the Namespace the base creates.
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "PersistentVolume",
+                  "PriorityClass", "StorageClass"}
+WORKLOADS = {"DaemonSet", "Deployment", "StatefulSet", "Job"}
 
 KUBECTL = shutil.which("kubectl")
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl (with kustomize) is not installed")
@@ -127,6 +133,125 @@ def test_every_file_the_config_names_is_mounted(rendered, tmp_path):
             items = volume["secret"].get("items")
             assert items is None or Path(path).name in {i["path"] for i in items}
     assert _mounted(container, config.disk.path)["name"] != "tmp", "the disk tier must outlive the pod"
+
+
+def _namespace(objects: list[dict]) -> str:
+    namespaces = [o["metadata"]["name"] for o in objects if o["kind"] == "Namespace"]
+    assert len(namespaces) == 1, f"expected one Namespace, found {namespaces}"
+    return namespaces[0]
+
+
+def test_every_namespaced_object_lands_in_the_one_namespace(rendered):
+    # Objects the redis components added had no namespace: `kubectl apply -k` put Redis in the current context's
+    # namespace, away from its Secret and from the servers' DNS name for it (issue 24).
+    overlay, objects = rendered
+    namespace = _namespace(objects)
+    stray = [f"{o['kind']}/{o['metadata']['name']} in {o['metadata'].get('namespace')!r}" for o in objects
+             if o["kind"] not in CLUSTER_SCOPED and o["metadata"].get("namespace") != namespace]
+    assert stray == [], f"{overlay}: not in namespace {namespace!r}: {stray}"
+
+
+def _documented_secrets() -> dict[tuple[str, str], set[str]]:
+    """(namespace, name) -> keys of every Secret docs/deploy.md tells the operator to create (they are never shipped).
+    Optional flags in [brackets] count: the overlay that needs them says so."""
+    text = (ROOT / "docs" / "deploy.md").read_text().replace("\\\n", " ")
+    secrets = {}
+    for line in text.splitlines():
+        if "create secret generic" not in line:
+            continue
+        words = shlex.split(line.replace("[", " ").replace("]", " "))
+        name = words[words.index("generic") + 1]
+        namespace = words[words.index("-n") + 1]
+        keys = set()
+        for word in words:
+            if word.startswith(("--from-file=", "--from-literal=")):
+                value = word.split("=", 1)[1]
+                keys.add(value.split("=", 1)[0] if "=" in value else Path(value).name)
+        secrets[(namespace, name)] = keys
+    return secrets
+
+
+def _referenced(pod: dict) -> list[tuple[str, str, set[str]]]:
+    """(kind, name, keys used) of every ServiceAccount, ConfigMap and Secret a pod spec refers to."""
+    found = [("ServiceAccount", pod["serviceAccountName"], set())] if "serviceAccountName" in pod else []
+    for volume in pod.get("volumes", []):
+        for kind, field, name_field in (("Secret", "secret", "secretName"), ("ConfigMap", "configMap", "name")):
+            if field in volume:
+                found.append((kind, volume[field][name_field], {i["key"] for i in volume[field].get("items", [])}))
+    for container in pod.get("initContainers", []) + pod["containers"]:
+        for env in container.get("env", []):
+            ref = env.get("valueFrom", {})
+            if "secretKeyRef" in ref:
+                found.append(("Secret", ref["secretKeyRef"]["name"], {ref["secretKeyRef"]["key"]}))
+            if "configMapKeyRef" in ref:
+                found.append(("ConfigMap", ref["configMapKeyRef"]["name"], set()))
+        for source in container.get("envFrom", []):
+            if "secretRef" in source:
+                found.append(("Secret", source["secretRef"]["name"], set()))
+            if "configMapRef" in source:
+                found.append(("ConfigMap", source["configMapRef"]["name"], set()))
+    return found
+
+
+def _service_host_resolves(host: str, namespace: str, objects: list[dict]) -> bool:
+    """Whether a DNS name, as a pod in `namespace` resolves it, names a Service there: `service`, or
+    `<statefulset>-<i>.<headless service>` (a StatefulSet pod), either one optionally followed by `.<namespace>...`."""
+    services = {o["metadata"]["name"]: o for o in objects
+                if o["kind"] == "Service" and o["metadata"].get("namespace") == namespace}
+    parts = host.split(".")
+    if parts[0] in services:
+        return parts[1:2] in ([], [namespace])
+    if len(parts) < 2 or parts[1] not in services or parts[2:3] not in ([], [namespace]):
+        return False
+    if services[parts[1]]["spec"].get("clusterIP") != "None":
+        return False  # only a headless Service gives each pod a name
+    return any(parts[0] == f"{o['metadata']['name']}-{i}" for o in objects
+               if o["kind"] == "StatefulSet" and o["metadata"].get("namespace") == namespace
+               and o["spec"]["serviceName"] == parts[1] for i in range(o["spec"].get("replicas", 1)))
+
+
+def test_every_name_the_pods_and_the_server_refer_to_exists_in_their_namespace(rendered, tmp_path):
+    overlay, objects = rendered
+    present = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in objects}
+    documented = _documented_secrets()
+    missing = []
+    for owner in (o for o in objects if o["kind"] in WORKLOADS):
+        namespace, pod = owner["metadata"].get("namespace"), owner["spec"]["template"]["spec"]
+        where = f"{owner['kind']}/{owner['metadata']['name']}"
+        for kind, name, keys in _referenced(pod):
+            if kind == "Secret":  # created by the operator per docs/deploy.md, in the pod's namespace
+                if (namespace, name) not in documented or not keys <= documented[(namespace, name)]:
+                    missing.append(f"{where}: Secret {namespace}/{name} (keys {sorted(keys)}) is not created by "
+                                   f"docs/deploy.md")
+            elif (kind, namespace, name) not in present:
+                missing.append(f"{where}: {kind} {namespace}/{name}")
+        if owner["kind"] == "StatefulSet" and ("Service", namespace, owner["spec"]["serviceName"]) not in present:
+            missing.append(f"{where}: Service {namespace}/{owner['spec']['serviceName']}")
+    assert missing == [], f"{overlay}: {missing}"
+    config = _server_config(objects, tmp_path)
+    namespace = _one(objects, "DaemonSet", "tiercache")["metadata"]["namespace"]
+    host = re.match(r"rediss?://(?:[^@/]*@)?([^:/]+)", config.redis.url).group(1)
+    assert _service_host_resolves(host, namespace, objects), f"{overlay}: {host} names no Service in {namespace}"
+
+
+def test_the_checks_above_catch_what_they_guard(tmp_path):
+    """The namespace and reference checks fail on the manifests as they were before issue 24 (a component without a
+    namespace) and on a Redis URL that names nothing."""
+    objects = _render("cpu")
+    redis = [o for o in objects if o["metadata"]["name"].startswith("tiercache-redis")]
+    for obj in redis:
+        del obj["metadata"]["namespace"]
+    with pytest.raises(AssertionError, match="not in namespace"):
+        test_every_namespaced_object_lands_in_the_one_namespace(("cpu", objects))
+    assert not _service_host_resolves("tiercache-redis-0.tiercache-redis", "tiercache", objects)
+    objects = _render("cpu")
+    assert _service_host_resolves("tiercache-redis-0.tiercache-redis", "tiercache", objects)
+    assert _service_host_resolves("tiercache-redis-0.tiercache-redis.tiercache.svc.cluster.local", "tiercache",
+                                  objects)
+    for wrong in ("tiercache-redis-1.tiercache-redis", "tiercache-redis-0.tiercache-redis.default",
+                  "tiercache-redis-0.tiercache", "redis"):
+        assert not _service_host_resolves(wrong, "tiercache", objects), wrong
+    assert ("tiercache", "tiercache-redis") in _documented_secrets()
 
 
 def test_memory_request_is_the_host_tier_plus_overhead(rendered, tmp_path):

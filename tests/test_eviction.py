@@ -235,6 +235,7 @@ def test_disk_tier_rebuilds_its_chains_after_a_restart(tmp_path):
     tier.put(*record("a", ChunkMeta()), return_evicted=False)
     tier.put(*record("b", ChunkMeta(CLASS_KV, 16, b"a")), return_evicted=False)
     tier.put(*record("c", ChunkMeta(CLASS_STATE, 99, b"a")), return_evicted=False)
+    tier.close()  # a restart: the directory's lock goes with the old tier
     again = make_tier("disk", tmp_path, 1 * MiB)
     assert sorted(k.key for k, _ in again.children(key("a"))) == [b"b", b"c"]
     assert dict((k.key, m.prefix_tokens) for k, m in again.children(key("a")))[b"c"] == 99

@@ -170,6 +170,8 @@ def test_quota_refuses_puts_past_the_tenant_bytes(start_server, tenants_file):
     ("tenants: {a: {token: 0123456789abcdef0, salt: s, colour: red}}", "unknown key colour"),
     ("tenants: {a: {token: 0123456789abcdef0, salt: s}, b: {token: 0123456789abcdef0, salt: t}}", "share a token"),
     ("tenants: [unclosed", "not valid YAML"),
+    ("tenants: {a: {token: 0123456789abcdef0, salt: s, quota_bytes: 20 gigs}}",
+     r"^tenants file .*tenants\.yaml: tenant 'a': quota_bytes: not a size: '20 gigs'"),
 ])
 def test_bad_tenants_files_are_refused_without_echoing_tokens(tmp_path, text, message):
     path = tmp_path / "tenants.yaml"

@@ -204,3 +204,17 @@ def test_redis_killed_mid_run(start_server, redis_proc):
         wait_for(lambda: client.stats()["tiers"][2]["up"], timeout_s=5, what="redis tier back up")
         client.put(NS, b"after-restart", b"z")
         assert redis_proc.client().dbsize() == 1
+
+
+@pytest.mark.parametrize("path", ["grpc", "data channel", "same host"])
+def test_a_chunk_past_the_limit_names_the_flag_that_raises_it(start_server, path):
+    server = start_server(max_chunk_bytes=1 * MiB)
+    options = {"grpc": {"same_host": False, "data_channel": False}, "data channel": {"same_host": False},
+               "same host": {}}[path]
+    with Client.from_url(server.url, **options) as client:
+        with pytest.raises(InvalidArgument, match=r"chunk of 2097152 bytes \(2\.0 MiB\) exceeds the server's maximum "
+                                                  r"of 1048576 \(1\.0 MiB\): raise it with `tiercache serve "
+                                                  r"--max-chunk-size` \(server\.max_chunk_bytes\)"):
+            client.put(NS, b"big", bytes(2 * MiB))
+        client.put(NS, b"k", b"ok")  # the client goes on
+        assert client.get(NS, b"k") == b"ok"

@@ -89,6 +89,7 @@ def test_state_budget_survives_a_restart_of_the_disk_tier(tmp_path):
     tier = make("disk", tmp_path)
     tier.put(*state("s", 777), return_evicted=False)
     tier.put(*kv("k"), return_evicted=False)
+    tier.close()  # a restart: the directory's lock goes with the old tier
     again = make("disk", tmp_path)
     usage = again.usage()
     assert usage.state_chunks == 1 and usage.chunks == 2 and usage.state_bytes > SIZE

@@ -25,6 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tiercache.client import Client
+from tiercache.client.probe import require_server
 from tiercache.connector.prefix_cache import PrefixCache
 from tiercache.prefix.objects import CacheSpec, ObjectRef
 from tiercache.prefix.presets import preset
@@ -175,8 +176,11 @@ def _moved(request: Request) -> dict:
 
 
 def run_cliff(client: Client, *, preset_name: str, repeats: int, turns: int, system_tokens: int,
-              document_tokens: int, questions: int, lengths: Sequence[int], seed: int, show_progress: bool) -> dict:
-    spec = CacheSpec.for_layout(preset(preset_name))
+              document_tokens: int, questions: int, lengths: Sequence[int], seed: int, show_progress: bool,
+              tp_size: int = 1) -> dict:
+    """`tp_size`: the engine runs the model tensor-parallel; this simulates rank 0, whose objects are 1/tp_size of
+    the KV heads and recurrent state (each rank saves its own)."""
+    spec = CacheSpec.for_layout(preset(preset_name, tp_size=tp_size))
     engine = SimulatedEngine(PrefixCache(client, spec), seed)
     rng = np.random.default_rng(seed)
     shares = [k / 10 for k in range(1, 10)]
@@ -189,7 +193,7 @@ def run_cliff(client: Client, *, preset_name: str, repeats: int, turns: int, sys
         long = long_context(engine, document, rng, questions, progress)
         branched = branches(engine, rng, document, shares, progress)
     warm = [row["lookup_ms"] for row in long[1:]] or [long[0]["lookup_ms"]]
-    return {"preset": preset_name, "model": spec.layout.model, "namespace": spec.namespace,
+    return {"preset": preset_name, "tp_size": tp_size, "model": spec.layout.model, "namespace": spec.namespace,
             "N": spec.chunk_tokens, "u": spec.match_unit, "state_bytes": spec.layout.state_bytes,
             "kv_chunk_bytes": spec.kv_chunk_bytes,
             "repeated": repeated, "multi_turn": chat, "multi_turn_long": chat_long, "long_context": long,
@@ -201,8 +205,9 @@ def run_cliff(client: Client, *, preset_name: str, repeats: int, turns: int, sys
 
 def print_report(result: dict) -> None:
     n = result["N"]
-    print(f"{result['model']} ({result['preset']}): N={n}, u={result['u']}, state {result['state_bytes'] / 2**20:.1f}"
-          f" MiB, kv chunk {result['kv_chunk_bytes'] / 2**20:.1f} MiB")
+    rank = f", rank 0 of TP {result['tp_size']}" if result["tp_size"] > 1 else ""
+    print(f"{result['model']} ({result['preset']}{rank}): N={n}, u={result['u']}, state "
+          f"{result['state_bytes'] / 2**20:.1f} MiB, kv chunk {result['kv_chunk_bytes'] / 2**20:.1f} MiB")
     print("\nrepeated prompts (hit ratio on repeats)")
     print(f"{'length':>7} {'tiercache':>10} {'full-block':>11}")
     for row in result["repeated"]:
@@ -262,9 +267,12 @@ def cliff_command(args) -> int:
 
     lengths = REPEATED_LENGTHS if not args.quick else (32, 479, 543, 544, 545, 979, 1100)
     document_tokens = args.document_tokens or (262144 if not args.quick else 16384)
+    preset(args.preset, tp_size=args.tp)  # a TP size the model's heads do not split by: one line, before any server
     server = None
     url = args.server
-    if url is None:
+    if url is not None:
+        require_server(url)  # a dead server is one line at once, not a run of misses and warnings
+    else:
         host_mem = "4GiB" if not args.quick else "1GiB"
         server = ServerProcess("--host-mem", host_mem, "--disk-size", "16GiB").start()  # a scratch disk dir
         url = server.url
@@ -273,7 +281,7 @@ def cliff_command(args) -> int:
             result = run_cliff(client, preset_name=args.preset, repeats=args.repeats, turns=args.turns,
                                system_tokens=args.system_tokens, document_tokens=document_tokens,
                                questions=args.questions, lengths=lengths, seed=args.seed,
-                               show_progress=not args.no_progress)
+                               show_progress=not args.no_progress, tp_size=args.tp)
     finally:
         if server is not None:
             server.kill()

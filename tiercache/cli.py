@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from typing import Sequence
 
 from tiercache.config import Config, format_size, load_file, parse_size, with_overrides
-from tiercache.errors import TierCacheError
+from tiercache.errors import ConfigError, StartCancelled, TierCacheError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,8 +26,23 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
+    # Cheap to import: no thread may start before `serve` blocks its signals (see serve; tests/test_cli.py checks).
+    from tiercache import __version__
+    from tiercache.prefix.presets import PRESETS
+
     parser = _Parser(prog="tiercache", description="Tiered cache service for LLM inference.")
+    parser.add_argument("--version", action="version", version=f"tiercache {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     serve = commands.add_parser("serve", help="run the cache server", description=(
@@ -63,37 +79,55 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-client-ca", metavar="FILE", help="require client certificates from this CA (mTLS)")
     serve.add_argument("--tenants-file", metavar="FILE", help="bearer tokens -> tenants (YAML); turns on auth")
     serve.add_argument("--health-port", type=int, help="plaintext grpc.health.v1 port for probes (default: off)")
-    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                       help="least severe log lines shown (default INFO)")
 
     bench = commands.add_parser("bench", help="benchmarks against a real server")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     cliff = benches.add_parser("cliff", help="prefix hit ratio of a hybrid model: repeated prompts, chat, long context",
                                description="Runs a simulated engine with objects of a preset's real sizes against "
                                            "a server (one it starts when --server is omitted).")
-    cliff.add_argument("--server", metavar="URL", help="use a running server (default: start one)")
-    cliff.add_argument("--preset", default="qwen3.5-0.8b", help="qwen3.5-0.8b, qwen3.5-4b or qwen3.6-27b")
-    cliff.add_argument("--repeats", type=int, default=3, help="times each repeated prompt is sent (default 3)")
-    cliff.add_argument("--turns", type=int, default=8)
-    cliff.add_argument("--system-tokens", type=int, default=4096)
-    cliff.add_argument("--document-tokens", type=int, help="long-context document (default 262144; 16384 --quick)")
-    cliff.add_argument("--questions", type=int, default=8)
-    cliff.add_argument("--seed", type=int, default=0)
+    cliff.add_argument("--server", metavar="URL", help="use a running server (default: start one with a 4 GiB host "
+                                                       "tier, 1 GiB with --quick, and 16 GiB of disk in a temp dir)")
+    cliff.add_argument("--preset", default="qwen3.5-0.8b", choices=sorted(PRESETS), type=str.lower,
+                       help="the model whose object sizes are simulated (default qwen3.5-0.8b)")
+    cliff.add_argument("--tp", type=_positive, default=1, metavar="N",
+                       help="tensor-parallel size: simulate one rank's objects (KV heads and recurrent state split N "
+                            "ways; default 1)")
+    cliff.add_argument("--repeats", type=_positive, default=3, metavar="N",
+                       help="times each repeated prompt is sent (default 3)")
+    cliff.add_argument("--turns", type=_positive, default=8, metavar="N",
+                       help="turns of each multi-turn chat, each extending the previous conversation (default 8)")
+    cliff.add_argument("--system-tokens", type=_positive, default=4096, metavar="N",
+                       help="system prompt that starts each chat, in tokens (default 4096)")
+    cliff.add_argument("--document-tokens", type=_positive, metavar="N",
+                       help="long shared document, in tokens (default 262144; 16384 with --quick)")
+    cliff.add_argument("--questions", type=_positive, default=8, metavar="N",
+                       help="questions asked after the long document (default 8)")
+    cliff.add_argument("--seed", type=int, default=0, metavar="N",
+                       help="seed of the random tokens and payloads (default 0)")
     cliff.add_argument("--quick", action="store_true", help="fewer lengths and a shorter document (CI smoke)")
     cliff.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    cliff.add_argument("--plot", default="tiercache-cliff.png", metavar="PNG", help="write the plot here ('' = none)")
-    cliff.add_argument("--no-progress", action="store_true")
+    cliff.add_argument("--plot", metavar="FILE.png", help="also plot the repeated prompts' hit ratios to this PNG")
+    cliff.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     demo = commands.add_parser("demo", help="cold vs warm TTFT of a tiny Qwen3.5-architecture model (needs the hf "
                                             "extra)")
-    demo.add_argument("--server", metavar="URL", help="use a running server (default: start one)")
-    demo.add_argument("--turns", type=int, default=4, help="chat turns (default 4)")
-    demo.add_argument("--no-progress", action="store_true")
+    demo.add_argument("--server", metavar="URL", help="use a running server (default: start one with a 512 MiB host "
+                                                      "tier and a 2 GiB disk tier in a temp dir)")
+    demo.add_argument("--turns", type=_positive, default=4, metavar="N",
+                      help="chat turns after the single prompts (default 4)")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     stats = commands.add_parser("stats", help="show a running server's tiers and namespaces")
     stats.add_argument("--server", default="grpc://127.0.0.1:50051", metavar="URL",
                        help="grpc://, grpcs:// or grpc+unix:// URL; token and TLS files from $TIERCACHE_TOKEN(_FILE), "
                             "$TIERCACHE_TLS_CA_FILE, ...")
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    commands.add_parser("token-hash", help="print the token_sha256 of a token for the tenants file",
+                        description="Reads a bearer token from stdin (or asks for it, without echo, on a terminal) "
+                                    "and prints the token_sha256 a tenants file names it by (README, 'Security').")
     return parser
 
 
@@ -123,39 +157,63 @@ def serve(args: argparse.Namespace) -> int:
     # condition half-released when signals came in quick succession (tests/test_cli.py covers both).
     signals = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    # grpc's C core logs some failures itself (a taken port: `E1124 ... add_port.cc:83] Failed to add port`) before the
+    # exception we turn into one line; it reads this before its first import. GRPC_VERBOSITY=ERROR brings them back.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     from tiercache.malloc import tune_allocator
     from tiercache.server.app import CacheServer
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("tiercache")
     tune_allocator()
     config = config_from_args(args)
-    server = CacheServer(config).start()
+    try:
+        # A signal that arrives while the tiers are prepared stays pending (blocked above): preparing a host arena of
+        # many GiB asks between pieces whether one is, and stops (issue 24: it used to finish first, minutes later).
+        server = CacheServer(config, cancelled=lambda: bool(signal.sigpending() & signals)).start()
+    except StartCancelled as exc:
+        received = min(signal.sigpending() & signals)
+        log.info("%s: %s; exiting without serving", signal.Signals(received).name, exc)
+        return 0
     tiers = ", ".join(f"{t.name}" for t in server.store.tiers)
-    logging.getLogger("tiercache").info(
+    log.info(
         "serving on %s (tiers: %s; max chunk %s)%s", server.url, tiers, format_size(config.server.max_chunk_bytes),
         (f"; metrics on :{server.metrics_port}" if server.metrics_port is not None else "")
         + (f"; data channel on :{server.data_port}" if server.data_port else "")
         + (f"; health on :{server.health_port}" if server.health_port is not None else "")
         + (f"; {len(server.tenants.tenants)} tenants" if server.tenants.enabled else ""))
     received = signal.sigwait(signals)
-    logging.getLogger("tiercache").info("%s: stopping (running RPCs get 5 s)", signal.Signals(received).name)
+    log.info("%s: stopping (running RPCs get 5 s)", signal.Signals(received).name)
     server.stop()  # further signals stay blocked and pending: they cannot cut the graceful stop short
-    logging.getLogger("tiercache").info("stopped")
+    log.info("stopped")
     return 0
 
 
 def show_stats(args: argparse.Namespace) -> int:
-    from tiercache.client import Client
-    from tiercache.client.retry import RetryPolicy
+    from tiercache.client.probe import require_server
 
-    with Client.from_url(args.server, timeout_s=10, retry=RetryPolicy(attempts=1)) as client:
-        stats = client.stats()
+    stats = require_server(args.server)
     if args.json:
         print(json.dumps(stats, indent=2))
         return 0
     print(f"tiercache {stats['version']} at {args.server}, up {stats['uptime_s']:.0f} s, "
           f"max chunk {format_size(stats['max_chunk_bytes'])}")
     print(format_table(stats))
+    return 0
+
+
+def token_hash(args: argparse.Namespace) -> int:
+    """The digest a tenants file holds instead of the token (what the server compares a bearer token against).
+    Read from stdin, not argv: a token on the command line lands in shell history and `ps`."""
+    import getpass
+
+    from tiercache.server.auth import MIN_TOKEN_CHARS, token_digest
+
+    token = (getpass.getpass("token: ") if sys.stdin.isatty() else sys.stdin.read()).strip()
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ConfigError(f"a token must be at least {MIN_TOKEN_CHARS} characters (e.g. python3 -c "
+                          f"'import secrets; print(secrets.token_urlsafe(32))')")
+    print(token_digest(token).hex())
     return 0
 
 
@@ -204,7 +262,8 @@ def _row(rows: Sequence[Sequence[str]], row: Sequence[str]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"serve": serve, "stats": show_stats, "bench": run_bench, "demo": demo}[args.command](args)
+        return {"serve": serve, "stats": show_stats, "bench": run_bench, "demo": demo,
+                "token-hash": token_hash}[args.command](args)
     except TierCacheError as exc:
         print(f"tiercache: error: {exc}", file=sys.stderr)
         return 2

@@ -244,7 +244,10 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
     if value is None:
         return None
     if name.endswith("_bytes"):
-        return parse_size(value)
+        try:
+            return parse_size(value)
+        except ConfigError as exc:  # "not a size: 'lots'" alone did not say which of a file's sizes (issue 24)
+            raise ConfigError(f"{name}: {exc}") from None
     kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     kind = kinds[0]
     try:
@@ -306,7 +309,10 @@ def load_file(path: str | Path) -> Config:
         values = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}".replace("\n", " ")) from None
-    return from_mapping(values)
+    try:
+        return from_mapping(values)
+    except ConfigError as exc:  # the key alone does not say where it was written
+        raise ConfigError(f"config file {path}: {exc}") from None
 
 
 def with_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:

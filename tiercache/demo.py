@@ -31,6 +31,10 @@ def qwen35_model(hidden: int = 256, layers: int = 8, vocab: int = 4096, seed: in
 
 
 def run_demo(server_url: str | None, turns: int, show_progress: bool) -> int:
+    from tiercache.client.probe import require_server
+
+    if server_url is not None:
+        require_server(server_url)  # before torch and the model: a dead server is one line at once
     import numpy as np
 
     from tiercache.connector.hf.prefill import CachedPrefill

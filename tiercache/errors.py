@@ -38,6 +38,11 @@ class ConfigError(InvalidArgument):
     """A configuration value is unusable. The CLI prints its message on one line and exits non-zero."""
 
 
+class StartCancelled(TierCacheError):
+    """The server was asked to stop (SIGTERM) while it was still preparing its tiers. Internal to `tiercache serve`,
+    which logs it and exits 0 without serving."""
+
+
 class ChunkCorrupt(TierCacheError):
     """A stored record failed its checksum or header checks. Internal: the store turns it into a miss."""
 

@@ -2,7 +2,7 @@
 
 `client` (Client, every call through one `_call`), `retry` (RetryPolicy), `breaker` (fail fast while the server
 is unreachable), `transport` (channel, TLS, tokens), `shared_arena` (the same-host path's mapping of the server's
-arena)."""
+arena), `probe` (is a server there at all: the CLI's commands ask before they start)."""
 
 from tiercache.client.breaker import BreakerPolicy
 from tiercache.client.client import Chunk, Client, Fetched, LookupAnswer

@@ -4,9 +4,11 @@ channel beside it, TLS, and the Prometheus endpoint; started and stopped as one.
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 import threading
 from concurrent import futures
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -71,6 +73,34 @@ def _listen(server: grpc.Server, address: str, credentials: grpc.ServerCredentia
     return port
 
 
+def check_ports_free(config: Config) -> None:
+    """ConfigError, in one line, if a port the server is told to open (0: any) is taken, checked before anything is
+    built. grpc would find it too, but only after the tiers (minutes for a large host arena), and with a log line of
+    its own before ours (`E1124 ... add_port.cc`, issue 24)."""
+    cfg = config.server
+    for what, host, port in (("gRPC (--port)", cfg.host, cfg.port),
+                             ("the data channel (--data-port)", cfg.host, cfg.data_port if cfg.data_channel else 0),
+                             ("health (--health-port)", cfg.host, config.security.health_port),
+                             ("metrics (--metrics-port)", cfg.metrics_host, cfg.metrics_port)):
+        if port:
+            _check_free(host, port, what)
+
+
+def _check_free(host: str, port: int, what: str) -> None:
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot listen on {_address(host, port)} for {what}: {exc.strerror}") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc does: TIME_WAIT is no obstacle
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise ConfigError(f"cannot listen on {_address(host, port)} for {what}: "
+                                  f"{exc.strerror or exc}") from None
+
+
 class CacheServer:
     """A running tiercache server: the store, the gRPC service with health checking, and the metrics endpoint.
 
@@ -78,12 +108,18 @@ class CacheServer:
     reading or writing waits there without holding a thread. The store's blocking work runs on `server.workers`
     threads (`blocking`)."""
 
-    def __init__(self, config: Config, store: TieredStore | None = None) -> None:
+    def __init__(self, config: Config, store: TieredStore | None = None,
+                 cancelled: Callable[[], bool] | None = None) -> None:
+        """`cancelled`: asked while the tiers are prepared (a large host arena takes a while); true stops that with
+        StartCancelled."""
         self.config = config
-        self.store = store or TieredStore.from_config(config)
+        # What can refuse a start in milliseconds comes before the store, whose host arena may take minutes to commit.
+        self.tenants = TenantTable.load(config.security.tenants_file)
+        self._credentials = server_credentials(config.security)
+        check_ports_free(config)
+        self.store = store or TieredStore.from_config(config, cancelled)
         self.metrics = Metrics(self.store)
         self.leases = LeaseTable(config.server.lease_ttl_s)
-        self.tenants = TenantTable.load(config.security.tenants_file)
         self._blocking = futures.ThreadPoolExecutor(max_workers=config.server.workers,
                                                     thread_name_prefix="tiercache-rpc")
         self._loop: asyncio.AbstractEventLoop | None = None  # made by start()
@@ -136,8 +172,7 @@ class CacheServer:
                                      self._blocking, data_channel=self._data_channel)
         server.add_generic_rpc_handlers((service_handler(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        credentials = server_credentials(self.config.security)
-        self.port = _listen(server, _address(cfg.host, cfg.port), credentials)
+        self.port = _listen(server, _address(cfg.host, cfg.port), self._credentials)
         if cfg.unix_socket:
             # Only local processes reach a unix socket (file permissions guard it); tokens are still checked.
             _listen(server, f"unix:{cfg.unix_socket}", None)

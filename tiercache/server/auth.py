@@ -9,7 +9,8 @@ The tenants file (YAML, mounted from a Secret) is the only place tokens live; th
 
     tenants:
       team-a:
-        token_sha256: 9f86d0...     # or `token: <plain text>`; the digest keeps the file free of the secret
+        token_sha256: 9f86d0...     # `tiercache token-hash < token-file`; or `token: <plain text>` (the digest keeps
+                                    # the file free of the secret)
         salt: a-long-random-string  # the same salt team-a's connectors are configured with
         quota_bytes: 20GiB          # optional: most bytes team-a may hold in this server's local tiers
         same_host: false            # optional: may map the shared-memory arena (it holds every tenant's chunks)
@@ -35,6 +36,7 @@ from tiercache.protocol.wire import AUTHORIZATION
 from tiercache.record.keys import ChunkKey, salt_suffix, validate_key, validate_namespace
 
 _BEARER = "bearer "
+MIN_TOKEN_CHARS = 16
 _TENANT_KEYS = {"token", "token_sha256", "salt", "quota_bytes", "same_host", "admin"}
 
 
@@ -117,11 +119,14 @@ class TenantTable:
         if not isinstance(tenants, dict) or not tenants:
             raise ConfigError(f"tenants file {path} must hold a non-empty mapping under 'tenants:'")
         table: dict[bytes, Tenant] = {}
-        for name, entry in tenants.items():
-            digest, tenant = _tenant(str(name), entry)
-            if digest in table:
-                raise ConfigError(f"tenants {table[digest].name!r} and {name!r} share a token")
-            table[digest] = tenant
+        try:
+            for name, entry in tenants.items():
+                digest, tenant = _tenant(str(name), entry)
+                if digest in table:
+                    raise ConfigError(f"tenants {table[digest].name!r} and {name!r} share a token")
+                table[digest] = tenant
+        except ConfigError as exc:  # say which file: a server may be given several YAML files
+            raise ConfigError(f"tenants file {path}: {exc}") from None
         return cls(table)
 
     def authenticate(self, metadata: Sequence[tuple[str, str | bytes]]) -> Tenant:
@@ -145,8 +150,8 @@ def _tenant(name: str, entry: object) -> tuple[bytes, Tenant]:
     if ("token" in entry) == ("token_sha256" in entry):
         raise ConfigError(f"tenant {name!r}: give exactly one of token or token_sha256")
     if "token" in entry:
-        if not isinstance(entry["token"], str) or len(entry["token"]) < 16:
-            raise ConfigError(f"tenant {name!r}: token must be a string of at least 16 characters")
+        if not isinstance(entry["token"], str) or len(entry["token"]) < MIN_TOKEN_CHARS:
+            raise ConfigError(f"tenant {name!r}: token must be a string of at least {MIN_TOKEN_CHARS} characters")
         digest = token_digest(entry["token"])
     else:
         try:
@@ -159,7 +164,9 @@ def _tenant(name: str, entry: object) -> tuple[bytes, Tenant]:
     salt = entry.get("salt")
     if not admin and (not isinstance(salt, str) or not salt):
         raise ConfigError(f"tenant {name!r}: a salt is required unless admin: true")
-    quota = entry.get("quota_bytes")
-    return digest, Tenant(name, salt_suffix(salt) if salt else None,
-                          None if quota is None else parse_size(quota),
+    try:
+        quota = None if entry.get("quota_bytes") is None else parse_size(entry["quota_bytes"])
+    except ConfigError as exc:
+        raise ConfigError(f"tenant {name!r}: quota_bytes: {exc}") from None
+    return digest, Tenant(name, salt_suffix(salt) if salt else None, quota,
                           same_host=entry.get("same_host", False) is True, admin=admin)

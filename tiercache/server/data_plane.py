@@ -27,13 +27,13 @@ import time
 from typing import NamedTuple, NoReturn
 
 from tiercache.config import Config
-from tiercache.errors import CapacityExceeded, InvalidArgument, TierCacheError
+from tiercache.errors import CapacityExceeded, TierCacheError
 from tiercache.protocol import data
 from tiercache.protocol.wire import AUTHORIZATION, checked_meta, status_for
 from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey
 from tiercache.server.auth import Tenant, TenantTable
-from tiercache.server.limits import Counts, StreamLimits
+from tiercache.server.limits import Counts, StreamLimits, check_chunk_size
 from tiercache.server.metrics import Metrics
 from tiercache.store.same_host import WriteGrant
 from tiercache.store.tiered import TieredStore
@@ -250,9 +250,8 @@ class DataPlane:
     def _put(self, sock: socket.socket, tenant: Tenant, request: data.Request, scratch: memoryview) -> None:
         entries = request.entries
         sizes = [entry.size for entry in entries]
-        if any(size > self._max_chunk_bytes for size in sizes):
-            # Not drained: the announced bytes could be anything. Malformed input closes the connection.
-            raise InvalidArgument(f"a chunk exceeds the maximum of {self._max_chunk_bytes} bytes")
+        # Not drained when it fails: the announced bytes could be anything. Malformed input closes the connection.
+        check_chunk_size(max(sizes, default=0), self._max_chunk_bytes)
         try:
             keys = tenant.checked_keys(request.namespace, request.keys)
             metas = [checked_meta(entry.meta) for entry in entries]

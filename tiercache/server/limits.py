@@ -13,7 +13,18 @@ import threading
 from collections import Counter
 from typing import Iterator
 
-from tiercache.errors import CapacityExceeded
+from tiercache.config import format_size
+from tiercache.errors import CapacityExceeded, InvalidArgument
+
+
+def check_chunk_size(size_bytes: int, max_chunk_bytes: int) -> None:
+    """InvalidArgument for a chunk past server.max_chunk_bytes, saying how to raise the limit: a model's state can be
+    larger than the default (a Qwen3.6-27B state is 147 MiB), and the bare numbers did not say where the limit is set
+    (issue 24)."""
+    if size_bytes > max_chunk_bytes:
+        raise InvalidArgument(f"chunk of {size_bytes} bytes ({format_size(size_bytes)}) exceeds the server's maximum "
+                              f"of {max_chunk_bytes} ({format_size(max_chunk_bytes)}): raise it with `tiercache serve "
+                              f"--max-chunk-size` (server.max_chunk_bytes)")
 
 
 def peer_host(peer: str) -> str:

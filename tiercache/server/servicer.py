@@ -22,7 +22,7 @@ from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey
 from tiercache.server.auth import Tenant, TenantTable
 from tiercache.server.leases import LeaseTable
-from tiercache.server.limits import StreamLimits
+from tiercache.server.limits import StreamLimits, check_chunk_size
 from tiercache.server.metrics import Metrics
 from tiercache.server.rpc import rpc
 from tiercache.store.same_host import SameHostPath, WriteGrant
@@ -34,8 +34,7 @@ def _checked_header(header: pb.ChunkHeader, namespace: str, max_chunk_bytes: int
                     tenant: Tenant) -> tuple[ChunkKey, encoding.ChunkMeta]:
     """A chunk a client announces (a Put header, a Reserve entry): within the size limit, with a valid key in a
     namespace the tenant owns."""
-    if header.size_bytes > max_chunk_bytes:
-        raise InvalidArgument(f"chunk of {header.size_bytes} bytes exceeds the maximum of {max_chunk_bytes}")
+    check_chunk_size(header.size_bytes, max_chunk_bytes)
     key = ChunkKey.checked(namespace, header.key)
     tenant.check_namespace(key.namespace)
     return key, chunk_meta(header)

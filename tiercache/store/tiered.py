@@ -56,8 +56,9 @@ class TieredStore:
         self.same_host = SameHostPath(self, arena_levels[0]) if arena_levels else None
 
     @classmethod
-    def from_config(cls, config: Config) -> "TieredStore":
-        tiers = tiers_from_config(config)
+    def from_config(cls, config: Config, cancelled: Callable[[], bool] | None = None) -> "TieredStore":
+        """The store over the tiers `config` enables; `cancelled()` true stops their preparation (StartCancelled)."""
+        tiers = tiers_from_config(config, cancelled)
         if not tiers:
             raise CapacityExceeded("every tier is disabled: give the host, disk or redis tier some capacity")
         return cls(tiers, write_through=config.redis.write_through)

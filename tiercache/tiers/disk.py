@@ -36,6 +36,7 @@ from tiercache.record import encoding
 from tiercache.record.codec import codec_id
 from tiercache.record.keys import ChunkKey
 from tiercache.tiers.base import Evicted, IndexedTier
+from tiercache.tiers.directory_lock import DirectoryLock
 from tiercache.tiers.index import ChunkIndex, Victim, parent_of
 
 log = logging.getLogger(__name__)
@@ -149,10 +150,12 @@ class DiskTier(IndexedTier):
         return None  # no same-host path: records are read through the server
 
     def close(self) -> None:
-        """Every file is complete on disk once put returns; evicted ones are unlinked before close returns."""
+        """Every file is complete on disk once put returns; evicted ones are unlinked before close returns. The
+        directory is free for another server after."""
         if self._unlinker.is_alive():
             self._unlinks.put(None)
             self._unlinker.join()
+        self._directory_lock.release()
 
     # -- placement --------------------------------------------------------------------------------------------------
 
@@ -246,8 +249,11 @@ class DiskTier(IndexedTier):
     # -- start-up ---------------------------------------------------------------------------------------------------
 
     def _prepare_root(self) -> None:
+        """Create the directory, take its lock (before the index rebuild, which deletes files), check it is
+        writable."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            self._directory_lock = DirectoryLock(self.root)
             probe = self.root / f".probe-{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()

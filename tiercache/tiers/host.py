@@ -1,9 +1,10 @@
 """The host-memory tier: an ArenaTier over one mmap, in POSIX shared memory (/dev/shm) so that clients on the same
 host can write and read chunks in place (tiercache.store.same_host), and page-locked for fast DMA when CUDA is present.
 
-The shared-memory file is created with mode 0600 (only the server's user may map it), fully allocated up front with
-posix_fallocate (a tmpfs that is too small fails here, at start, instead of raising SIGBUS on a write later), and
-unlinked when the tier closes. Without a usable /dev/shm the arena is anonymous memory and only the gRPC path exists.
+The shared-memory file is created with mode 0600 (only the server's user may map it) and unlinked when the tier
+closes. Without a usable /dev/shm (none, or no permission) the arena is private memory and only the gRPC path exists.
+Either way the arena is checked against the memory there is and committed in pieces before the server serves
+(tiercache.tiers.memory).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import mmap
 import os
 import secrets
 import weakref
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tiercache.config import HostTierConfig
+from tiercache.errors import ConfigError
+from tiercache.tiers import memory
 from tiercache.tiers.arena import ArenaTier
 
 log = logging.getLogger(__name__)
@@ -25,19 +28,27 @@ SHM_DIR = "/dev/shm"
 
 
 class HostMemory:
-    def __init__(self, size: int, shared: bool) -> None:
+    def __init__(self, size: int, shared: bool, cancelled: Callable[[], bool] | None = None) -> None:
         size = max(size, mmap.PAGESIZE)
         self.path: str | None = None
         self.inode: int | None = None
-        if shared:
-            self._arena = self._shared_arena(size)
-        if self.path is None:
-            self._arena = mmap.mmap(-1, size)
-        self._view = memoryview(self._arena)
         self.size = size
+        fd = self._shared_file(size) if shared else None
+        try:
+            self._arena = _map(fd, size)
+            memory.commit(self._arena, fd, f"host tier ({self.path or 'private memory'})", cancelled)
+        except BaseException:
+            self._close_arena()
+            raise
+        finally:
+            if fd is not None:
+                os.close(fd)
+        self._view = memoryview(self._arena)
         self._pinned = _pin(self._arena)
 
-    def _shared_arena(self, size: int) -> mmap.mmap | None:
+    def _shared_file(self, size: int) -> int | None:
+        """A new file in /dev/shm, sized but not yet allocated (memory.commit does that); None where there is no
+        usable /dev/shm."""
         _remove_stale_arenas()
         path = os.path.join(SHM_DIR, f"tiercache-{os.getpid()}-{secrets.token_hex(8)}")
         try:
@@ -45,22 +56,24 @@ class HostMemory:
         except OSError as exc:
             log.warning("no shared-memory arena (%s); same-host clients will use gRPC", exc.strerror)
             return None
-        try:
-            os.posix_fallocate(fd, 0, size)
-            arena = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            self.inode = os.fstat(fd).st_ino
-        except OSError as exc:
-            os.unlink(path)
-            log.warning("cannot allocate %d bytes in %s (%s); same-host clients will use gRPC", size, SHM_DIR,
-                        exc.strerror)
-            return None
-        finally:
-            os.close(fd)
         self.path = path
         # Unlinked at close, at garbage collection or at interpreter exit, whichever comes first; a server killed
         # with SIGKILL leaves its file behind, and the next server on the host removes it (_remove_stale_arenas).
         self._unlink_file = weakref.finalize(self, _unlink_quietly, path)
-        return arena
+        try:
+            os.ftruncate(fd, size)
+            self.inode = os.fstat(fd).st_ino
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _close_arena(self) -> None:
+        arena = getattr(self, "_arena", None)
+        if arena is not None:
+            arena.close()
+        if self.path is not None:
+            self._unlink_file()
 
     def write(self, ranges: Sequence[tuple[int, int]], record: memoryview) -> None:
         done = 0
@@ -83,9 +96,15 @@ class HostMemory:
         if self._pinned is not None:
             self._pinned()
         self._view.release()
-        self._arena.close()
-        if self.path is not None:
-            self._unlink_file()
+        self._close_arena()
+
+
+def _map(fd: int | None, size: int) -> mmap.mmap:
+    """The arena's address space (pages come in memory.commit)."""
+    try:
+        return mmap.mmap(-1, size) if fd is None else mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    except OSError as exc:  # e.g. ENOMEM: the kernel will not even reserve the addresses
+        raise ConfigError(f"cannot map a host tier of {size} bytes: {exc.strerror or exc}") from None
 
 
 def _unlink_quietly(path: str) -> None:
@@ -134,7 +153,20 @@ def _pin(arena: mmap.mmap):
     return lambda: cudart.cudaHostUnregister(pointer)
 
 
-def host_tier(config: HostTierConfig) -> ArenaTier:
-    memory = HostMemory(config.capacity_bytes // config.page_bytes * config.page_bytes, config.shared_memory)
-    return ArenaTier("host", memory, config.capacity_bytes, config.page_bytes, config.state_budget_bytes,
+def arena_bytes(config: HostTierConfig) -> int:
+    return config.capacity_bytes // config.page_bytes * config.page_bytes
+
+
+def check_room(config: HostTierConfig) -> None:
+    """Refuse (ConfigError) a host tier the machine cannot hold, before anything is allocated. Arenas of dead servers
+    are removed first: their room in /dev/shm is ours to take."""
+    if config.shared_memory:
+        _remove_stale_arenas()
+    memory.check_room(arena_bytes(config), SHM_DIR if config.shared_memory else None)
+
+
+def host_tier(config: HostTierConfig, cancelled: Callable[[], bool] | None = None) -> ArenaTier:
+    """The host tier, committed (see check_room for the checks to make before)."""
+    arena = HostMemory(arena_bytes(config), config.shared_memory, cancelled)
+    return ArenaTier("host", arena, config.capacity_bytes, config.page_bytes, config.state_budget_bytes,
                      config.state_value_weight)
