@@ -52,7 +52,7 @@ if ! installed; then
     fi
     if [ -z "$EXTRAS" ]; then
         say "installing tiercache and what \`tiercache serve\` needs into $VENV" \
-            "(grpcio, protobuf, numpy, redis-py, ...: about 100 MB, under a minute)"
+            "(grpcio, protobuf, numpy, redis-py, ...: about 140 MB, under a minute)"
     else
         say "installing tiercache with the extras [$EXTRAS] into $VENV" \
             "(dev,hf: torch for the CPU, transformers, test tools and linters: about 1.7 GB, a few minutes)"
