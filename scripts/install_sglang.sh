@@ -3,7 +3,7 @@
 # the SGLang HiCache storage backend (tiercache.connector.sglang). Every package is pinned in
 # requirements/sglang-0.5.23.txt and installed with --no-deps, so pip's resolver never swaps torch for a CUDA build
 # (SGLang's own metadata asks for torch 2.14, sgl-kernel and flashinfer: none of them is needed on this path).
-# Idempotent. Usage: scripts/install_sglang.sh   (after scripts/install.sh, which generates the protobuf stubs)
+# Idempotent. Usage: scripts/install_sglang.sh   (building tiercache generates its protobuf stubs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +19,8 @@ if [ ! -e "$stamp" ]; then
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | quiet
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
         -r requirements/sglang-0.5.23.txt 2>&1 | quiet
+    # (checkouts before issue 24 installed this package as "tiercache", PyPI's name for an unrelated project)
+    "$VENV/bin/python" -m pip uninstall -q -y tiercache 2>/dev/null || true
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | quiet
     touch "$stamp"
 fi

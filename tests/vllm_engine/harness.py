@@ -14,6 +14,9 @@ from pathlib import Path
 
 ENGINE_SCRIPT = Path(__file__).with_name("engine_process.py")
 ROOT = ENGINE_SCRIPT.parents[2]
+# `make test-wheel` (scripts/test_wheel.sh) runs these tests from a copy outside the checkout, with tiercache installed
+# from its wheel into this site-packages directory: every engine with the connector must have loaded it from there.
+WHEEL_SITE = os.environ.get("TIERCACHE_WHEEL_SITE")
 
 # bf16 logprobs of the same computation are bit-identical on vLLM's CPU engine (issue 14 measured 0.0); this bound
 # only leaves room for a summation order that differs, and is 40x below the smallest wrong restore measured (0.04).
@@ -52,7 +55,13 @@ class EngineProcess:
         self.process = subprocess.Popen([sys.executable, str(ENGINE_SCRIPT), json.dumps(settings)], env=env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
         self._lock = threading.Lock()
-        self._read(timeout_s=180)
+        self.tiercache_modules: dict[str, str | None] = self._read(timeout_s=180)["tiercache_modules"]
+        if WHEEL_SITE and url is not None:
+            elsewhere = {name: file for name, file in self.tiercache_modules.items()
+                         if not (file or "").startswith(WHEEL_SITE + os.sep)}
+            if "tiercache.connector.vllm" not in self.tiercache_modules or elsewhere:
+                self.close()
+                raise RuntimeError(f"the engine did not load tiercache from the wheel in {WHEEL_SITE}: {elsewhere}")
 
     def generate(self, prompts: list[list[int]], **options) -> list[Completion]:
         return [Completion.from_json(r) for r in self._generate(prompts, **options)["results"]]

@@ -28,8 +28,10 @@ from tiercache.record.encoding import CLASS_KV, CLASS_STATE, MAX_PARENT_BYTES, C
 try:
     from tiercache._proto import tiercache_pb2 as pb
     from tiercache._proto import tiercache_pb2_grpc as pb_grpc  # noqa: F401 - re-exported for server/client
-except ImportError as exc:  # a clone where `make proto` has not run yet
-    raise ImportError("tiercache's protobuf stubs are missing: run `make proto` (or `make install`)") from exc
+except ImportError as exc:  # a checkout put on the path without being built (every build generates them: setup.py)
+    raise ImportError("tiercache's protobuf stubs are missing: this tiercache is a checkout that was never built; "
+                      "install it (`make install`, `pip install -e .`, or a wheel: README, 'Installing the "
+                      "package elsewhere')") from exc
 
 SERVICE_NAME = "tiercache.v1.TierCache"
 # Trailing metadata on every error status the server chooses itself, so a client can tell "the server answered

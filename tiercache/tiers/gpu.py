@@ -3,7 +3,7 @@
 Host <-> device copies run on a dedicated CUDA stream (never the engine's compute stream) through page-locked
 staging buffers, and are ordered with events: a put returns once its bytes are on the device, a get once they are
 back in host memory. Staging buffers come from a small pool: taking one is bookkeeping, the copy runs without a lock.
-Needs torch with CUDA (the `hf` or `gpu` extra); importing this module does not.
+Needs torch with CUDA (the `gpu` extra); importing this module does not.
 """
 
 from __future__ import annotations
@@ -100,13 +100,26 @@ def _pieces(ranges: Sequence[tuple[int, int]], limit: int):
         yield at, group, group_bytes
 
 
+# What to do about a missing or CPU-only torch: the gpu extra brings torch with CUDA (PyPI's Linux build), the -gpu
+# image is built with it. (The hf extra, which this once named, brings whatever torch the index serves: a CPU build
+# where a CPU index is configured, and it pins the version.)
+_GET_CUDA_TORCH = ("install tiercache-llm's gpu extra, which brings torch with CUDA (from a checkout: pip install "
+                   "'.[gpu]'), or use the -gpu image (docker build --build-arg EXTRAS=gpu)")
+
+
 def gpu_tier(config: GpuTierConfig) -> ArenaTier:
     try:
         import torch
     except ImportError:
-        raise ConfigError("the GPU tier needs torch with CUDA (install the gpu or hf extra)") from None
+        raise ConfigError(f"the GPU tier (--gpu-mem) needs torch with CUDA, and torch is not installed: "
+                          f"{_GET_CUDA_TORCH}") from None
+    if torch.version.cuda is None:
+        raise ConfigError(f"the GPU tier (--gpu-mem) needs torch with CUDA, and this torch ({torch.__version__}) is "
+                          f"built without it: {_GET_CUDA_TORCH}")
     if not torch.cuda.is_available():
-        raise ConfigError("the GPU tier (--gpu-mem) needs a CUDA device, and torch sees none")
+        raise ConfigError("the GPU tier (--gpu-mem) needs a CUDA device, and torch sees none (is the NVIDIA driver "
+                          "loaded and the device visible to this process: CUDA_VISIBLE_DEVICES, the container "
+                          "runtime's --gpus?)")
     memory = DeviceMemory(config.capacity_bytes // config.page_bytes * config.page_bytes, config.device)
     return ArenaTier("gpu", memory, config.capacity_bytes, config.page_bytes, config.state_budget_bytes,
                      config.state_value_weight)
