@@ -1,4 +1,5 @@
-"""Bandwidth of the copy kernels against cudaMemcpy of the same bytes, for Qwen3.5-0.8B and 4B shaped chunks.
+"""Bandwidth of the copy kernels against cudaMemcpy of the same bytes, for Qwen3.5-0.8B and 4B shaped chunks, and
+the vLLM connector's worker path (tiercache.connector.vllm.transfer) on them.
 
 For each preset: gather (paged KV -> chunk) and scatter (chunk -> paged KV) of one N-token chunk of all attention
 layers, with vLLM's NHD layout and 16-token blocks in random order, into device memory and into pinned host memory;
@@ -7,6 +8,13 @@ device->device / device->host copy of the same number of bytes (torch `copy_`, i
 and CuPy (run it on a GPU machine):
 
     .venv/bin/python benchmarks/kernels.py [--repeat 50] [--json]
+
+The connector rows time one engine step's saves and one request's load through `Transfers` against a real tiercache
+server (same host): what vLLM's thread waits for in `wait_for_save` (the gathers are queued on a side stream, the put
+runs on a background thread), when the gathered bytes are in pinned staging memory (the copies' bandwidth against a
+device->host memcpy of the same bytes), and a load from the start of its fetch to its report in an idle step (fetch
+into pinned staging, scatter on the load stream) against a host->device memcpy. `--connector --device cpu` runs those
+rows on CPU tensors (the kernels' torch reference): the path's own cost without a GPU.
 """
 
 from __future__ import annotations
@@ -86,23 +94,109 @@ def bench_preset(name: str, repeat: int) -> list[dict]:
              "memcpy_gbps": base, "ratio": gbps / base} for label, gbps, base in rows]
 
 
+def bench_connector(name: str, repeat: int, device: str) -> list[dict]:
+    """One step's saves (4 full blocks + the state at their end) and one request's load of the same objects, through
+    the vLLM connector's Transfers on paged caches shaped like the preset's, against a real server."""
+    import time
+
+    from tiercache.client import Client
+    from tiercache.connector.vllm.layout import EngineGroups, PagedViews
+    from tiercache.connector.vllm.plan import Job, Transfer
+    from tiercache.connector.vllm.transfer import Transfers
+    from tiercache.prefix.objects import ObjectKind, object_ref
+    from tiercache.process import ServerProcess
+
+    layout = preset(name)
+    spec = CacheSpec.for_layout(layout)
+    attention, recurrent = layout.attention_groups[0], layout.recurrent_group
+    n, blocks = spec.chunk_tokens, 16
+    page = n * attention.kv_heads * attention.head_dim * 2 * 2  # K and V, bf16
+    conv, ssm = recurrent.state
+    state_bytes = [conv.size_bytes, ssm.size_bytes]
+    views = PagedViews(
+        attention=(tuple(torch.randint(0, 256, (blocks, page), dtype=torch.uint8, device=device)
+                         for _ in attention.layers),),
+        states=(tuple(torch.randint(0, 256, (blocks, size), dtype=torch.uint8, device=device)
+                      for _ in recurrent.layers for size in state_bytes),))
+    groups = EngineGroups(block_size=n, attention=(0,), mamba=(1,), layer_names=((), ()))
+    server = ServerProcess("--host-mem", "4GiB", "--disk-size", "0").start()
+    try:
+        saver = Transfers(Client.from_url(server.url), groups, spec)
+        saver.register(views)
+        recurrent_index = layout.groups.index(recurrent)
+        synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        waits, gathered, loads, size = [], [], [], 0
+        for round_ in range(max(3, repeat // 10)):
+            hashes = spec.hashes(torch.randint(3, 1000, (4 * n + 1,)).numpy() + round_)
+            transfers = [Transfer(object_ref(spec, hashes, ObjectKind.KV, n * (i + 1), 0), (i,)) for i in range(4)]
+            transfers.append(Transfer(object_ref(spec, hashes, ObjectKind.STATE, 4 * n, recurrent_index), (5,)))
+            job = Job(f"r{round_}", "", tuple(transfers))
+            size = sum(saver.object_bytes(t) for t in transfers)
+            synchronize()
+            started = time.perf_counter()
+            saver.save([job])
+            waits.append(time.perf_counter() - started)  # what vLLM's thread waits for
+            saver._last_put.result()  # the put waited for the gathers' event first
+            gathered.append(time.perf_counter() - started)
+            loader = Transfers(saver.client, groups, spec)
+            loader.register(views)
+            moved = Job(job.req_id, "", tuple(Transfer(t.ref, tuple(b + 8 for b in t.blocks)) for t in transfers))
+            synchronize()
+            started = time.perf_counter()
+            loader.start_loads([moved])
+            while not loader.results(idle=True)[0]:
+                pass
+            loads.append(time.perf_counter() - started)
+            loader.shutdown()
+        saver.shutdown()
+    finally:
+        server.kill()
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=device == "cuda")
+    source = torch.empty(size, dtype=torch.uint8, device=device)
+    d2h = timed_gbps(lambda: host.copy_(source, non_blocking=True), size, repeat) if device == "cuda" else None
+    h2d = timed_gbps(lambda: source.copy_(host, non_blocking=True), size, repeat) if device == "cuda" else None
+    median = statistics.median
+    return [{"preset": name, "copy": f"connector save, vLLM waits ({device})", "bytes": size,
+             "ms": round(median(waits) * 1e3, 3), "gbps": size / median(waits) / 1e9, "memcpy_gbps": d2h},
+            {"preset": name, "copy": f"connector save, put done ({device})", "bytes": size,
+             "ms": round(median(gathered) * 1e3, 3), "gbps": size / median(gathered) / 1e9, "memcpy_gbps": d2h},
+            {"preset": name, "copy": f"connector load ({device})", "bytes": size, "ms": round(median(loads) * 1e3, 3),
+             "gbps": size / median(loads) / 1e9, "memcpy_gbps": h2d}]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--connector", action="store_true", help="only the vLLM connector's worker path")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="for --connector")
     args = parser.parse_args()
+    presets = ("qwen3.5-0.8b", "qwen3.5-4b")
+    if args.connector and args.device == "cpu":
+        rows = [row for name in presets for row in bench_connector(name, args.repeat, "cpu")]
+        _print(rows, "cpu (the kernels' torch reference)", args.json)
+        return
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA device; none is visible here (nothing measured).")
         return
-    rows = [row for name in ("qwen3.5-0.8b", "qwen3.5-4b") for row in bench_preset(name, args.repeat)]
-    if args.json:
-        print(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
-        return
-    print(f"device: {torch.cuda.get_device_name()}")
-    print(f"{'preset':<14}{'copy':<24}{'MiB':>8}{'GB/s':>9}{'memcpy GB/s':>13}{'ratio':>7}")
+    rows = [] if args.connector else [row for name in presets for row in bench_preset(name, args.repeat)]
+    rows += [row for name in presets for row in bench_connector(name, args.repeat, "cuda")]
+    _print(rows, torch.cuda.get_device_name(), args.json)
+
+
+def _print(rows: list[dict], device: str, as_json: bool) -> None:
     for r in rows:
-        print(f"{r['preset']:<14}{r['copy']:<24}{r['bytes'] / 2**20:>8.1f}{r['gbps']:>9.1f}{r['memcpy_gbps']:>13.1f}"
-              f"{r['ratio']:>7.2f}")
+        r["ratio"] = r["gbps"] / r["memcpy_gbps"] if r.get("memcpy_gbps") else None
+    if as_json:
+        print(json.dumps({"device": device, "rows": rows}, indent=2))
+        return
+    print(f"device: {device}")
+    print(f"{'preset':<14}{'copy':<38}{'MiB':>8}{'ms':>9}{'GB/s':>9}{'memcpy GB/s':>13}{'ratio':>7}")
+    for r in rows:
+        ms = f"{r['ms']:>9.3f}" if "ms" in r else f"{'':>9}"
+        base = f"{r['memcpy_gbps']:>13.1f}" if r.get("memcpy_gbps") else f"{'-':>13}"
+        ratio = f"{r['ratio']:>7.2f}" if r.get("ratio") else f"{'-':>7}"
+        print(f"{r['preset']:<14}{r['copy']:<38}{r['bytes'] / 2**20:>8.1f}{ms}{r['gbps']:>9.1f}{base}{ratio}")
 
 
 if __name__ == "__main__":

@@ -67,11 +67,19 @@ class Bench:
         return {"url": cache.url, "model_name": "serve-trace", "lookup_timeout_s": 2.0}
 
     def cache_server(self):
+        """tiercache's server on the cores the engines do not compute on (inherited from this process at its start),
+        as docs/vllm.md advises for CPU inference."""
         from tiercache.process import ServerProcess, free_port
 
         metrics = free_port()
         server = ServerProcess("--host-mem", f"{self.args.host_mib}MiB", "--disk-size", "0",
-                               "--metrics-port", str(metrics)).start()
+                               "--metrics-port", str(metrics))
+        mine = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, spare_cpus(os.cpu_count() or 2))
+        try:
+            server.start()
+        finally:
+            os.sched_setaffinity(0, mine)
         server.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
         return server
 
@@ -170,6 +178,11 @@ def compute_cpus(cores: int) -> str:
     connector is configured, and on a 2-core machine it then keeps none: the connector's arms would compute on more
     cores than vLLM alone's, and fight its scheduler for them.)"""
     return "0" if cores <= 2 else f"0-{cores - 2}"
+
+
+def spare_cpus(cores: int) -> set[int]:
+    """The cores compute_cpus leaves free."""
+    return {cores - 1} if cores > 1 else {0}
 
 
 def halves(cores: int) -> tuple[str, str]:

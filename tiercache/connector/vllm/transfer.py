@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -64,8 +65,8 @@ class Transfers:
         self.max_pending_save_bytes = max_pending_save_bytes
         self.stats = WorkerStats()
         self.views: PagedViews | None = None
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="tiercache-load")
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="tiercache-save")
+        self._loader: ThreadPoolExecutor | None = None  # made by register(), on cores vLLM does not compute on
+        self._saver: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._loaded: set[str] = set()
         self._failed: set[str] = set()
@@ -81,6 +82,12 @@ class Transfers:
 
     def register(self, views: PagedViews) -> None:
         self.views = views
+        # vLLM's CPU backend binds the worker's compute threads to cores, and threads inherit the binding: the
+        # fetching and putting threads would take their CPU time from the forward pass. They run on the other cores
+        # of the machine when there are any (with nothing bound, as on GPU workers, nothing changes).
+        elsewhere = _off_compute_cores()
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="tiercache-load", initializer=elsewhere)
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="tiercache-save", initializer=elsewhere)
         cuda = views.device.type == "cuda"
         if cuda:
             self._load_stream = torch.cuda.Stream(views.device)
@@ -337,6 +344,8 @@ class Transfers:
 
     def shutdown(self, flush_s: float = FLUSH_TIMEOUT_S) -> None:
         """Finish the saves already gathered (bounded: a hung server must not hang vLLM's exit), then stop."""
+        if self.views is None:
+            return
         if not self.drain(flush_s):
             log.warning("tiercache: saves still pending after %.0f s at shutdown are dropped", flush_s)
         self._loader.shutdown(wait=False, cancel_futures=True)
@@ -446,3 +455,22 @@ def _by_pools(transfers) -> list[list[int]]:
 def _pool_key(transfer: Transfer) -> tuple:
     """Which pools an object lives in: the states (-1), or one attention group's pages (its group)."""
     return (-1,) if transfer.ref.kind is ObjectKind.STATE else (transfer.ref.group,)
+
+
+def _off_compute_cores():
+    """A thread initializer that moves a thread off the cores this thread is bound to, or None when it is bound to
+    every core there is (or the platform has no affinity calls)."""
+    try:
+        bound = os.sched_getaffinity(0)
+        others = set(range(os.cpu_count() or 1)) - bound
+    except (AttributeError, OSError):
+        return None
+    if not others:
+        return None
+
+    def move() -> None:
+        try:
+            os.sched_setaffinity(0, others)
+        except OSError:  # a cpuset that excludes them: stay where vLLM put us
+            pass
+    return move
