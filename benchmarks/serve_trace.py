@@ -383,11 +383,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)} "
                         f"(noreuse runs {', '.join(NOREUSE_ARMS)}; each may be named alone)")
     parser.add_argument("--start", type=int, default=0, help="first request of the trace replayed")
-    parser.add_argument("--max-requests", type=int, default=200, help="requests replayed per arm")
+    parser.add_argument("--max-requests", type=int, default=160, help="requests replayed per arm")
     parser.add_argument("--conversations", type=int, default=8, metavar="K",
                         help="keep one conversation in K (whole conversations: later turns keep their reuse)")
-    parser.add_argument("--time-scale", type=float, default=0.25,
-                        help="arrival times are multiplied by this (0.25 replays the slice at 4x the trace's rate)")
+    parser.add_argument("--time-scale", type=float, default=0.35,
+                        help="arrival times are multiplied by this (0.35 replays the slice at ~3x the trace's rate)")
     parser.add_argument("--max-input-tokens", type=int, default=4096, help="prompts keep at most their first T tokens")
     parser.add_argument("--max-output-tokens", type=int, default=16, help="tokens generated per request, at most")
     parser.add_argument("--kv-cache-mib", type=int, default=64,
