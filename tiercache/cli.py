@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--redis-url names a node of a Redis Cluster")
     serve.add_argument("--write-through", action="store_true", default=None,
                        help="also write every chunk to Redis at once (cross-node sharing)")
-    serve.add_argument("--max-chunk-size", type=_size, metavar="SIZE", help="largest chunk accepted (default 64MiB)")
+    serve.add_argument("--max-chunk-size", type=_size, metavar="SIZE",
+                       help="largest chunk accepted (default 256MiB: the largest state of the models docs/deploy.md "
+                            "sizes)")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: off)")
     serve.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
     serve.add_argument("--disk-fsync", action="store_true", default=None,

@@ -35,6 +35,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiercache.client import BreakerPolicy, Client
 from tiercache.client.retry import RetryPolicy
+from tiercache.connector.limits import check_spec
 from tiercache.connector.prefix_cache import PrefixCache
 from tiercache.connector.vllm.identity import engine_identity
 from tiercache.connector.vllm.layout import engine_groups, model_layout, paged_views
@@ -144,6 +145,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             lookups = Client.from_url(settings.url, token=settings.token, tls_ca_file=settings.tls_ca_file,
                                       timeout_s=settings.lookup_timeout_s, retry=RetryPolicy(attempts=1),
                                       breaker=breaker)
+            # Every rank's objects are the same size: the scheduler checks them once, before the engine serves.
+            check_spec(lookups, self.spec, "TierCacheConnector")
             cache = PrefixCache(lookups, self.spec, all_ranks=True)
             self._planner = Planner(cache, self.groups)
             _SCHEDULERS.add(self)
