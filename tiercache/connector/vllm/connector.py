@@ -1,6 +1,6 @@
 """tiercache as a vLLM KV connector (vLLM 0.33, V1 engine, hybrid memory allocator):
 
-    vllm serve Qwen/Qwen3.5-0.8B --enable-prefix-caching --mamba-cache-mode align \\
+    vllm serve Qwen/Qwen3.5-0.8B --enable-prefix-caching \\
         --prefix-match-unit 16 --prefix-cache-retention-interval 544 \\
         --kv-transfer-config '{"kv_connector": "TierCacheConnector",
                                "kv_connector_module_path": "tiercache.connector.vllm",
@@ -10,7 +10,10 @@
 `kv_connector_extra_config` keys (all optional): `url` (default $TIERCACHE_URL, else grpc://127.0.0.1:50051),
 `token`, `tls_ca_file`, `model_name` (default: the served model), `revision`, `match_unit` (u, default 16 when it
 divides the block size, else the block size), `salt`, `weights_id`, `timeout_s`, `lookup_timeout_s`,
-`offline_backoff_s`, `max_pending_save_bytes`, `max_boundary_states`. The rules (what is loaded, what is saved,
+`offline_backoff_s`, `max_pending_save_bytes`, `max_boundary_states`. Prefix caching (on by default) puts the Mamba
+groups in the 'align' mode the connector needs; `--mamba-cache-mode` decides nothing (deprecated in 0.33; 0.32 derives
+the mode from prefix caching). At startup the scheduler's connector checks that its largest object fits the server's
+chunk limit (tiercache.connector.limits). The rules (what is loaded, what is saved,
 when) are in tiercache.connector.vllm.plan; the copies in tiercache.connector.vllm.transfer; the namespace's identity in
 tiercache.connector.vllm.identity.
 """
