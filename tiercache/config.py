@@ -192,9 +192,12 @@ class ServerConfig:
     data_port: int = 0
     max_data_connections: int = 512  # data connections open at once, all clients together (a thread and a file each)
     max_data_connections_per_peer: int = 128  # from one host (clients pool a few each: 4 per client by default)
+    stats_log_interval_s: float = 60.0  # an INFO line with lookups and hit % this often when there was traffic; 0: off
 
     def __post_init__(self) -> None:
         _require(self.lease_ttl_s > 0, "server.lease_ttl_s must be positive")
+        _require(0 <= self.stats_log_interval_s < float("inf"),
+                 "server.stats_log_interval_s must be 0 (off) or a positive number of seconds")
         _require(0 <= self.port <= 65535, f"server.port must be 0..65535, got {self.port}")
         _require(0 <= self.data_port <= 65535, f"server.data_port must be 0..65535, got {self.data_port}")
         _require(self.max_data_connections >= 1, "server.max_data_connections must be >= 1")
