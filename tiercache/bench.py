@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from tiercache.client import Client
 from tiercache.client.probe import require_server
+from tiercache.connector.limits import check_spec
 from tiercache.connector.prefix_cache import PrefixCache
 from tiercache.prefix.objects import CacheSpec, ObjectRef
 from tiercache.prefix.presets import preset
@@ -181,6 +182,7 @@ def run_cliff(client: Client, *, preset_name: str, repeats: int, turns: int, sys
     """`tp_size`: the engine runs the model tensor-parallel; this simulates rank 0, whose objects are 1/tp_size of
     the KV heads and recurrent state (each rank saves its own)."""
     spec = CacheSpec.for_layout(preset(preset_name, tp_size=tp_size))
+    check_spec(client, spec, "bench cliff")  # a server that would refuse the states: one line now, not a failed run
     engine = SimulatedEngine(PrefixCache(client, spec), seed)
     rng = np.random.default_rng(seed)
     shares = [k / 10 for k in range(1, 10)]

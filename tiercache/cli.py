@@ -36,6 +36,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     # Cheap to import: no thread may start before `serve` blocks its signals (see serve; tests/test_cli.py checks).
     from tiercache import __version__
@@ -66,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--redis-url names a node of a Redis Cluster")
     serve.add_argument("--write-through", action="store_true", default=None,
                        help="also write every chunk to Redis at once (cross-node sharing)")
-    serve.add_argument("--max-chunk-size", type=_size, metavar="SIZE", help="largest chunk accepted (default 64MiB)")
+    serve.add_argument("--max-chunk-size", type=_size, metavar="SIZE",
+                       help="largest chunk accepted (default 256MiB: the largest state of the models docs/deploy.md "
+                            "sizes)")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: off)")
     serve.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
     serve.add_argument("--disk-fsync", action="store_true", default=None,
@@ -79,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-client-ca", metavar="FILE", help="require client certificates from this CA (mTLS)")
     serve.add_argument("--tenants-file", metavar="FILE", help="bearer tokens -> tenants (YAML); turns on auth")
     serve.add_argument("--health-port", type=int, help="plaintext grpc.health.v1 port for probes (default: off)")
+    serve.add_argument("--stats-log-interval", type=_seconds, metavar="SECONDS",
+                       help="log lookups and hit %% this often when there was traffic (default 60; 0: off)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                        help="least severe log lines shown (default INFO)")
 
@@ -145,7 +159,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "redis.password_file": args.redis_password_file, "redis.tls_ca_file": args.redis_tls_ca,
         "security.tls_cert_file": args.tls_cert, "security.tls_key_file": args.tls_key,
         "security.tls_client_ca_file": args.tls_client_ca, "security.tenants_file": args.tenants_file,
-        "security.health_port": args.health_port,
+        "security.health_port": args.health_port, "server.stats_log_interval_s": args.stats_log_interval,
     })
 
 

@@ -18,7 +18,10 @@ from tiercache.errors import ConfigError
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
 # Defaults the client shares with the server (a client talks to servers on their defaults unless told otherwise).
-DEFAULT_MAX_CHUNK_BYTES = 64 * MiB  # the largest chunk a server takes (server.max_chunk_bytes)
+# The largest chunk a server takes (server.max_chunk_bytes). It must hold the largest object of every model the docs
+# name (docs/deploy.md, "Sizing"): a Qwen3.5-397B-A17B state is 183.2 MiB on one rank, Qwen3.5/3.6-27B's 146.8 MiB;
+# 64 MiB refused both (issue 24). A Put stream holds up to this much while it assembles a chunk (server.limits).
+DEFAULT_MAX_CHUNK_BYTES = 256 * MiB
 DEFAULT_FRAME_BYTES = MiB  # gRPC data frames: grpcio streams 1 MiB frames ~10x faster than one large message
 DEFAULT_LEASE_TTL_S = 30.0  # same-host reservations and read pins not committed / released by then are taken back
 
@@ -189,9 +192,12 @@ class ServerConfig:
     data_port: int = 0
     max_data_connections: int = 512  # data connections open at once, all clients together (a thread and a file each)
     max_data_connections_per_peer: int = 128  # from one host (clients pool a few each: 4 per client by default)
+    stats_log_interval_s: float = 60.0  # an INFO line with lookups and hit % this often when there was traffic; 0: off
 
     def __post_init__(self) -> None:
         _require(self.lease_ttl_s > 0, "server.lease_ttl_s must be positive")
+        _require(0 <= self.stats_log_interval_s < float("inf"),
+                 "server.stats_log_interval_s must be 0 (off) or a positive number of seconds")
         _require(0 <= self.port <= 65535, f"server.port must be 0..65535, got {self.port}")
         _require(0 <= self.data_port <= 65535, f"server.data_port must be 0..65535, got {self.data_port}")
         _require(self.max_data_connections >= 1, "server.max_data_connections must be >= 1")

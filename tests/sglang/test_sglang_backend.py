@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 from tiercache.client import Client
 from tiercache.connector.sglang import TierCacheStorage
+from tiercache.errors import InvalidArgument
 from tiercache.process import ServerProcess
 from tiercache.record.keys import salt_suffix
 
@@ -344,6 +345,25 @@ def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_a_pool_whose_pages_the_server_would_refuse_is_refused_when_sglang_registers_it():
+    """The one refusal the backend makes (issue 24): at SGLang's start, in one line naming the flag, instead of every
+    later write being dropped with a refusal in the log. Pools whose pages fit are registered as before."""
+    kv, mamba = mha_host(), mamba_host()
+    sizes = {name: page.numel() * page.element_size()
+             for name, page in (("kv", kv.get_dummy_flat_data_page()), ("mamba", mamba.get_dummy_flat_data_page()))}
+    limit = sizes["kv"] - 1
+    with ServerProcess("--host-mem", "16MiB", "--disk-size", "0", "--max-chunk-size", str(limit)) as small:
+        backend = tiercache_backend(small.url, "small/limit")
+        with pytest.raises(InvalidArgument) as refused:
+            backend.register_mem_pool_host(kv)
+        assert "\n" not in str(refused.value)
+        assert str(refused.value).startswith(f"TierCacheStorage: a kv page of small/limit is {sizes['kv']} B")
+        assert "`tiercache serve --max-chunk-size 1MiB` (server.max_chunk_bytes)" in str(refused.value)
+        if sizes["mamba"] <= limit:
+            backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+        backend.close()
 
 
 def test_a_dead_server_gives_misses_and_false_never_an_exception(caplog):

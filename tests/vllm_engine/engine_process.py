@@ -66,8 +66,10 @@ def make_engine(options: dict):
         settings["kv_transfer_config"] = KVTransferConfig(
             kv_connector="TierCacheConnector", kv_connector_module_path="tiercache.connector.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=connector)
-    defaults = dict(skip_tokenizer_init=True, dtype="bfloat16", enable_prefix_caching=True, mamba_cache_mode="align",
-                    prefix_match_unit=16, enforce_eager=True, max_num_batched_tokens=2048, max_model_len=32768,
+    # No mamba_cache_mode: vLLM 0.32 sets 'align' from enable_prefix_caching (0.33 deprecates the flag), so every
+    # engine here shows that prefix caching alone is what the connector needs (docs/vllm.md).
+    defaults = dict(skip_tokenizer_init=True, dtype="bfloat16", enable_prefix_caching=True, prefix_match_unit=16,
+                    enforce_eager=True, max_num_batched_tokens=2048, max_model_len=32768,
                     kv_cache_memory_bytes=256 << 20, distributed_executor_backend="uni", seed=0)
     return LLM(**{**defaults, **settings})
 

@@ -320,6 +320,12 @@ class Client:
     def stats(self) -> dict:
         return stats_dict(self._call(lambda timeout: self._stub.Stats(pb.StatsRequest(), timeout=timeout)))
 
+    def server_max_chunk_bytes(self) -> int:
+        """The largest chunk the server takes (its server.max_chunk_bytes, from its Attach answer: asked once); 0
+        when the server is too old to say. Connectors check their largest object against it at startup."""
+        with self._attach_lock:
+            return self._attach().max_chunk_bytes
+
     def close(self) -> None:
         if self._releases is not None:
             self._releases.close()  # sends what is pending while the channel is still open
@@ -369,8 +375,10 @@ class Client:
             if address is None:
                 self._data_retry_at = time.monotonic() + DATA_CHANNEL_RETRY_S
                 return None, False
+            # The server's own limit where it is larger than ours: reads of its largest chunks must not be refused.
             self._data = DataChannel(address, token=self._security.token, tls=tls,
-                                     server_name=self._security.tls_server_name, max_chunk_bytes=self._max_chunk_bytes)
+                                     server_name=self._security.tls_server_name,
+                                     max_chunk_bytes=max(self._max_chunk_bytes, reply.max_chunk_bytes))
             return self._data, True
 
     def _forget_data_channel(self, channel: DataChannel) -> None:

@@ -22,6 +22,7 @@ from tiercache.server.leases import LeaseTable
 from tiercache.server.metrics import Metrics
 from tiercache.server.rpc import service_handler
 from tiercache.server.servicer import TierCacheServicer
+from tiercache.server.stats_log import StatsLog
 from tiercache.store.tiered import TieredStore
 
 
@@ -132,8 +133,20 @@ class CacheServer:
         self.port = 0
         self.health_port: int | None = None
         self.metrics_port: int | None = None
+        self.stats_log: StatsLog | None = None
 
     def start(self) -> "CacheServer":
+        cfg = self.config.server
+        if cfg.stats_log_interval_s:  # its first snapshot before any RPC is served: every lookup is in a line
+            self.stats_log = StatsLog(self.store, cfg.stats_log_interval_s).start()
+        try:
+            return self._start_serving()
+        except BaseException:
+            if self.stats_log is not None:
+                self.stats_log.stop()
+            raise
+
+    def _start_serving(self) -> "CacheServer":
         cfg = self.config.server
         if cfg.data_channel:  # before gRPC: an Attach answered during start must already name its port
             self.data_plane = DataPlane(self.config, self.store, self.metrics, self.tenants,
@@ -208,6 +221,8 @@ class CacheServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self.stats_log is not None:
+            self.stats_log.stop()
         if self._loop_thread is not None and self._loop_thread.is_alive():
             self._on_loop(self._stop(grace_s))
             self._stop_loop()

@@ -60,7 +60,10 @@ class StoreCollector:
                                   value=lookups.requested_tokens)
         hits = CounterMetricFamily("tiercache_lookup_hit_tokens", "Prompt tokens reused, by the tier they came from",
                                    labels=["tier"])
-        for tier, n in sorted(lookups.hit_tokens_by_tier.items()):
+        # Every tier from the start, at 0 until a lookup hits there: a family without samples is no series at all,
+        # so a dashboard or a `rate()` had nothing to show (and nothing to tell "no hits" from "not scraped").
+        by_tier = {tier.name: 0 for tier in stats.tiers} | dict(lookups.hit_tokens_by_tier)
+        for tier, n in sorted(by_tier.items()):
             hits.add_metric([tier], n)
         yield hits
         used = GaugeMetricFamily("tiercache_namespace_used_bytes", "Bytes held in local tiers per namespace",

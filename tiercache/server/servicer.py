@@ -224,11 +224,12 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         data_port, data_unix_socket = self._data_channel()
         same_host = self.store.same_host
         if same_host is None or not tenant.same_host:  # not an error: the client uses the data channel or Put/Get
-            return pb.AttachResponse(available=False, data_port=data_port, data_unix_socket=data_unix_socket)
+            return pb.AttachResponse(available=False, data_port=data_port, data_unix_socket=data_unix_socket,
+                                     max_chunk_bytes=self._max_chunk_bytes)
         arena = same_host.arena
         return pb.AttachResponse(available=True, path=arena.path, size_bytes=arena.size_bytes, inode=arena.inode,
                                  lease_ttl_s=self.leases.ttl_s, data_port=data_port,
-                                 data_unix_socket=data_unix_socket)
+                                 data_unix_socket=data_unix_socket, max_chunk_bytes=self._max_chunk_bytes)
 
     def _same_host(self, tenant: Tenant, instead: str) -> SameHostPath:
         if self.store.same_host is None:

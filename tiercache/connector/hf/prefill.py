@@ -23,6 +23,7 @@ import xxhash
 
 from tiercache.client import Client
 from tiercache.connector.hf.cache import build_cache, derive_layout, holds, object_payload, state_payload
+from tiercache.connector.limits import check_spec
 from tiercache.connector.prefix_cache import PrefixCache
 from tiercache.prefix.admission import plan_prompt_admission
 from tiercache.prefix.objects import CacheSpec, ObjectKind
@@ -74,6 +75,7 @@ class CachedPrefill:
         self.spec = CacheSpec.for_layout(self.layout, match_unit=self.options.match_unit,
                                          chunk_tokens=self.options.chunk_tokens, salt=self.options.salt,
                                          max_boundary_states=self.options.max_boundary_states)
+        check_spec(client, self.spec, "CachedPrefill")
         self.cache = PrefixCache(client, self.spec)
         self.refusal = continuation_refusal(model, verify=self.options.verify_continuation)
         self.last_timings: dict[str, float] = {}  # seconds of the last prefill: lookup, load, compute, save

@@ -17,7 +17,9 @@ SGLang uses it when `interface_v1` is set) and v2 for hybrid models (`batch_exis
 `batch_set_v2`: Mamba states and SWA windows beside the KV, each page of a pool an object; Mamba states are stored
 as recurrent-state objects, under the server's state budget). SGLang calls these from its prefetch and backup
 threads: every call is thread-safe, and none raises — an unreachable server is a miss or a failed write (the
-client's circuit breaker turns a dead server into instant misses), logged once per outage.
+client's circuit breaker turns a dead server into instant misses), logged once per outage. The one refusal is at
+SGLang's start: a host pool whose pages are larger than the server's chunk limit is refused when SGLang registers it,
+with one line naming `--max-chunk-size` (tiercache.connector.limits).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from tiercache.client import BreakerPolicy, Chunk, Client
 from tiercache.client.retry import RetryPolicy
 from tiercache.config import refuse_unknown
+from tiercache.connector.limits import check_fits
 from tiercache.connector.sglang import naming
 from tiercache.errors import CircuitOpen, TierCacheError, Unavailable
 from tiercache.record.encoding import CLASS_KV, CLASS_STATE, ChunkMeta
@@ -134,12 +137,25 @@ class TierCacheStorage(HiCacheStorage):
     # -- registration -----------------------------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
+        self._check_page_size(mem_pool_host, "kv")
         self.mem_pool_host = mem_pool_host
         self._pools.clear()
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        self._check_page_size(host_pool, str(host_pool_name))
         self.registered_pools[str(host_pool_name)] = host_pool
         self._pools.pop(str(host_pool_name), None)
+
+    def _check_page_size(self, host_pool, pool_name: str) -> None:
+        """Refuse, while SGLang starts (it registers its pools then), a pool whose pages the server would refuse:
+        the one exception this backend raises (tiercache.connector.limits). A pool that cannot show a page is left
+        to fail its transfers, as they do."""
+        try:
+            page = host_pool.get_dummy_flat_data_page()
+        except Exception:  # noqa: BLE001 - any pool SGLang may register; its transfers answer for it
+            return
+        check_fits(self.client, page.numel() * page.element_size(),
+                   f"TierCacheStorage: a {pool_name} page of {self.model}")
 
     def _kv(self, encoding: str) -> "_Pool":
         """The KV pool's place: `flat` pages (v0, v2) or `v1` regions; a namespace each (their bytes differ)."""

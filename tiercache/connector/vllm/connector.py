@@ -1,6 +1,6 @@
 """tiercache as a vLLM KV connector (vLLM 0.33, V1 engine, hybrid memory allocator):
 
-    vllm serve Qwen/Qwen3.5-0.8B --enable-prefix-caching --mamba-cache-mode align \\
+    vllm serve Qwen/Qwen3.5-0.8B --enable-prefix-caching \\
         --prefix-match-unit 16 --prefix-cache-retention-interval 544 \\
         --kv-transfer-config '{"kv_connector": "TierCacheConnector",
                                "kv_connector_module_path": "tiercache.connector.vllm",
@@ -10,7 +10,10 @@
 `kv_connector_extra_config` keys (all optional): `url` (default $TIERCACHE_URL, else grpc://127.0.0.1:50051),
 `token`, `tls_ca_file`, `model_name` (default: the served model), `revision`, `match_unit` (u, default 16 when it
 divides the block size, else the block size), `salt`, `weights_id`, `timeout_s`, `lookup_timeout_s`,
-`offline_backoff_s`, `max_pending_save_bytes`, `max_boundary_states`. The rules (what is loaded, what is saved,
+`offline_backoff_s`, `max_pending_save_bytes`, `max_boundary_states`. Prefix caching (on by default) puts the Mamba
+groups in the 'align' mode the connector needs; `--mamba-cache-mode` decides nothing (deprecated in 0.33; 0.32 derives
+the mode from prefix caching). At startup the scheduler's connector checks that its largest object fits the server's
+chunk limit (tiercache.connector.limits). The rules (what is loaded, what is saved,
 when) are in tiercache.connector.vllm.plan; the copies in tiercache.connector.vllm.transfer; the namespace's identity in
 tiercache.connector.vllm.identity.
 """
@@ -35,6 +38,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiercache.client import BreakerPolicy, Client
 from tiercache.client.retry import RetryPolicy
+from tiercache.connector.limits import check_spec
 from tiercache.connector.prefix_cache import PrefixCache
 from tiercache.connector.vllm.identity import engine_identity
 from tiercache.connector.vllm.layout import engine_groups, model_layout, paged_views
@@ -144,6 +148,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             lookups = Client.from_url(settings.url, token=settings.token, tls_ca_file=settings.tls_ca_file,
                                       timeout_s=settings.lookup_timeout_s, retry=RetryPolicy(attempts=1),
                                       breaker=breaker)
+            # Every rank's objects are the same size: the scheduler checks them once, before the engine serves.
+            check_spec(lookups, self.spec, "TierCacheConnector")
             cache = PrefixCache(lookups, self.spec, all_ranks=True)
             self._planner = Planner(cache, self.groups)
             _SCHEDULERS.add(self)

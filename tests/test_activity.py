@@ -1,0 +1,99 @@
+"""How an operator sees that hits happen (issue 24, docs/first-deployment.md): the server's periodic activity line,
+written only after traffic, and `tiercache_lookup_hit_tokens_total` exported at 0 for every tier from the start.
+Real server processes; the tests wait for what they look for, never for a time."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import urllib.request
+
+import numpy as np
+import pytest
+
+from tests.helpers import ServerProcess, free_port, python_env, wait_for
+from tiercache.client import Client
+from tiercache.config import ConfigError, from_mapping
+from tiercache.connector import PrefixCache
+from tiercache.prefix.objects import CacheSpec
+from tiercache.prefix.presets import gated_deltanet_layout
+from tiercache.server.stats_log import activity_line
+from tiercache.store.stats import LookupStats, StoreStats, TierStats
+
+LAYOUT = gated_deltanet_layout("tiny/hybrid", layers=4, full_attention_interval=2, kv_heads=1, head_dim=8,
+                               key_heads=1, value_heads=2, key_dim=4, value_dim=4, conv_kernel=4)
+
+
+LINE = re.compile(r"activity \(last \d+ s\): (\d+) lookups?, ([\d,]+) of ([\d,]+) prompt tokens hit \([\d.]+%[^)]*\)"
+                  r"(?:; ([\d,]+) reads?, ([\d.]+)% found)?; "
+                  r"since start: (\d+) lookups?, ([\d.]+)% of prompt tokens hit")
+
+
+def _activity(output: str) -> list[re.Match]:
+    lines = [line.split("tiercache.server.activity: ", 1)[1] for line in output.splitlines()
+             if "tiercache.server.activity: " in line]
+    matches = [LINE.fullmatch(line) for line in lines]
+    assert all(matches), lines
+    return matches
+
+
+def _number(text: str | None) -> int:
+    return int(text.replace(",", "")) if text else 0
+
+
+def test_the_server_logs_lookups_and_hits_after_traffic_and_nothing_while_idle():
+    with ServerProcess("--host-mem", "32MiB", "--disk-size", "0", "--stats-log-interval", "0.1") as server:
+        spec = CacheSpec.for_layout(LAYOUT)
+        tokens = np.random.default_rng(1).integers(0, 1000, 100)
+        with Client.from_url(server.url) as client:
+            cache = PrefixCache(client, spec)
+            first = cache.lookup(tokens)
+            cache.save({ref: b"\x07" * spec.object_bytes(ref) for ref in cache.plan_prompt(first).objects})
+            second = cache.lookup(tokens)
+            assert second.hit.tokens == 99
+            loaded = cache.load(second.hit)
+            assert loaded
+            wait_for(lambda: sum(_number(m.group(4)) for m in _activity(server.output())) == len(loaded),
+                     timeout_s=30, what="activity lines counting both lookups and every read")
+        lines = _activity(server.output())
+    # Lines cover the intervals with traffic only (an idle one writes nothing), and add up to what happened.
+    assert all(_number(m.group(1)) or _number(m.group(4)) for m in lines)
+    assert [sum(_number(m.group(i)) for m in lines) for i in (1, 2, 3)] == [2, 99, 200]
+    assert all(m.group(5) in (None, "100.0") for m in lines)
+    assert (lines[-1].group(6), lines[-1].group(7)) == ("2", "49.5")
+
+
+def _tier(name: str, hits: int = 0, misses: int = 0) -> TierStats:
+    return TierStats(name, True, 0, 0, 0, hits, misses, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+def test_the_activity_line_counts_what_changed_since_the_last_one():
+    before = StoreStats((_tier("host", 5, 1), _tier("disk", 1, 0)), (), LookupStats(3, 300, {"host": 200}))
+    assert activity_line(before, before, 60) is None  # no lookup, no read: nothing to say
+    after = StoreStats((_tier("host", 7, 3), _tier("disk", 2, 1)), (),
+                       LookupStats(4, 1_300, {"host": 900, "disk": 100}))
+    assert activity_line(before, after, 60.2) == (
+        "activity (last 60 s): 1 lookup, 800 of 1,000 prompt tokens hit (80.0%: host 700, disk 100); 4 reads, 75.0% "
+        "found; since start: 4 lookups, 76.9% of prompt tokens hit")
+
+
+def test_the_interval_is_checked_where_it_is_given():
+    with pytest.raises(ConfigError, match="server.stats_log_interval_s"):
+        from_mapping({"server": {"stats_log_interval_s": -1}})
+    wrong = subprocess.run([sys.executable, "-m", "tiercache", "serve", "--stats-log-interval", "soon"],
+                           capture_output=True, text=True, timeout=60, env=python_env())
+    assert wrong.returncode == 2 and "--stats-log-interval: expected seconds >= 0, got 'soon'" in wrong.stderr
+
+
+def test_lookup_hit_tokens_are_exported_at_zero_for_every_tier_from_the_start(tmp_path):
+    """Before, the family had no samples until the first lookup that hit: no series, so a dashboard or a rate()
+    showed no data instead of 0%."""
+    port = free_port()
+    with ServerProcess("--host-mem", "32MiB", "--disk-dir", str(tmp_path / "disk"), "--disk-size", "64MiB",
+                       "--metrics-port", str(port)):
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for line in ('tiercache_lookup_hit_tokens_total{tier="host"} 0.0',
+                 'tiercache_lookup_hit_tokens_total{tier="disk"} 0.0',
+                 "tiercache_lookups_total 0.0", "tiercache_lookup_requested_tokens_total 0.0"):
+        assert line in text.splitlines(), line

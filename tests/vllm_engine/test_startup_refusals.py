@@ -1,0 +1,36 @@
+"""What the connector refuses at an engine's start, on vLLM's real engine (issue 24): a cache server whose chunk limit
+is below the model's largest object, and an engine whose Mamba groups are not in align mode (prefix caching turned
+off) — each in one line naming the flag that fixes it. (Every other engine of these tests passes no
+mamba_cache_mode: prefix caching alone gives the connector align mode on vLLM 0.32.)"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.helpers import ServerProcess
+
+
+def _refused(four_layer, name: str, url: str, **options) -> str:
+    with pytest.raises(RuntimeError):
+        four_layer.start(name, url, **options)
+    return (four_layer.logs / f"{four_layer.model.name}-{name}.log").read_text(errors="replace")
+
+
+def test_a_server_whose_chunk_limit_is_below_the_largest_object_is_refused_at_start(four_layer):
+    with ServerProcess("--host-mem", "16MiB", "--disk-size", "0", "--max-chunk-size", "64KiB") as server:
+        log = _refused(four_layer, "small-chunk-limit", server.url)
+    # The 4-layer model's largest object is a kv chunk (2 attention layers x 256 tokens: 256 KiB; its state is 70 KiB).
+    assert re.search(r"TierCacheConnector: a kv chunk of vllm:\S+ \(N=256\) is 256\.0 KiB \(262144 bytes\), above "
+                     r"the 64\.0 KiB chunk limit of the tiercache server at \S+: start it with `tiercache serve "
+                     r"--max-chunk-size 1MiB` \(server\.max_chunk_bytes\)", log), log[-3000:]
+
+
+def test_an_engine_without_prefix_caching_is_refused_naming_the_flag_for_its_version(four_layer, cache_server):
+    import vllm
+
+    log = _refused(four_layer, "no-prefix-caching", cache_server.url, enable_prefix_caching=False,
+                   prefix_cache_retention_interval=0)
+    assert (f"TierCacheConnector needs vLLM's Mamba cache mode 'align', got 'none' (no state kept per block): "
+            f"start vLLM with --enable-prefix-caching (vLLM {vllm.__version__} derives the mode from it") in log
