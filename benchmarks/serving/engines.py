@@ -47,7 +47,7 @@ class EngineSettings:
     def arguments(self) -> list[str]:
         """The flags docs/vllm.md recommends for a hybrid model, the KV cache sized as given."""
         args = ["--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager", "--seed", "0",
-                "--enable-prefix-caching", "--mamba-cache-mode", "align", "--prefix-match-unit", "16",
+                "--enable-prefix-caching", "--prefix-match-unit", "16",
                 "--prefix-cache-retention-interval", str(self.block_size),
                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),
                 "--max-model-len", str(self.max_model_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
