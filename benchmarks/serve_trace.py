@@ -358,7 +358,12 @@ def write_plot(report: dict, json_path: str | None, path: str) -> None:
         if not json_path:
             Path(source).write_text(json.dumps(report))
         python = ROOT / ".venv" / "bin" / "python"
-        subprocess.run([str(python), __file__, "--plot-from", source, "--plot", path], check=True)
+        command = [str(python), __file__, "--plot-from", source, "--plot", path]
+        if not python.exists():
+            print(f"no matplotlib here and no {python}: plot later with {' '.join(command[1:])} (any venv with "
+                  f"matplotlib)", file=sys.stderr)
+            return
+        subprocess.run(command, check=True)
         return
     plot(report, path)
 

@@ -3,9 +3,12 @@ Redis servers and clusters for the tests are in tests/redis_processes.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterator
 
 from tiercache.process import ServerProcess, free_port
 
@@ -26,3 +29,20 @@ def python_env() -> dict:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mount_point: Path, size: str = "4m") -> Iterator[Path]:
+    """A real tmpfs of `size` at `mount_point` (a full filesystem, a too small /dev/shm), unmounted afterwards; the
+    test is skipped where this user may not mount (root may, as on our CI machines)."""
+    import pytest
+
+    mount_point.mkdir(exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import mounted_tmpfs, wait_for
 from tiercache.client import Client
 from tiercache.client.retry import RetryPolicy
 from tiercache.config import KiB, MiB
@@ -284,15 +284,9 @@ def test_a_disk_read_error_is_a_counted_miss(start_server, monkeypatch):
 
 @pytest.fixture
 def tiny_filesystem(tmp_path):
-    """A real 4 MiB tmpfs, so the disk tier meets a real ENOSPC (needs mount rights: root, as on our CI machines)."""
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+    """A real 4 MiB tmpfs, so the disk tier meets a real ENOSPC."""
+    with mounted_tmpfs(tmp_path / "tiny") as mount_point:
+        yield mount_point
 
 
 def test_a_really_full_filesystem_under_a_larger_cap(start_server, tiny_filesystem):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ServerProcess, python_env, wait_for
+from tests.helpers import ServerProcess, mounted_tmpfs, python_env, wait_for
 from tiercache.client import Client
 from tiercache.config import MiB
 from tiercache.errors import ConfigError, StartCancelled
@@ -91,15 +91,9 @@ def test_a_host_tier_larger_than_the_memory_is_one_line_and_exit_2():
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """A real 4 MiB tmpfs, a /dev/shm too small for the arenas below (needs mount rights: root, as on our CI)."""
-    mount_point = tmp_path / "shm"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    yield mount_point
-    subprocess.run(["umount", str(mount_point)], check=True)
+    """A real 4 MiB tmpfs, a /dev/shm too small for the arenas below."""
+    with mounted_tmpfs(tmp_path / "shm") as mount_point:
+        yield mount_point
 
 
 def test_a_host_tier_larger_than_dev_shm_is_refused_with_what_to_do(small_tmpfs):

@@ -12,8 +12,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import aiohttp
-
 from benchmarks.serving.trace import TraceRequest
 
 
@@ -33,6 +31,8 @@ async def replay(requests: Sequence[TraceRequest], servers: Sequence[str], model
                  ) -> tuple[list[Outcome], float]:
     """Send every request at its arrival time (offset from now) to `servers` in turn (round robin); the outcomes in
     request order and the wall time from the first send to the last answer."""
+    import aiohttp  # in the vLLM venv; imported here so the report and plot code runs in a venv without it
+
     limits = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=limits, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         started = time.perf_counter()
@@ -49,7 +49,10 @@ async def replay(requests: Sequence[TraceRequest], servers: Sequence[str], model
         return list(outcomes), time.perf_counter() - started
 
 
-async def complete(session: aiohttp.ClientSession, server: str, model: str, request: TraceRequest) -> Outcome:
+async def complete(session, server: str, model: str, request: TraceRequest) -> Outcome:
+    """One streamed completion on an aiohttp session; the time to its first token and to its end."""
+    import aiohttp
+
     body = {"model": model, "prompt": list(request.prompt), "max_tokens": request.max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "return_token_ids": True}
     sent = time.perf_counter()
