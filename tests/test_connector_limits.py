@@ -56,11 +56,13 @@ def test_a_kv_chunk_can_be_the_largest_object():
     assert largest_object(CacheSpec.for_layout(layout)) == (16 * 32 * 2 * 8 * 128 * 2, "kv chunk")
 
 
-def test_a_server_that_cannot_be_asked_is_a_warning_not_a_refusal(caplog):
+def test_a_server_that_cannot_be_asked_is_logged_not_a_refusal(caplog):
+    """Not a second warning either: the client's breaker warns once per outage (SGLang's dead-server test counts)."""
     client = Client.from_url(f"grpc://127.0.0.1:{free_port()}", timeout_s=1, retry=RetryPolicy(attempts=1))
-    with client, caplog.at_level(logging.WARNING, logger="tiercache.connector.limits"):
+    with client, caplog.at_level(logging.INFO, logger="tiercache.connector.limits"):
         check_spec(client, CacheSpec.for_layout(preset("qwen3.6-27b")), "TestConnector")
-    assert "could not ask the tiercache server" in caplog.text
+    records = [r for r in caplog.records if "could not ask the tiercache server" in r.getMessage()]
+    assert [r.levelno for r in records] == [logging.INFO]
 
 
 def test_suggested_limits_are_sizes_the_cli_takes():

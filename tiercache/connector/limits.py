@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from tiercache.client import Client
 from tiercache.config import MiB, format_size
-from tiercache.errors import InvalidArgument, TierCacheError
+from tiercache.errors import InvalidArgument, TierCacheError, Unavailable
 from tiercache.prefix.objects import CacheSpec
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,10 @@ def check_fits(client: Client, largest_bytes: int, what: str) -> None:
     try:
         limit = client.server_max_chunk_bytes()
     except TierCacheError as exc:
-        log.warning("%s: could not ask the tiercache server at %s for its chunk limit (%s); objects above it will be "
-                    "refused when saved", what, client.target, exc)
+        # An unreachable server is reported once per outage by the client's breaker: not a second warning here.
+        (log.info if isinstance(exc, Unavailable) else log.warning)(
+            "%s: could not ask the tiercache server at %s for its chunk limit (%s); objects above it will be refused "
+            "when saved", what, client.target, exc)
         return
     if limit and largest_bytes > limit:
         raise InvalidArgument(
