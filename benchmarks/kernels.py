@@ -123,6 +123,8 @@ def bench_connector(name: str, repeat: int, device: str) -> list[dict]:
     try:
         saver = Transfers(Client.from_url(server.url), groups, spec)
         saver.register(views)
+        loader = Transfers(saver.client, groups, spec)  # another engine's worker: its staging reused round to round
+        loader.register(views)
         recurrent_index = layout.groups.index(recurrent)
         synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         waits, gathered, loads, size = [], [], [], 0
@@ -138,8 +140,6 @@ def bench_connector(name: str, repeat: int, device: str) -> list[dict]:
             waits.append(time.perf_counter() - started)  # what vLLM's thread waits for
             saver._last_put.result()  # the put waited for the gathers' event first
             gathered.append(time.perf_counter() - started)
-            loader = Transfers(saver.client, groups, spec)
-            loader.register(views)
             moved = Job(job.req_id, "", tuple(Transfer(t.ref, tuple(b + 8 for b in t.blocks)) for t in transfers))
             synchronize()
             started = time.perf_counter()
@@ -147,7 +147,7 @@ def bench_connector(name: str, repeat: int, device: str) -> list[dict]:
             while not loader.results(idle=True)[0]:
                 pass
             loads.append(time.perf_counter() - started)
-            loader.shutdown()
+        loader.shutdown()
         saver.shutdown()
     finally:
         server.kill()
