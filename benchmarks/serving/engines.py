@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tiercache.process import free_port
@@ -42,7 +42,6 @@ class EngineSettings:
     connector: dict | None = None  # kv_connector_extra_config for TierCacheConnector, or None
     offload_bytes: int = 0  # vLLM's own OffloadingConnector (native CPU backend) with this many host bytes
     cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND (None: vLLM's auto)
-    extra_env: dict = field(default_factory=dict)
 
     def arguments(self) -> list[str]:
         """The flags docs/vllm.md recommends for a hybrid model, the KV cache sized as given."""
@@ -76,7 +75,7 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 300.0) -> "VllmServer":
-        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1", **self.settings.extra_env}
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
         if self.settings.cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.settings.cpus
         self._log = open(self.log_path, "a")

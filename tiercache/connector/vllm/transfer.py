@@ -216,6 +216,8 @@ class Transfers:
         in one copy per pool set, not one per object: each torch call costs Python time on vLLM's thread."""
         blocks = list(zip(*(t.blocks for t in transfers)))  # per pool set: the block of every object
         for pools, pool_blocks, part in zip(self._pools(transfers[0]), blocks, self._columns(transfers[0], rows)):
+            if not part.is_contiguous():  # one pool set of several, several objects: its columns made one run first
+                part = part.to(self.views.device, copy=True, non_blocking=True).contiguous()
             kernels.states_from_buffer(pools, self._slots(list(pool_blocks)), part)
 
     # -- saves ---------------------------------------------------------------------------------------------------
@@ -253,8 +255,7 @@ class Transfers:
             raise
         self._finished_saving(finished, gathered)
         by_namespace: dict[str, dict] = {}
-        views = rows.views()
-        for (job, transfer), view in zip(transfers, views):
+        for (job, transfer), view in zip(transfers, rows.buffers()):
             by_namespace.setdefault(self.namespace(job.salt), {})[transfer.ref] = view
         if inline:  # at exit: the interpreter's shutdown refuses new work for the saver thread
             self._put(by_namespace, gathered, staged, rows.total)
@@ -396,12 +397,9 @@ class _ObjectRows:
         self.total = self.offsets[-1]
 
     def buffers(self) -> list[memoryview]:
-        """Each object's bytes as a writable view (what the client fetches into)."""
+        """Each object's bytes as a writable view (what the client fetches into, and puts from)."""
         whole = memoryview(self.buffer.numpy()).cast("B")
         return [whole[self.offsets[i]:self.offsets[i + 1]] for i in range(len(self.sizes))]
-
-    def views(self) -> list[memoryview]:
-        return self.buffers()
 
     def part(self, indices: list[int]) -> torch.Tensor:
         """The rows of objects `indices` (consecutive, of one size) as one [count, size] tensor."""
