@@ -5,6 +5,9 @@ tests run the CUDA branch (side streams, events, pinned staging) with `-m gpu` w
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -132,4 +135,46 @@ def test_staging_buffers_are_reused(server):
         assert saver.drain(30)
     assert saver.stats.objects_saved == 20
     assert sum(len(kept) for kept in saver._save_staging._free.values()) == 1  # one buffer served every step
+    saver.shutdown()
+
+
+def test_once_steps_are_fenced_a_step_s_saves_are_copied_beside_the_engine_before_the_next_step_writes(server):
+    saver = _transfers(server, "cpu", seed=7)
+    saver.before_step()  # vLLM calls it first thing in every step: from now on gathers run on their own thread
+    jobs = _jobs(saver.spec, prompt_seed=70)
+    expected = {t.ref.key: _object_bytes(saver.views, t) for job in jobs for t in job.transfers}
+    gather, on_engine_thread = saver._gather_step, threading.get_ident()
+    threads = []
+
+    def slow_gather(transfers, rows):  # a gather that takes a while, so a missing fence shows
+        threads.append(threading.get_ident())
+        time.sleep(0.3)
+        return gather(transfers, rows)
+    saver._gather_step = slow_gather
+    saver.save(jobs)
+    # The request that ended was copied here (vLLM frees its blocks at this step's end); the other one beside.
+    assert saver.results()[2] == {"r1"}
+    saver.before_step()  # the next step: it may write any block once this returns
+    for pools in (*saver.views.attention, *saver.views.states):
+        for pool in pools:
+            pool.fill_(0)
+    assert saver.drain(30)
+    namespace = saver.namespace("")
+    assert {key: saver.client.get(namespace, key) for key in expected} == expected
+    assert threads[0] == on_engine_thread and threads[1] != on_engine_thread
+    saver.shutdown()
+
+
+def test_a_gather_that_fails_beside_the_engine_loses_its_save_not_the_engine(server, caplog):
+    saver = _transfers(server, "cpu", seed=8)
+    saver.before_step()
+
+    def broken_gather(transfers, rows):
+        raise RuntimeError("injected gather fault")
+    saver._gather_step = broken_gather
+    saver.save([job for job in _jobs(saver.spec, prompt_seed=80) if not job.finish])
+    saver.before_step()
+    assert saver.drain(30) and saver.stats.objects_saved == 0
+    assert "injected gather fault" in caplog.text
+    assert saver._save_staging.out_bytes == 0  # its staging buffer went back
     saver.shutdown()

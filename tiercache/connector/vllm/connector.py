@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -194,6 +194,11 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict) -> None:
         self._transfers.register(paged_views(self.groups, self._kv_cache_config, kv_caches))
 
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        """vLLM calls this first thing in every step, before it writes a block: the last step's saves must have been
+        copied out by now (on CPU they are copied beside the engine, between steps)."""
+        self._transfers.before_step()
+
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self._transfers.start_loads(self._get_connector_metadata().plan.loads)
 
@@ -224,7 +229,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> TierCacheStats | None:
         """What changed since the last report (the counters themselves stay cumulative, for logs and tests)."""
         source = self._planner.stats if self._planner is not None else self._transfers.stats
-        totals = asdict(source)
+        totals = vars(source).copy()  # (plain int counters: no deep copy each step)
         changed = {name: value - self._reported.get(name, 0) for name, value in totals.items()}
         self._reported = totals
         stats = TierCacheStats(data=changed)

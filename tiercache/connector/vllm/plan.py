@@ -24,11 +24,10 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from tiercache.connector.prefix_cache import Lookup, PrefixCache
 from tiercache.connector.vllm.layout import EngineGroups
 from tiercache.prefix.admission import plan_finish_admission, plan_step_admission
+from tiercache.prefix.hashes import PrefixHashes
 from tiercache.prefix.objects import ObjectKind, ObjectRef
 
 log = logging.getLogger(__name__)
@@ -68,6 +67,9 @@ class _Tracked:
     request: object  # vllm.v1.request.Request (same process)
     cache: PrefixCache
     lookup: Lookup | None = None
+    # The chain hashes of the longest token prefix hashed so far (the lookup's, the prompt's): every step of a long
+    # prompt plans saves with them, and hashing the prompt again per step cost vLLM's scheduler thread ~1% of a step.
+    hashes: PrefixHashes | None = None
     saved: set = field(default_factory=set)  # keys known to be in tiercache (found or written)
     load_failed: bool = False  # then the request is recomputed, never offered the same hit again
 
@@ -100,16 +102,17 @@ class Planner:
         tracked = self._track(request)
         if tracked is None or tracked.load_failed:
             return 0, False
-        tokens = _tokens(request)
-        if tracked.lookup is None or tracked.lookup.hashes.length != len(tokens):
-            tracked.lookup = tracked.cache.lookup(tokens)
+        length = len(request.all_token_ids)
+        if tracked.lookup is None or tracked.lookup.hashes.length != length:
+            tracked.lookup = tracked.cache.lookup(_tokens(request, length))
             if not tracked.lookup.reached:  # a miss: asked again at the request's next scheduling
                 self.stats.lookups_skipped += 1
                 tracked.lookup = None
                 return 0, False
             tracked.saved |= set(tracked.lookup.present)
+            tracked.hashes = tracked.lookup.hashes
             self.stats.lookups += 1
-            self.stats.lookup_tokens += len(tokens)
+            self.stats.lookup_tokens += length
         hit = tracked.lookup.hit.tokens
         if hit <= num_computed_tokens:
             return 0, False
@@ -144,17 +147,21 @@ class Planner:
         block_state = scheduler_output.kv_connector_block_state
         gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
         offloads = block_state.boundary_state_offloads if block_state is not None else {}
+        n = self.groups.block_size
         for req_id in set(scheduler_output.num_scheduled_tokens) | set(offloads):
             tracked = self._requests.get(req_id)
             if tracked is None or req_id in gone or block_state is None:
                 continue
-            block_ids = block_state.get_block_ids(req_id)
-            if block_ids is None:
-                continue
             request = tracked.request
             start = request.num_computed_tokens  # the plan is built before vLLM advances it
             end = min(start + scheduler_output.num_scheduled_tokens.get(req_id, 0), len(request.all_token_ids))
-            transfers = self._step_saves(tracked, block_ids, start, end, offloads.get(req_id, ()))
+            offered = offloads.get(req_id, ())
+            if not offered and start // n == end // n:
+                continue  # no block completed, no state offered (most steps of most requests): nothing to save
+            block_ids = block_state.get_block_ids(req_id)
+            if block_ids is None:
+                continue
+            transfers = self._step_saves(tracked, block_ids, start, end, offered)
             if transfers:
                 plan.saves.append(Job(req_id, tracked.cache.spec.salt, tuple(transfers)))
                 self.stats.saves_planned += len(transfers)
@@ -173,8 +180,9 @@ class Planner:
         if tracked is None or end <= 0 or end > len(request.all_token_ids):
             return False
         spec = tracked.cache.spec
-        plan = plan_finish_admission(spec, spec.hashes(_tokens(request)[:end]), request.num_prompt_tokens,
-                                     tracked.saved)
+        hashes = tracked.hashes if tracked.hashes is not None and tracked.hashes.length == end else \
+            spec.hashes(_tokens(request, end))  # (plan_finish_admission saves up to the hashes' length)
+        plan = plan_finish_admission(spec, hashes, request.num_prompt_tokens, tracked.saved)
         transfers = self._transfers_for(tracked, plan.objects, block_ids, {}, running=False)
         if not transfers:
             return False
@@ -200,9 +208,18 @@ class Planner:
             return []
         spec = tracked.cache.spec
         hit = tracked.lookup.hit.tokens if tracked.lookup is not None else 0
-        plan = plan_step_admission(spec, spec.hashes(_tokens(request)[:deepest]), request.num_prompt_tokens, hit,
+        plan = plan_step_admission(spec, self._hashes(tracked, deepest), request.num_prompt_tokens, hit,
                                    (start, end), sorted(state_blocks), tracked.saved)
         return self._transfers_for(tracked, plan.objects, block_ids, state_blocks)
+
+    @staticmethod
+    def _hashes(tracked: _Tracked, length: int) -> PrefixHashes:
+        """Hashes covering the request's first `length` tokens (they may cover more: a prefix's hashes never
+        change). The prompt is hashed once; decode steps that complete a block hash the tokens known by then."""
+        if tracked.hashes is None or tracked.hashes.length < length:
+            request = tracked.request
+            tracked.hashes = tracked.cache.spec.hashes(_tokens(request, len(request.all_token_ids)))
+        return tracked.hashes
 
     def _complete_states(self, offered, limit: int) -> dict[int, tuple[int, ...]]:
         """Offered boundary states by position: the block of each Mamba group. A state of some groups only cannot be
@@ -253,8 +270,10 @@ class Planner:
         return tracked
 
 
-def _tokens(request) -> np.ndarray:
-    return np.asarray(request.all_token_ids, dtype=np.int64)
+def _tokens(request, length: int) -> list[int]:
+    """The request's first `length` token ids as a list (vLLM's ConstantList slices to one); tiercache's hashing
+    takes lists without numpy's conversions and range checks."""
+    return request.all_token_ids[:length]
 
 
 def _request_salt(request) -> str:

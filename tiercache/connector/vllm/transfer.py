@@ -9,9 +9,12 @@ at the next step boundary, and the load is reported when they are done. Any miss
 returns a chunk that fails its checksum) or mis-sized object fails the whole load, and vLLM recomputes the request:
 a partial load is never reported as a hit.
 
-Saves are gathered when the step's forward pass is over (`wait_for_save`: the blocks still hold what the plan names)
-into host memory, and put on a second background thread, so the engine waits for copies, not for the network. Saves
-beyond `max_pending_save_bytes` are dropped with a warning: a cache may forget, an engine must not stall.
+Saves are gathered once the step's forward pass is over (`wait_for_save`: the blocks hold what the plan names until
+the next step writes them) into host memory, and put on a background thread, so the engine never waits for the
+network. On CPU the gather itself runs on a thread beside the engine, between its steps, and `before_step` (vLLM's
+`handle_preemptions`, the first thing a step does, before it copies states or frees and reuses blocks) waits for it:
+the engine's thread no longer pays for the copies. Saves beyond `max_pending_save_bytes` are dropped with a warning:
+a cache may forget, an engine must not stall.
 
 On CUDA tensors the copies are the CUDA kernels, staged through pinned host memory, loads on their own stream; on
 CPU tensors they are the kernels' torch reference.
@@ -23,6 +26,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
@@ -67,6 +71,9 @@ class Transfers:
         self.views: PagedViews | None = None
         self._loader: ThreadPoolExecutor | None = None  # made by register(), on cores vLLM does not compute on
         self._saver: ThreadPoolExecutor | None = None
+        self._gatherer: ThreadPoolExecutor | None = None  # CPU step saves' copies, between the engine's steps
+        self._gathers: list[Future] = []  # gathers the next step must wait for (vLLM's thread only)
+        self._steps_fenced = False  # the engine calls before_step each step: gathers may run beside it
         self._lock = threading.Lock()
         self._loaded: set[str] = set()
         self._failed: set[str] = set()
@@ -76,6 +83,7 @@ class Transfers:
         self._save_staging: StagingPool | None = None
         self._load_staging: StagingPool | None = None
         self._namespaces: dict[str, str] = {}
+        self._object_bytes: dict[tuple, int] = {}  # by pool key: every object of one kind is the same size
         self._fetches: list[_PendingLoad] = []  # loads started, not reported yet (vLLM's thread only)
         self._gathering: list[tuple[set[str], object]] = []  # end-of-request saves whose copies are in flight (CUDA)
         self._last_put: Future | None = None  # the saver runs puts in order: this one ends after all others
@@ -88,6 +96,7 @@ class Transfers:
         elsewhere = _off_compute_cores()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tiercache-load", initializer=elsewhere)
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="tiercache-save", initializer=elsewhere)
+        self._gatherer = ThreadPoolExecutor(1, thread_name_prefix="tiercache-gather", initializer=elsewhere)
         cuda = views.device.type == "cuda"
         if cuda:
             self._load_stream = torch.cuda.Stream(views.device)
@@ -222,14 +231,32 @@ class Transfers:
 
     # -- saves ---------------------------------------------------------------------------------------------------
 
+    def before_step(self) -> None:
+        """The start of an engine step, before it writes any block: the gathers of the last step's saves must be
+        done (vLLM calls this first thing in every step; until it has, gathers run on vLLM's thread)."""
+        self._steps_fenced = True
+        if self._gathers:
+            futures_wait(self._gathers)
+            self._gathers = []
+
     def save(self, jobs: list[Job], inline: bool = False) -> None:
-        """Gather every object this step's jobs name into one staging buffer now (the blocks hold them until this
-        step ends), and put them on the background thread: one put per namespace, the engine never waits for it
+        """Gather every object this step's jobs name into one staging buffer (the blocks hold them until the next
+        step writes), and put them on the background thread: one put per namespace, the engine never waits for it
         (`inline`: on this thread, at shutdown).
 
         On CUDA the gather runs on a side stream after this step's forward pass, vLLM's thread does not wait for it
         and the put waits for its event; vLLM's stream waits for it (on the device) only when an object lives in a
-        block the next step writes (a request's running recurrent state). On CPU the gather is a copy here."""
+        block the next step writes (a request's running recurrent state). On CPU the gather runs on the gathering
+        thread while vLLM finishes this step and schedules the next (before_step waits for it); the saves at a
+        request's end are gathered here, so that vLLM frees their blocks at the end of this step, as it expects."""
+        if self._save_stream is None and self._steps_fenced and not inline:
+            self._save_jobs([job for job in jobs if job.finish])
+            self._save_jobs([job for job in jobs if not job.finish], beside=True)
+        else:
+            self._save_jobs(jobs, inline=inline)
+
+    def _save_jobs(self, jobs: list[Job], inline: bool = False, beside: bool = False) -> None:
+        """One staging buffer and one put per namespace for `jobs`; `beside`: gathered on the gathering thread."""
         transfers = sorted(((job, t) for job in jobs for t in job.transfers), key=lambda item: _pool_key(item[1]))
         finished = {job.req_id for job in jobs if job.finish}
         if not transfers:
@@ -245,22 +272,44 @@ class Transfers:
             self._finished_saving(finished, _COPIED)  # nothing to copy: vLLM may free the blocks
             return
         rows = _ObjectRows(staged, sizes)
+        by_namespace: dict[str, dict] = {}
+        for (job, transfer), view in zip(transfers, rows.buffers()):
+            by_namespace.setdefault(self.namespace(job.salt), {})[transfer.ref] = view
+        objects = [t for _, t in transfers]
+        if beside:
+            self._gathers.append(self._gatherer.submit(self._gather_and_put, objects, rows, by_namespace))
+            return
         try:
-            # Inference mode as in vLLM's steps (the staging buffers are inference tensors once a step made them);
-            # a flush at shutdown runs outside the steps.
-            with torch.inference_mode():
-                gathered = self._gather_step([t for _, t in transfers], rows)
+            gathered = self._gather_in_inference_mode(objects, rows)
         except BaseException:
             self._save_staging.give_back(staged)
             raise
         self._finished_saving(finished, gathered)
-        by_namespace: dict[str, dict] = {}
-        for (job, transfer), view in zip(transfers, rows.buffers()):
-            by_namespace.setdefault(self.namespace(job.salt), {})[transfer.ref] = view
         if inline:  # at exit: the interpreter's shutdown refuses new work for the saver thread
             self._put(by_namespace, gathered, staged, rows.total)
         else:
-            self._last_put = self._saver.submit(self._put, by_namespace, gathered, staged, rows.total)
+            self._submit_put(by_namespace, gathered, rows)
+
+    def _submit_put(self, by_namespace: dict, gathered, rows: "_ObjectRows") -> None:
+        with self._lock:  # (two threads submit puts: the last one submitted is the one drain waits for)
+            self._last_put = self._saver.submit(self._put, by_namespace, gathered, rows.buffer, rows.total)
+
+    def _gather_in_inference_mode(self, transfers: list[Transfer], rows: "_ObjectRows"):
+        # Inference mode as in vLLM's steps (the staging buffers are inference tensors once a step made them); a
+        # flush at shutdown and the gathering thread run outside the steps.
+        with torch.inference_mode():
+            return self._gather_step(transfers, rows)
+
+    def _gather_and_put(self, transfers: list[Transfer], rows: "_ObjectRows", by_namespace: dict) -> None:
+        """The gathering thread's part of a CPU save: the copies, then the put handed to the saver thread (a slow
+        server delays puts, never the next gather, which the engine waits for)."""
+        try:
+            gathered = self._gather_in_inference_mode(transfers, rows)
+        except Exception:  # a save must never take the engine down
+            log.exception("tiercache: gathering %d objects to save failed; they are not saved", len(transfers))
+            self._save_staging.give_back(rows.buffer)
+            return
+        self._submit_put(by_namespace, gathered, rows)
 
     def _gather_step(self, transfers: list[Transfer], rows: "_ObjectRows"):
         """Copy the objects' bytes into their rows; what marks the end of the copies (a CUDA event, or _COPIED)."""
@@ -336,9 +385,15 @@ class Transfers:
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait for every started load (fetched and copied) and put (shutdown, tests); False when `timeout_s`
         passed first."""
-        # (Waits on the futures already there: at interpreter exit the executors take no new work.)
+        # (Waits on the futures already there: at interpreter exit the executors take no new work. A gather hands
+        # its put to the saver before it ends, so the last put is known once the gathers are done.)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if futures_wait(self._gathers, timeout=timeout_s).not_done:
+            return False
+        self._gathers = []
         running = [p.fetch for p in self._fetches] + ([self._last_put] if self._last_put is not None else [])
-        if futures_wait(running, timeout=timeout_s).not_done:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if futures_wait(running, timeout=left).not_done:
             return False
         self._complete_loads(wait=True)
         return True
@@ -349,8 +404,8 @@ class Transfers:
             return
         if not self.drain(flush_s):
             log.warning("tiercache: saves still pending after %.0f s at shutdown are dropped", flush_s)
-        self._loader.shutdown(wait=False, cancel_futures=True)
-        self._saver.shutdown(wait=False, cancel_futures=True)
+        for executor in (self._loader, self._gatherer, self._saver):
+            executor.shutdown(wait=False, cancel_futures=True)
 
     def namespace(self, salt: str) -> str:
         namespace = self._namespaces.get(salt)
@@ -361,7 +416,11 @@ class Transfers:
     # -- geometry ------------------------------------------------------------------------------------------------
 
     def object_bytes(self, transfer: Transfer) -> int:
-        return sum(kernels.state_record_bytes(pools) for pools in self._pools(transfer))
+        key = _pool_key(transfer)
+        size = self._object_bytes.get(key)
+        if size is None:
+            size = self._object_bytes[key] = sum(kernels.state_record_bytes(pools) for pools in self._pools(transfer))
+        return size
 
     def _pools(self, transfer: Transfer) -> tuple[tuple[torch.Tensor, ...], ...]:
         """The byte pools an object's blocks live in: one attention group's pages (kv, tail), or one set of state
