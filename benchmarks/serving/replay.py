@@ -33,7 +33,9 @@ async def replay(requests: Sequence[TraceRequest], servers: Sequence[str], model
     request order and the wall time from the first send to the last answer."""
     import aiohttp  # in the vLLM venv; imported here so the report and plot code runs in a venv without it
 
-    limits = aiohttp.TCPConnector(limit=0)
+    # A connection per request: a kept-alive connection that the server closes as it idles (uvicorn: after 5 s) can
+    # be reused by the client at that very moment and come back reset, failing a request no server refused.
+    limits = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=limits, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         started = time.perf_counter()
 
