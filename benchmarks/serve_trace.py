@@ -64,7 +64,8 @@ class Bench:
             cpus=compute_cpus(os.cpu_count() or 2)), **changes)
 
     def connector(self, cache) -> dict:
-        return {"url": cache.url, "model_name": "serve-trace", "lookup_timeout_s": 2.0}
+        return {"url": cache.url, "model_name": "serve-trace", "lookup_timeout_s": 2.0,
+                **json.loads(self.args.connector_config)}
 
     def cache_server(self):
         """tiercache's server on the cores the engines do not compute on (inherited from this process at its start),
@@ -408,6 +409,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--plot", help="write a PNG here (TTFT distributions and hit tokens per arm)")
     parser.add_argument("--plot-from", help="plot a report written by --json, and run nothing")
+    parser.add_argument("--connector-config", default="{}",
+                        help="JSON merged into TierCacheConnector's kv_connector_extra_config in every arm that has "
+                             "it, e.g. '{\"max_pending_save_bytes\": 0}' (saves off: what lookups alone cost)")
     parser.add_argument("--work-dir", help="where engine logs (and the tiny model) go (default: a temp dir)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     return parser.parse_args(argv)
