@@ -9,13 +9,13 @@ import socket
 import pytest
 
 from tests.helpers import free_port, wait_for
-from tiercache.client import BreakerPolicy, Client, RetryPolicy
+from tiercache.client import Backoff, BreakerPolicy, Client, RetryPolicy
 from tiercache.connector import PrefixCache
 from tiercache.errors import CircuitOpen, Unavailable
 from tiercache.prefix.objects import CacheSpec
 from tiercache.prefix.presets import preset
 
-FAST_PROBES = BreakerPolicy(probe_timeout_s=0.1, first_probe_s=0.01, max_probe_interval_s=0.05)
+FAST_PROBES = BreakerPolicy(probe_timeout_s=0.1, probe_backoff=Backoff(first_s=0.01, max_s=0.05))
 
 
 def _client(port: int, **options) -> Client:
@@ -51,7 +51,7 @@ def test_a_dead_server_opens_the_breaker_and_the_server_coming_back_closes_it(st
 def test_a_hung_server_costs_one_deadline_then_calls_fail_at_once(hung_port):
     with _client(hung_port, timeout_s=0.3) as client:
         with pytest.raises(Unavailable) as first:
-            client.stats()  # the deadline passes: DEADLINE_EXCEEDED is Unavailable
+            client.stats()  # the deadline passes: DEADLINE_EXCEEDED is TimedOut, an Unavailable
         assert not isinstance(first.value, CircuitOpen)
         wait_for(lambda: client.breaker.probes >= 3, timeout_s=10, what="three health checks")
         assert client.breaker.is_open  # a hung server does not answer a health check either
