@@ -4,7 +4,6 @@ accepts connections and never answers), and one that comes back on the same port
 from __future__ import annotations
 
 import logging
-import socket
 
 import pytest
 
@@ -21,14 +20,6 @@ FAST_PROBES = BreakerPolicy(probe_timeout_s=0.1, probe_backoff=Backoff(first_s=0
 def _client(port: int, **options) -> Client:
     return Client.from_url(f"grpc://127.0.0.1:{port}", retry=RetryPolicy(attempts=1), breaker=FAST_PROBES,
                            **options)
-
-
-@pytest.fixture
-def hung_port():
-    """A listening socket nobody ever reads: the kernel completes TCP handshakes, the 'server' answers nothing."""
-    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
-    yield listener.getsockname()[1]
-    listener.close()
 
 
 def test_a_dead_server_opens_the_breaker_and_the_server_coming_back_closes_it(start_server):

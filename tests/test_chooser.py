@@ -5,7 +5,6 @@ say which path carried a call."""
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 
@@ -54,14 +53,6 @@ def test_a_read_the_arena_carries_in_part_comes_back_whole_and_in_order(start_se
     # one data-channel request for the chunk the arena could not bring.
     _wait_served(server, {("Reserve", "RESOURCE_EXHAUSTED"): 1, ("DataPut", "OK"): 1, ("Acquire", "OK"): 1,
                           ("DataGet", "OK"): 1, ("Get", "OK"): 0})
-
-
-@pytest.fixture
-def hung_port():
-    """A listening socket nobody ever reads: the kernel completes TCP handshakes, the 'server' answers nothing."""
-    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
-    yield listener.getsockname()[1]
-    listener.close()
 
 
 def test_asking_attach_holds_up_no_other_call(hung_port):

@@ -4,7 +4,6 @@ that requires mutual TLS; the error table both wires look codes up in; the one b
 from __future__ import annotations
 
 import itertools
-import socket
 
 import grpc
 import pytest
@@ -119,14 +118,6 @@ def test_a_call_that_reaches_no_server_is_connection_broken_and_a_passed_deadlin
             with pytest.raises(kind) as failed:
                 client.stats()
             assert isinstance(failed.value, Unavailable)  # both retried, both open a breaker
-
-
-@pytest.fixture
-def hung_port():
-    """A listening socket nobody ever reads: the kernel completes TCP handshakes, the 'server' answers nothing."""
-    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
-    yield listener.getsockname()[1]
-    listener.close()
 
 
 # -- the one backoff ------------------------------------------------------------------------------------------------
