@@ -1,7 +1,7 @@
 """The simple same-host API, one call per chunk: `client.put` and `client.get` of 16 MiB chunks (a fresh `bytes`
-per get), `client.get(..., out=buffer)` into one reused buffer, next to memcpy measured in the same run; with
+per get), `client.get(..., into=buffer)` into one reused buffer, next to memcpy measured in the same run; with
 `--tune-allocator` the client process first calls `tiercache.tune_allocator()` (glibc keeps freed large buffers for
-reuse: no page faults on the next get's bytes). `put_many` / `get_into` are benchmarks/throughput.py's.
+reuse: no page faults on the next get's bytes). `put_many` / `get_many` into buffers are benchmarks/throughput.py's.
 
     .venv/bin/python benchmarks/simple_api.py [--chunks 32] [--chunk-size 16MiB] [--rounds 3] [--tune-allocator]
 """
@@ -56,7 +56,7 @@ def main() -> None:
             rates["get"].append(size * n / (time.perf_counter() - started) / 1e9)
             started = time.perf_counter()
             for i in range(n):
-                assert len(client.get("simple", b"k%d" % i, out=reused)) == size
+                assert len(client.get("simple", b"k%d" % i, into=reused)) == size
             rates["get_out"].append(size * n / (time.perf_counter() - started) / 1e9)
     memcpy = statistics.median(rates["memcpy"])
     print(f"{n} x {size >> 20} MiB, one call per chunk, same host{' (tune_allocator)' if args.tune_allocator else ''}")

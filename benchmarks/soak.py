@@ -154,7 +154,7 @@ def misbehaving_data_loop(kind: str, url: str, deadline: float, tally: Tally, ho
     ended the connection meanwhile."""
     client = Client.from_url(url, same_host=False)
     client.put(NS, b"probe", b"x")  # learns the data port
-    host, port = client._data.address
+    host, port = client.paths.data_channel.address
     unread = b"unread-%d" % threading.get_ident()
     while deadline - time.monotonic() > 0.5:
         try:

@@ -5,7 +5,7 @@ For chunk sizes 1, 4 and 16 MiB (a working set of --set-mib per size), in GB/s (
   loopback socket        sendall / recv_into over 127.0.0.1
   file write / +fsync    raw files in a temp dir; cold read after posix_fadvise(DONTNEED), warm read from page cache
   redis-py SET / GET     against a redis-server this script starts
-  tiercache same-host    put_many through the shared-memory arena / get_into preallocated buffers
+  tiercache same-host    put_many through the shared-memory arena / get_many into preallocated buffers
   redis-py pipelined     the same, all SETs (GETs) of a round in one pipeline
   tiercache remote       put_many / get_many over the data channel (same_host=False: a plain socket beside gRPC)
   tiercache remote gRPC  the same streamed over gRPC (data_channel=False), what remote clients used before
@@ -163,7 +163,7 @@ def tiercache_paths(payloads, repeat, url, same_host: bool, data_channel: bool =
         put = rate(total, lambda: client.put_many("bench", list(zip(keys, payloads))), repeat)
         if same_host:
             outs = [bytearray(p.nbytes) for p in payloads]
-            get = rate(total, lambda: client.get_into("bench", keys, outs), repeat)
+            get = rate(total, lambda: client.get_many("bench", keys, outs), repeat)
         else:
             get = rate(total, lambda: client.get_many("bench", keys), repeat)
         client.delete("bench", keys)

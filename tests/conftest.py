@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from tests.redis_processes import RedisProcess
@@ -39,6 +41,14 @@ def make_config(tmp_path, *, host_bytes=64 * MiB, disk_bytes=128 * MiB, redis_ur
                               **(redis_options or {})),
         security=security,
     )
+
+
+@pytest.fixture
+def hung_port():
+    """A listening socket nobody ever reads: the kernel completes TCP handshakes, the 'server' answers nothing."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+    yield listener.getsockname()[1]
+    listener.close()
 
 
 @pytest.fixture

@@ -14,12 +14,10 @@ import pytest
 from tests.certs import make_pki
 from tests.helpers import wait_for
 from tests.test_security import NS_A, NS_B, TOKEN_A, tenants_file  # noqa: F401 - a fixture, used by name
-from tiercache.client import Chunk, Client
-from tiercache.client import client as client_module
+from tiercache.client import Backoff, Chunk, Client, RetryPolicy, chooser
 from tiercache.client.data_channel import DEFAULT_STREAMS, STRIPE_MIN_BYTES, _stripes
-from tiercache.client.retry import RetryPolicy
 from tiercache.config import MiB, SecurityConfig
-from tiercache.errors import CapacityExceeded, PermissionDenied, TierCacheError, Unauthenticated
+from tiercache.errors import Busy, CapacityExceeded, ConnectionBroken, PermissionDenied, TierCacheError, Unauthenticated
 from tiercache.process import ServerProcess, free_port
 from tiercache.protocol import data
 from tiercache.record.encoding import CLASS_STATE, ChunkMeta
@@ -84,15 +82,15 @@ def test_puts_and_gets_go_over_the_data_channel_byte_exact(start_server):
         stored = client.put_many(NS, [(k, v) for k, v in payloads.items()])
         assert stored == ["host"] * len(payloads)
         got = client.get_many(NS, [*payloads, b"missing"])
-        assert [bytes(g) if g is not None else None for g in got] == [*payloads.values(), None]
+        assert [bytes(g.data) if g is not None else None for g in got] == [*payloads.values(), None]
         buffers = [bytearray(len(v) + 10) for v in payloads.values()]
-        assert client.get_into(NS, list(payloads), buffers) == ["host"] * len(payloads)
+        assert [f.tier for f in client.get_many(NS, list(payloads), buffers)] == ["host"] * len(payloads)
         assert all(bytes(b[:len(v)]) == v for b, v in zip(buffers, payloads.values()))
         with pytest.raises(TierCacheError, match="cannot hold"):
-            client.get_into(NS, [b"big", b"small"], [bytearray(10), bytearray(10)])
+            client.get_many(NS, [b"big", b"small"], [bytearray(10), bytearray(10)])
         assert client.get(NS, b"small") == b"tiny"  # the connection is still in step after the drained chunk
         reused = bytearray(len(payloads[b"odd"]) + 5)
-        view = client.get(NS, b"odd", out=reused)
+        view = client.get(NS, b"odd", into=reused)
         assert isinstance(view, memoryview) and view.obj is reused and view == payloads[b"odd"]
     gets = _gets_for(5) + _gets_for(4) + _gets_for(2) + 2
     puts = _requests_for([len(v) for v in payloads.values()])
@@ -106,7 +104,7 @@ def test_a_large_batch_is_striped_over_parallel_connections_in_order(start_serve
     with _client(server) as client:
         assert client.put_many(NS, list(zip(keys, payloads))) == ["host"] * 8
         got = client.get_many(NS, [*keys, b"none"])
-        assert [bytes(g) for g in got[:8]] == payloads and got[8] is None
+        assert [bytes(g.data) for g in got[:8]] == payloads and got[8] is None
     puts, gets = _requests_for([len(p) for p in payloads]), _gets_for(9)
     assert puts > 1 and gets > 1  # several stripes, in parallel
     _wait_served(server, {("DataPut", "OK"): puts, ("DataGet", "OK"): gets})
@@ -142,7 +140,7 @@ def test_unix_socket_clients_use_the_unix_data_channel(start_server, tmp_path):
     with Client.from_url(f"grpc+unix://{path}", same_host=False) as client:
         client.put(NS, b"k", b"over unix")
         assert client.get(NS, b"k") == b"over unix"
-        assert client._data.address == path + ".data"
+        assert client.paths.data_channel.address == path + ".data"
     _wait_served(server, {("DataGet", "OK"): 1})
 
 
@@ -174,7 +172,7 @@ def test_a_refused_request_is_answered_and_the_connection_serves_the_next(start_
     server = start_server(security=SecurityConfig(tenants_file=tenants_file))
     with _client(server, token=TOKEN_A) as a:
         a.put(NS_A, b"k0", bytes(300_000))
-        connection = a._data._idle[0][0]
+        connection = a.paths.data_channel._idle[0][0]
         for refused in (lambda: a.put(NS_B, b"k", bytes(200_000)), lambda: a.get(NS_B, b"k")):
             with pytest.raises(PermissionDenied):
                 refused()
@@ -182,14 +180,14 @@ def test_a_refused_request_is_answered_and_the_connection_serves_the_next(start_
             a.put_many(NS_B, [(b"s%d" % i, bytes(3 * MiB)) for i in range(4)])
         # The stripes run on a thread pool: one refused quickly hands its connection back before the next stripe
         # takes one, so the batch used anywhere from one connection to one per stripe. Each must still be in step.
-        pooled = {sock for sock, _ in a._data._idle}
+        pooled = {sock for sock, _ in a.paths.data_channel._idle}
         assert connection in pooled and 1 <= len(pooled) <= _requests_for([3 * MiB] * 4)
         assert all(_answers_a_get(sock, NS_A, b"k0", bytes(300_000)) for sock in pooled)
         a.put_many(NS_A, [(b"k1", bytes(300_000)), (b"k2", bytes(300_000))])
         with pytest.raises(CapacityExceeded, match="quota"):  # team a's quota is 1 MiB
             a.put(NS_A, b"k3", bytes(300_000))
         assert a.get(NS_A, b"k2") == bytes(300_000) and a.get(NS_A, b"k3") is None
-        assert {sock for sock, _ in a._data._idle} == pooled  # every answer kept them in step
+        assert {sock for sock, _ in a.paths.data_channel._idle} == pooled  # every answer kept them in step
     _wait_served(server, {("DataPut", "PERMISSION_DENIED"): 1 + _requests_for([3 * MiB] * 4),
                           ("DataGet", "PERMISSION_DENIED"): 1})
 
@@ -215,7 +213,7 @@ def test_tls_data_channel_with_the_grpc_ports_certificate_and_client_ca(start_se
     sock.sendall(data.hello("") + data.get_request(NS, [b"k"]))
     assert _closed_by_server(sock)
     context = ssl.create_default_context(cafile=pki.ca)
-    with pytest.raises((ssl.SSLError, OSError, data.ConnectionBroken)):
+    with pytest.raises((ssl.SSLError, OSError, ConnectionBroken)):
         anonymous = context.wrap_socket(_raw(server), server_hostname="localhost")
         anonymous.sendall(data.hello(""))
         data.read_status(anonymous)
@@ -263,7 +261,7 @@ def test_connections_over_the_per_host_limit_are_refused_and_the_call_goes_over_
     held = [_raw(server, token="") for _ in range(3)]
     extra = _raw(server)
     extra.sendall(data.hello(""))
-    with pytest.raises(data.Busy, match="max_data_connections_per_peer"):
+    with pytest.raises(Busy, match="max_data_connections_per_peer"):
         data.read_status(extra)
     with _client(server) as client:  # refused at its hello: this call is streamed over gRPC instead
         client.put(NS, b"k", b"v")
@@ -310,7 +308,7 @@ def test_a_trickling_put_is_ended_before_it_completes(start_server):
 
 def test_a_get_that_fails_half_way_closes_the_connection_and_the_client_retries(start_server, monkeypatch):
     server = start_server()
-    with _client(server, retry=RetryPolicy(attempts=3, backoff_s=0.01)) as client:
+    with _client(server, retry=RetryPolicy(attempts=3, backoff=Backoff(0.01, 1.0))) as client:
         client.put_many(NS, [(b"a", b"first"), (b"b", b"second")])
         pin = server.store.same_host.pin
         failures = []
@@ -321,7 +319,8 @@ def test_a_get_that_fails_half_way_closes_the_connection_and_the_client_retries(
                 raise OSError("a tier failed")
             return pin(key)
         monkeypatch.setattr(server.store.same_host, "pin", failing_once)
-        assert client.get_many(NS, [b"a", b"b"]) == [b"first", b"second"]  # the retry, on a new connection
+        got = client.get_many(NS, [b"a", b"b"])
+        assert [f.data for f in got] == [b"first", b"second"]  # the retry, on a new connection
         assert failures
 
 
@@ -382,21 +381,21 @@ def test_a_restarted_server_on_another_data_port_is_found_again(tmp_path):
     try:
         with Client.from_url(proc.url, same_host=False, timeout_s=20) as client:
             client.put(NS, b"k", b"before")
-            first = client._data.address
+            first = client.paths.data_channel.address
             proc.kill()
             proc.start()
             client.put(NS, b"k", b"after")
             assert client.get(NS, b"k") == b"after"
-            assert client._data.address != first
+            assert client.paths.data_channel.address != first
     finally:
         proc.kill()
 
 
 def test_an_unreachable_data_port_falls_back_to_grpc_and_is_tried_again_later(start_server, caplog, monkeypatch):
-    monkeypatch.setattr(client_module, "DATA_CHANNEL_RETRY_S", 0.3)
+    monkeypatch.setattr(chooser, "DATA_CHANNEL_RETRY_S", 0.3)
     server = start_server()
     server.data_plane.stop()  # the port the server announces now refuses connections: a firewall, a Service
-    with _client(server) as client, caplog.at_level(logging.WARNING, logger="tiercache.client.client"):
+    with _client(server) as client, caplog.at_level(logging.WARNING, logger="tiercache.client.chooser"):
         client.put(NS, b"k", b"streamed instead")
         assert client.get(NS, b"k") == b"streamed instead"
         def warnings() -> int:

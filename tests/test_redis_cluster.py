@@ -95,5 +95,5 @@ def test_two_nodes_share_chunks_through_the_cluster(cluster, start_server):
     data = os.urandom(MiB)
     with Client.from_url(node_a.url) as a, Client.from_url(node_b.url) as b:
         a.put("shared", b"k", data)
-        assert b.fetch_many("shared", [b"k"])[0] == (data, "redis")
+        assert b.get_many("shared", [b"k"])[0] == (data, "redis")
         assert b.locate("shared", [b"k"]) == ["host"]  # promoted on node B, still in the cluster for others

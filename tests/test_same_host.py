@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import grpc
 import pytest
@@ -40,21 +41,23 @@ def test_no_arena_means_grpc_and_same_host_true_is_an_error(start_server):
         Client.from_url(server.url, same_host=True).put(NS, b"k", b"x")
 
 
-def test_get_into_fills_caller_buffers(start_server):
+def test_get_many_fills_caller_buffers(start_server):
     server = start_server()
     with Client.from_url(server.url) as client:
         chunks = {b"a": os.urandom(MiB), b"b": os.urandom(1000)}
         client.put_many(NS, [(k, v) for k, v in chunks.items()])
         buffers = [bytearray(MiB), bytearray(MiB), bytearray(10)]
-        assert client.get_into(NS, [b"a", b"b", b"missing"], buffers) == ["host", "host", None]
+        got = client.get_many(NS, [b"a", b"b", b"missing"], buffers)
+        assert [f and f.tier for f in got] == ["host", "host", None]
+        assert got[1].data.obj is buffers[1] and len(got[1].data) == 1000  # a view of the buffer, the chunk's size
         assert bytes(buffers[0]) == chunks[b"a"] and bytes(buffers[1][:1000]) == chunks[b"b"]
         with pytest.raises(InvalidArgument):
-            client.get_into(NS, [b"a"], [bytearray(10)])
+            client.get_many(NS, [b"a"], [bytearray(10)])
         reused = bytearray(MiB)  # the simple get into a reused buffer: a view of it comes back
         for key in (b"a", b"b"):
-            view = client.get(NS, key, out=reused)
+            view = client.get(NS, key, into=reused)
             assert view.obj is reused and view == chunks[key]
-        assert client.get(NS, b"missing", out=reused) is None
+        assert client.get(NS, b"missing", into=reused) is None
 
 
 def test_acquire_promotes_from_disk(start_server):
@@ -64,7 +67,7 @@ def test_acquire_promotes_from_disk(start_server):
         for k, v in chunks.items():
             client.put(NS, k, v)
         assert client.locate(NS, [b"c0"]) == ["disk"]
-        assert client.fetch_many(NS, [b"c0"])[0] == (chunks[b"c0"], "disk")
+        assert client.get_many(NS, [b"c0"])[0] == (chunks[b"c0"], "disk")
         assert client.locate(NS, [b"c0"]) == ["host"]
 
 
@@ -214,7 +217,8 @@ def test_reads_copied_well_inside_their_leases_release_them_off_the_callers_path
         client.put(NS, b"k", data)
         for _ in range(5):
             assert client.get(NS, b"k") == data
-        assert client._releases is not None  # the background path was taken (the copies took far less than 30 s)
+        # The background path was taken (the copies took far less than 30 s).
+        assert client.paths.arena(time.monotonic() + 1).released_in_background > 0
         wait_for(lambda: len(server.leases) == 0, timeout_s=10, what="the background releases")
         assert client.get(NS, b"k") == data
     assert len(server.leases) == 0  # close() sends what was still pending

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.helpers import free_port, wait_for
 from tiercache.client import Client
-from tiercache.client.retry import RetryPolicy
+from tiercache.client import Backoff, RetryPolicy
 from tiercache.config import KiB, MiB
 from tiercache.errors import CapacityExceeded, InvalidArgument, Unavailable
 from tiercache.protocol.wire import SERVICE_NAME, pb, pb_grpc
@@ -50,7 +50,8 @@ def test_round_trip_is_byte_identical(client, size):
 def test_get_many_keeps_order_with_misses_and_repeats(client):
     client.put(NS, b"a", b"A" * 3000)
     client.put(NS, b"b", b"B" * (2 * MiB))
-    assert client.get_many(NS, [b"b", b"zz", b"a", b"b"]) == [b"B" * (2 * MiB), None, b"A" * 3000, b"B" * (2 * MiB)]
+    got = client.get_many(NS, [b"b", b"zz", b"a", b"b"])
+    assert [f and f.data for f in got] == [b"B" * (2 * MiB), None, b"A" * 3000, b"B" * (2 * MiB)]
     assert client.get_many(NS, []) == []
 
 
@@ -140,7 +141,7 @@ def test_whole_chunk_in_one_frame_is_accepted(stub, client):
 def test_several_chunks_in_one_stream(stub, client):
     response = stub.Put(iter([header(3, key=b"a"), data(3), header(0, key=b"b"), header(2, key=b"c"), data(2)]))
     assert list(response.stored_in) == ["host"] * 3
-    assert client.get_many(NS, [b"a", b"b", b"c"]) == [b"xxx", b"", b"xx"]
+    assert [f.data for f in client.get_many(NS, [b"a", b"b", b"c"])] == [b"xxx", b"", b"xx"]
 
 
 @pytest.mark.parametrize("namespace,keys", [("", [b"k"]), (NS, [b""]), (NS, [b"k" * 65]), ("n" * 300, [b"k"])])
@@ -182,7 +183,7 @@ def test_client_side_validation():
 
 def test_unreachable_server_is_unavailable_after_retries():
     client = Client.from_url(f"grpc://127.0.0.1:{free_port()}", timeout_s=2,
-                             retry=RetryPolicy(attempts=3, backoff_s=0.01))
+                             retry=RetryPolicy(attempts=3, backoff=Backoff(0.01, 1.0)))
     with pytest.raises(Unavailable):
         client.get(NS, b"k")
 

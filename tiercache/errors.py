@@ -1,4 +1,16 @@
-"""The error hierarchy. Each class names one gRPC status code; the mapping lives in `tiercache.protocol.wire` alone."""
+"""The error hierarchy, and the one table of what each public error is called on the wire.
+
+An error's class is its category, and the category alone decides what happens to it (never its message):
+- `Unavailable` and below: trying the same call again may succeed. The client retries these and nothing else
+  (`tiercache.client.client.Client._call`).
+- `ConnectionBroken` and below: the server was not reached, or the connection failed mid-exchange, so nothing says
+  the server saw the request. Only these open the client's circuit breaker: an UNAVAILABLE the server answered itself
+  (a tier it needed is down) proves it is there.
+- `Busy`: one of the server's paths is at its limits; the client sends that call by another path.
+- Internal errors (`ChunkCorrupt`, `TierFull`, `TierDown`, ...) never leave the server.
+"""
+
+from typing import NamedTuple
 
 
 class TierCacheError(Exception):
@@ -17,8 +29,26 @@ class CapacityExceeded(TierCacheError):
     """The chunk is larger than any tier can hold, or a quota is spent."""
 
 
+class Busy(CapacityExceeded):
+    """The server is at its data-connection or in-flight limits: the client sends this call over gRPC instead."""
+
+
 class Unavailable(TierCacheError):
     """A backend (or the server) cannot be reached right now; retrying later may succeed."""
+
+
+class ConnectionBroken(Unavailable):
+    """The server could not be reached, or the connection closed or failed mid-exchange (the peer went away, a
+    timeout passed, malformed bytes). The connection is unusable; a client may retry on a new one."""
+
+
+class ConnectFailed(ConnectionBroken):
+    """No connection could be opened (refused, unreachable, TLS handshake failed)."""
+
+
+class TimedOut(ConnectionBroken):
+    """The peer made no progress within the socket's timeout, too little before a deadline, or a call's deadline
+    passed without an answer."""
 
 
 class CircuitOpen(Unavailable):
@@ -68,3 +98,35 @@ class TierWriteFailed(TierFull):
 
 class TierDown(TierCacheError):
     """A tier's backend is unreachable. Internal: reads become misses, writes fall through to other tiers."""
+
+
+class WireCode(NamedTuple):
+    """How one error is called on the wire: a gRPC status (by name: this module imports no gRPC) and the data
+    channel's u8 status code."""
+
+    error: type[TierCacheError]
+    grpc_status: str
+    data_code: int
+
+
+# The one mapping between errors and the codes that carry them; protocol.wire and protocol.data only look codes up
+# here. An error not listed goes by its nearest listed base class (ConnectionBroken is UNAVAILABLE, 4); a code names the
+# first error listed with it (RESOURCE_EXHAUSTED is CapacityExceeded, UNAVAILABLE is Unavailable); anything else is
+# INTERNAL. The data channel has no deadline status: a deadline that passes there closes the connection.
+WIRE_CODES: tuple[WireCode, ...] = (
+    WireCode(InvalidArgument, "INVALID_ARGUMENT", 1),
+    WireCode(NotFound, "NOT_FOUND", 2),
+    WireCode(CapacityExceeded, "RESOURCE_EXHAUSTED", 3),
+    WireCode(Busy, "RESOURCE_EXHAUSTED", 8),
+    WireCode(Unavailable, "UNAVAILABLE", 4),
+    WireCode(TimedOut, "DEADLINE_EXCEEDED", 4),
+    WireCode(Unauthenticated, "UNAUTHENTICATED", 5),
+    WireCode(PermissionDenied, "PERMISSION_DENIED", 6),
+)
+_BY_ERROR = {row.error: row for row in WIRE_CODES}
+
+
+def wire_code(error: BaseException) -> WireCode | None:
+    """The codes of an error: its class's row, else its nearest listed base class's; None for an unexpected error
+    (INTERNAL on either wire)."""
+    return next((_BY_ERROR[kind] for kind in type(error).__mro__ if kind in _BY_ERROR), None)

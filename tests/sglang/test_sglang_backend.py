@@ -4,7 +4,6 @@ pools (MHA, MLA, Mamba; built on the CPU without pinned memory) for the v1 and v
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -32,7 +31,9 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
+from tests.certs import make_pki
 from tiercache.client import Client
+from tiercache.config import SecurityConfig
 from tiercache.connector.sglang import TierCacheStorage
 from tiercache.errors import InvalidArgument
 from tiercache.process import ServerProcess
@@ -114,7 +115,7 @@ def pages_of(host, indices: torch.Tensor) -> list[bytes]:
 
 def test_sglangs_factory_creates_the_backend_and_refuses_unknown_keys(server):
     backend = tiercache_backend(server.url, "factory/model")
-    assert backend.settings.url == server.url and backend.model == "factory/model"
+    assert backend.settings.connection.url == server.url and backend.model == "factory/model"
     backend.close()
     with pytest.raises(ValueError, match="colour"):
         StorageBackendFactory.create_backend("dynamic", storage_config("m", {**FACTORY, "colour": "red"}), None)
@@ -415,10 +416,26 @@ def test_a_tenant_salt_on_a_server_with_tenants(tmp_path):
         proc.kill()
 
 
+def test_mutual_tls_from_the_extra_config(start_server, tmp_path):
+    """The connection keys are every connector's (tiercache.client.settings), client certificates included."""
+    pki = make_pki(tmp_path)
+    server = start_server(security=SecurityConfig(tls_cert_file=pki.server_cert, tls_key_file=pki.server_key,
+                                                  tls_client_ca_file=pki.ca))
+    keys = page_keys(11, 2)
+    value = [torch.arange(24, dtype=torch.float16)] * 2
+    certified = tiercache_backend(server.url, "mtls/model", tls_ca_file=pki.ca, tls_cert_file=pki.client_cert,
+                                  tls_key_file=pki.client_key)
+    assert certified.batch_set(keys, value) and certified.batch_exists(keys) == 2
+    anonymous = tiercache_backend(server.url, "mtls/model", tls_ca_file=pki.ca)  # no handshake: a miss
+    assert anonymous.batch_exists(keys) == 0
+    for backend in (certified, anonymous):
+        backend.close()
+
+
 def test_settings_take_sglangs_keys_and_ours():
     settings = TierCacheStorage.__init__.__globals__["Settings"].from_extra_config(
         {**FACTORY, "interface_v1": 1, "file_storage_path": "/x", "url": "grpc://h:1", "salt": "s", "timeout_s": 2})
-    assert dataclasses.astuple(settings)[:1] == ("grpc://h:1",) and settings.interface_v1 and settings.salt == "s"
+    assert settings.connection.url == "grpc://h:1" and settings.interface_v1 and settings.salt == "s"
 
 
 def test_the_benchmark_script_runs():

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.certs import make_pki
 from tests.vllm.engine import ATTENTION, BLOCK, GDN, Engine, kv_value, next_token, prompt, state_value
 from tiercache.client import Client
+from tiercache.config import SecurityConfig
 from tiercache.connector.vllm.connector import Settings
 from tiercache.errors import InvalidArgument
 from tiercache.prefix.objects import ObjectKind, object_ref
@@ -152,9 +154,28 @@ def test_cache_salt_separates_namespaces(engines):
 
 
 def test_extra_config_is_checked():
-    assert Settings.from_extra_config({"url": "grpc://h:1", "match_unit": 32}).match_unit == 32
+    settings = Settings.from_extra_config({"url": "grpc://h:1", "match_unit": 32, "tls_server_name": "cache"})
+    assert (settings.match_unit, settings.connection.url, settings.connection.tls_server_name) == (
+        32, "grpc://h:1", "cache")
     with pytest.raises(InvalidArgument, match="unknown kv_connector_extra_config keys"):
         Settings.from_extra_config({"urll": "grpc://h:1"})
+    with pytest.raises(InvalidArgument, match="together"):
+        Settings.from_extra_config({"tls_cert_file": "/client.pem"})
+
+
+def test_mutual_tls_from_the_extra_config(start_server, engines, tmp_path):
+    """The connection keys are every connector's (tiercache.client.settings): a vLLM engine reaches a server that
+    requires client certificates, and one without a certificate gets misses, never a wrong answer or a crash."""
+    pki = make_pki(tmp_path)
+    server = start_server(security=SecurityConfig(tls_cert_file=pki.server_cert, tls_key_file=pki.server_key,
+                                                  tls_client_ca_file=pki.ca))
+    certified = {"tls_ca_file": pki.ca, "tls_cert_file": pki.client_cert, "tls_key_file": pki.client_key}
+    first, second = engines(server.url, extra=certified), engines(server.url, extra=certified)
+    anonymous = engines(server.url, extra={"tls_ca_file": pki.ca})
+    tokens = prompt(70, 100)
+    expected = first.generate("a", tokens, 3)
+    assert second.generate("b", tokens, 3) == expected and second.hits["b"] == 96
+    assert anonymous.generate("c", tokens, 3) == expected and anonymous.hits["c"] == 0
 
 
 def test_async_scheduling_saves_the_end_of_a_request_that_stops_with_a_step_in_flight(engines):

@@ -2,11 +2,12 @@
 
 An engine asks the cache on its scheduler thread. Without a breaker a dead server costs every request the retries
 (~0.7 s), and a hung one (the TCP connection accepted, nothing answered) the whole deadline. With one:
-- *closed*: calls go through. A call that ends Unavailable (the server down, or a deadline passed: hung) opens it;
+- *closed*: calls go through. A call that could not reach the server (ConnectionBroken: the server down, or a
+  deadline passed: hung) opens it;
 - *open*: every call raises CircuitOpen at once, and a background thread probes the server under a short deadline
   (the client's probe is a Stats call: it goes through the store's threads, so a server whose event loop answers but
-  whose store is stuck stays "down"), backing off from `first_probe_s` to `max_probe_interval_s`; the first answer
-  closes it. So after the first failure an outage costs nothing per call, and the first call after recovery goes
+  whose store is stuck stays "down"), spaced by the policy's backoff (tiercache.backoff); the first answer closes
+  it. So after the first failure an outage costs nothing per call, and the first call after recovery goes
   through.
 The breaker logs once when it opens and once when it closes: an outage is not one warning per request.
 """
@@ -18,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from tiercache.backoff import Backoff
 from tiercache.errors import CircuitOpen
 
 log = logging.getLogger(__name__)
@@ -26,8 +28,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class BreakerPolicy:
     probe_timeout_s: float = 0.25  # a probe unanswered by then counts as failed
-    first_probe_s: float = 0.05  # the first probe's delay after the breaker opens; doubled after each failure...
-    max_probe_interval_s: float = 2.0  # ...up to this
+    probe_backoff: Backoff = Backoff(first_s=0.05, max_s=2.0)  # the waits before each probe while it is open
+
+    @classmethod
+    def probing_at_most(cls, interval_s: float) -> "BreakerPolicy":
+        """The default policy with probes at most `interval_s` apart (the connectors' `offline_backoff_s`)."""
+        first_s = cls.probe_backoff.first_s
+        return cls(probe_backoff=Backoff(min(first_s, interval_s), interval_s))
 
 
 class CircuitBreaker:
@@ -73,19 +80,17 @@ class CircuitBreaker:
             prober.join()
 
     def _probe_until_serving(self) -> None:
-        policy = self.policy
-        delay = max(policy.first_probe_s, 0.001)
-        longest = max(policy.max_probe_interval_s, delay)  # 0 would make a busy loop in the engine's process
         try:
-            while not self._stopped.wait(delay):
+            for delay in self.policy.probe_backoff.delays():
+                if self._stopped.wait(delay):
+                    return
                 self.probes += 1
                 try:
-                    serving = self._probe(policy.probe_timeout_s)
+                    serving = self._probe(self.policy.probe_timeout_s)
                 except Exception:  # noqa: BLE001 - a probe that cannot even be sent is a failed probe
                     serving = False
                 if serving:
                     log.warning("tiercache server %s answers again", self.name)
                     return
-                delay = min(delay * 2, longest)
         finally:
             self._open.clear()  # closed when serving, or when the client closes: never open with nobody probing

@@ -1,5 +1,6 @@
-"""The data channel's client half: remote puts and gets over pooled sockets to the server's data port (wire format:
-tiercache.protocol.data), payloads sent from and received into the caller's buffers with no copy in Python.
+"""The data channel's client half, a payload path (client.payload): remote puts and gets over pooled sockets to the
+server's data port (wire format: tiercache.protocol.data), payloads sent from and received into the caller's buffers
+with no copy in Python.
 
 A connection opens with the client's bearer token and, when the gRPC channel uses TLS, the same TLS (CA, client
 certificate, server name). One request at a time per connection; the client keeps up to `pool_size` idle ones.
@@ -14,12 +15,12 @@ import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
+from tiercache.client.payload import Chunk, Fetched
 from tiercache.config import DEFAULT_MAX_CHUNK_BYTES
-from tiercache.errors import InvalidArgument, TierCacheError
+from tiercache.errors import ConnectFailed, ConnectionBroken, InvalidArgument, TierCacheError, TimedOut
 from tiercache.protocol import data
-from tiercache.record.encoding import ChunkMeta
 
 IDLE_CLOSE_S = 240.0  # a pooled connection idle this long is closed before the server's keepalive (300 s) does
 # One TCP stream tops out below what the cores can move (loopback, 2-vCPU machine: ~4.3 GB/s for one, ~6 for two):
@@ -27,15 +28,6 @@ IDLE_CLOSE_S = 240.0  # a pooled connection idle this long is closed before the 
 # beat two and one there (4 MiB chunks against redis-py in the same rounds: ~1.6x, ~1.4x, ~1.1x).
 DEFAULT_STREAMS = 4
 STRIPE_MIN_BYTES = 4 << 20
-
-
-class ConnectFailed(data.ConnectionBroken):
-    """No connection could be opened (refused, unreachable, TLS handshake failed)."""
-
-
-class Received(NamedTuple):
-    data: memoryview | bytes  # the caller's buffer, filled, or new bytes
-    tier: str
 
 
 class DataChannel:
@@ -54,18 +46,17 @@ class DataChannel:
         self._idle: list[tuple[socket.socket, float]] = []
         self._lock = threading.Lock()
 
-    def put(self, namespace: str, chunks: Sequence[tuple[bytes, memoryview, ChunkMeta]], timeout_s: float) -> list[str]:
-        """Store chunks; per chunk, the tier that holds it. A large batch is striped over parallel connections."""
-        deadline = time.monotonic() + timeout_s  # for every stripe, however long it waits for a thread
+    def put(self, namespace: str, chunks: Sequence[Chunk], deadline: float) -> list[str]:
+        """Store chunks; per chunk, the tier that holds it. A large batch is striped over parallel connections (the
+        deadline bounds every stripe, however long it waits for a thread)."""
         stripes = _stripes([len(payload) for _, payload, _ in chunks], self._streams)
         return self._in_parallel([functools.partial(self._put_stripe, namespace, chunks[s], deadline)
                                   for s in stripes])
 
     def get(self, namespace: str, keys: Sequence[bytes], outs: Sequence[memoryview | None],
-            timeout_s: float) -> list[Received | None]:
+            deadline: float) -> list[Fetched | None]:
         """Per key: its bytes (in `outs[i]` when given, else new bytes) and tier, or None for a miss. Several
         keys are striped over parallel connections."""
-        deadline = time.monotonic() + timeout_s
         stripes = _stripes([STRIPE_MIN_BYTES] * len(keys), self._streams)
         return self._in_parallel([functools.partial(self._get_stripe, namespace, keys[s], outs[s], deadline)
                                   for s in stripes])
@@ -102,7 +93,7 @@ class DataChannel:
         def exchange(sock: socket.socket) -> list[str]:
             try:
                 data.send_all(sock, request, *(payload for _, payload, _ in chunks))
-            except data.ConnectionBroken:
+            except ConnectionBroken:
                 _raise_answer(sock)  # a server that refused and closed may have said why
                 raise
             data.read_status(sock)
@@ -110,17 +101,17 @@ class DataChannel:
         return self._exchange(exchange, deadline)
 
     def _get_stripe(self, namespace: str, keys: Sequence[bytes], outs: Sequence[memoryview | None],
-                    deadline: float) -> list[Received | None]:
+                    deadline: float) -> list[Fetched | None]:
         if len(keys) > data.MAX_BATCH:
             return [item for start in range(0, len(keys), data.MAX_BATCH)
                     for item in self._get_stripe(namespace, keys[start:start + data.MAX_BATCH],
                                                  outs[start:start + data.MAX_BATCH], deadline)]
         request = data.get_request(namespace, keys)
 
-        def exchange(sock: socket.socket) -> list[Received | None]:
+        def exchange(sock: socket.socket) -> list[Fetched | None]:
             data.send_all(sock, request)
             data.read_status(sock)
-            results: list[Received | None] = []
+            results: list[Fetched | None] = []
             too_small = None
             for out in outs:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -133,12 +124,12 @@ class DataChannel:
                     results.append(None)
                 elif out is not None:
                     data.recv_exactly_into(sock, out[:size])
-                    results.append(Received(out[:size], tier))
+                    results.append(Fetched(out[:size], tier))
                 else:
                     chunk, view = _new_bytes(size)
                     data.recv_exactly_into(sock, view)
                     view.release()
-                    results.append(Received(chunk, tier))
+                    results.append(Fetched(chunk, tier))
             if too_small is not None:
                 raise too_small
             return results
@@ -163,9 +154,9 @@ class DataChannel:
         if sock is not None:
             try:
                 return self._on(sock, exchange, deadline)
-            except data.TimedOut:
+            except TimedOut:
                 raise
-            except data.ConnectionBroken:
+            except ConnectionBroken:
                 pass
         return self._on(self._connect(deadline), exchange, deadline)
 
@@ -173,7 +164,7 @@ class DataChannel:
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             result = exchange(sock)
-        except data.ConnectionBroken:
+        except ConnectionBroken:
             sock.close()
             raise
         except TierCacheError:
@@ -239,7 +230,7 @@ def _raise_answer(sock: socket.socket) -> None:
     try:
         sock.settimeout(0.5)
         data.read_status(sock)
-    except data.ConnectionBroken:
+    except ConnectionBroken:
         return
     except TierCacheError:
         raise

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tiercache.client.client import Client
 from tiercache.client.retry import RetryPolicy
-from tiercache.errors import Unavailable
+from tiercache.errors import TimedOut, Unavailable
 
 
 def require_server(url: str, timeout_s: float = 10.0) -> dict:
@@ -20,6 +20,6 @@ def require_server(url: str, timeout_s: float = 10.0) -> dict:
         try:
             return client.stats()
         except Unavailable as exc:
-            if str(exc).startswith("deadline exceeded"):
+            if isinstance(exc, TimedOut):
                 raise Unavailable(f"the tiercache server at {url} did not answer within {timeout_s:g} s") from None
             raise Unavailable(f"no tiercache server at {url}: is `tiercache serve` running?") from None

@@ -1,21 +1,21 @@
-"""How the client retries UNAVAILABLE: every call is idempotent, so every call may be retried."""
+"""How the client tries a call again. Every call is idempotent (a put of the same key and bytes leaves the same state),
+so any call may be retried; which failures are is their category's business (tiercache.errors: Unavailable)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 from typing import Iterator
+
+from tiercache.backoff import Backoff
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How UNAVAILABLE is retried: `attempts` tries in all, sleeping backoff_s, 2*backoff_s, ... up to max_backoff_s."""
+    """`attempts` tries in all, waiting by `backoff` between them (all inside the call's deadline)."""
 
     attempts: int = 4
-    backoff_s: float = 0.05
-    max_backoff_s: float = 1.0
+    backoff: Backoff = Backoff(first_s=0.05, max_s=1.0)
 
     def delays(self) -> Iterator[float]:
-        delay = self.backoff_s
-        for _ in range(self.attempts - 1):
-            yield delay
-            delay = min(delay * 2, self.max_backoff_s)
+        return islice(self.backoff.delays(), max(self.attempts - 1, 0))

@@ -115,7 +115,7 @@ class PrefixCache:
         """Like load, with the bytes read from each tier (for benchmarks and logs)."""
         refs = [o.ref for o in hit.objects]
         try:
-            fetched = self.client.fetch_many(self.namespace, [r.key for r in refs]) if refs else []
+            fetched = self.client.get_many(self.namespace, [r.key for r in refs])
         except (Unavailable, CapacityExceeded) as exc:  # CapacityExceeded: the server's stream limit
             _log_failure("tiercache load failed, recomputing: %s", exc)
             return None

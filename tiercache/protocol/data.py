@@ -36,15 +36,7 @@ import struct
 import time
 from typing import NamedTuple, Sequence
 
-from tiercache.errors import (
-    CapacityExceeded,
-    InvalidArgument,
-    NotFound,
-    PermissionDenied,
-    TierCacheError,
-    Unauthenticated,
-    Unavailable,
-)
+from tiercache.errors import WIRE_CODES, ConnectionBroken, InvalidArgument, TierCacheError, TimedOut, wire_code
 from tiercache.record.encoding import ChunkMeta
 
 MAGIC = b"TCD1"
@@ -63,26 +55,8 @@ _U16 = struct.Struct("<H")
 _PUT_ENTRY = struct.Struct("<QBQH")  # size, object class, prefix tokens, parent length (after the key)
 ITEM = struct.Struct("<BQB")  # found, size, tier length
 
-class Busy(CapacityExceeded):
-    """The server is at its data-connection or in-flight limits: the client sends this call over gRPC instead."""
-
-
 OK = 0
-INTERNAL = 7
-# One code per error class, like protocol.wire's gRPC status table (the order matters: subclasses first).
-_CODES: tuple[tuple[int, type[TierCacheError]], ...] = (
-    (1, InvalidArgument), (2, NotFound), (8, Busy), (3, CapacityExceeded), (4, Unavailable), (5, Unauthenticated),
-    (6, PermissionDenied),
-)
-
-
-class ConnectionBroken(Unavailable):
-    """The connection closed or failed mid-exchange (the peer went away, a timeout passed, malformed bytes). The
-    connection is unusable; a client may retry on a new one."""
-
-
-class TimedOut(ConnectionBroken):
-    """The peer made no progress within the socket's timeout, or too little before a deadline."""
+INTERNAL = 7  # an unexpected error; the other codes are tiercache.errors.WIRE_CODES
 
 
 class PutEntry(NamedTuple):
@@ -92,17 +66,13 @@ class PutEntry(NamedTuple):
 
 
 def code_for(error: BaseException) -> int:
-    for code, kind in _CODES:
-        if isinstance(error, kind):
-            return code
-    return INTERNAL
+    row = wire_code(error)
+    return row.data_code if row else INTERNAL
 
 
 def error_for(code: int, message: str) -> TierCacheError:
-    for known, kind in _CODES:
-        if code == known:
-            return kind(message)
-    return TierCacheError(f"INTERNAL: {message}")
+    kind = next((row.error for row in WIRE_CODES if row.data_code == code), None)
+    return kind(message) if kind else TierCacheError(f"INTERNAL: {message}")
 
 
 # -- sockets ----------------------------------------------------------------------------------------------------------

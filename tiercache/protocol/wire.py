@@ -1,7 +1,7 @@
-"""What crosses the network: generated protobuf types, error <-> status mapping, frames, limits, conversions.
+"""What crosses the network: generated protobuf types, gRPC statuses of errors, frames, limits, conversions.
 
-The mapping between tiercache errors and gRPC status codes lives here and nowhere else; the server aborts with
-`status_for`, the client raises `error_for`.
+Which status names which error is tiercache.errors.WIRE_CODES; the server aborts with `status_for`, the client raises
+`error_of` (which also tells a status the server chose from one grpc made up because the server was not reached).
 """
 
 from __future__ import annotations
@@ -10,15 +10,7 @@ from typing import Iterator, Mapping, Sequence
 
 import grpc
 
-from tiercache.errors import (
-    CapacityExceeded,
-    InvalidArgument,
-    NotFound,
-    PermissionDenied,
-    TierCacheError,
-    Unauthenticated,
-    Unavailable,
-)
+from tiercache.errors import WIRE_CODES, ConnectionBroken, InvalidArgument, TierCacheError, wire_code
 from tiercache.prefix.hashes import HASH_BYTES, InsideChunk
 from tiercache.prefix.layout import GroupKind
 from tiercache.prefix.lookup import Query
@@ -39,30 +31,33 @@ SERVICE_NAME = "tiercache.v1.TierCache"
 ANSWERED_BY_SERVER = "tiercache-answered"
 AUTHORIZATION = "authorization"  # the bearer token's gRPC metadata key (lower case, as HTTP/2 requires)
 
-_STATUS_BY_ERROR: tuple[tuple[type[TierCacheError], grpc.StatusCode], ...] = (
-    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
-    (NotFound, grpc.StatusCode.NOT_FOUND),
-    (CapacityExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (Unavailable, grpc.StatusCode.UNAVAILABLE),
-    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
-    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
-)
-
 
 def status_for(error: BaseException) -> grpc.StatusCode:
-    for kind, code in _STATUS_BY_ERROR:
-        if isinstance(error, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
+    row = wire_code(error)
+    return grpc.StatusCode[row.grpc_status] if row else grpc.StatusCode.INTERNAL
 
 
 def error_for(code: grpc.StatusCode, message: str) -> TierCacheError:
-    for kind, known in _STATUS_BY_ERROR:
-        if code == known:
-            return kind(message)
+    kind = next((row.error for row in WIRE_CODES if row.grpc_status == code.name), None)
+    return kind(message) if kind else TierCacheError(f"{code.name}: {message}")
+
+
+def error_of(failure: grpc.RpcError) -> TierCacheError:
+    """What a failed call raises in the client. An UNAVAILABLE the server did not mark as its own answer is grpc's:
+    the server was not reached (ConnectionBroken); a passed deadline is TimedOut."""
+    code, message = failure.code(), failure.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE and not _answered(failure):
+        return ConnectionBroken(message)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return Unavailable(f"deadline exceeded: {message}")
-    return TierCacheError(f"{code.name}: {message}")
+        message = f"deadline exceeded: {message}"
+    return error_for(code, message)
+
+
+def _answered(failure: grpc.RpcError) -> bool:
+    try:
+        return any(key == ANSWERED_BY_SERVER for key, _ in failure.trailing_metadata() or ())
+    except Exception:  # noqa: BLE001 - errors raised before any call existed carry no metadata
+        return False
 
 
 def max_message_bytes(max_chunk_bytes: int) -> int:

@@ -27,7 +27,7 @@ import time
 from typing import NamedTuple, NoReturn
 
 from tiercache.config import Config
-from tiercache.errors import CapacityExceeded, TierCacheError
+from tiercache.errors import Busy, CapacityExceeded, TierCacheError
 from tiercache.protocol import data
 from tiercache.protocol.wire import AUTHORIZATION, checked_meta, status_for
 from tiercache.record import encoding
@@ -65,10 +65,10 @@ class DataPlane:
         self._idle_s = cfg.stream_idle_timeout_s
         # Over a limit the refusal is Busy: the client sends that call over gRPC instead.
         self._all = Counts(cfg.max_data_connections, "data connections open (server.max_data_connections)",
-                           data.Busy)
+                           Busy)
         self._connections_per_peer = Counts(cfg.max_data_connections_per_peer,
-                                            "data connections open (server.max_data_connections_per_peer)", data.Busy)
-        self._streams = StreamLimits(cfg.max_streams_per_peer, cfg.max_streams_per_tenant, data.Busy)  # in flight
+                                            "data connections open (server.max_data_connections_per_peer)", Busy)
+        self._streams = StreamLimits(cfg.max_streams_per_peer, cfg.max_streams_per_tenant, Busy)  # in flight
         self._listeners: list[socket.socket] = []
         self._connections: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
@@ -235,7 +235,7 @@ class DataPlane:
         with contextlib.ExitStack() as held:
             try:
                 held.enter_context(self._streams.stream(peer, tenant.name))
-            except data.Busy as refused:
+            except Busy as refused:
                 if request.op == data.OP_PUT:
                     data.drain(sock, sum(entry.size for entry in request.entries), scratch)
                 self._refuse(sock, refused)

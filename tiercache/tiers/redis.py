@@ -5,9 +5,9 @@ calls are split per slot by the client); only the client object differs.
 
 Redis bounds itself (maxmemory and its eviction policy, optional TTL), so this tier evicts nothing on its own.
 When Redis cannot be reached the tier is *down*: every call raises TierDown at once, without touching the network,
-until a backoff delay passes (doubling from 0.1 s up to `max_backoff_s`); then the next call tries again, and a
-success marks it up. The store turns TierDown into a miss (reads) or a skipped copy (writes), so clients see no
-errors for chunks the local tiers hold.
+until a backoff delay passes (a tiercache.backoff schedule: doubling from 0.1 s up to `max_backoff_s`); then the next
+call tries again, and a success marks it up. The store turns TierDown into a miss (reads) or a skipped copy (writes),
+so clients see no errors for chunks the local tiers hold.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ClusterError
 from redis.retry import Retry
 
+from tiercache.backoff import Backoff
 from tiercache.config import RedisTierConfig
 from tiercache.errors import ConfigError, TierDown
 from tiercache.record.codec import codec_id
@@ -70,12 +71,12 @@ class RedisTier:
         self._prefix = config.key_prefix.encode()
         self.codec = codec_id(config.codec)
         self._ttl_ms = int(config.ttl_s * 1000) if config.ttl_s else None
-        self._max_backoff_s = config.max_backoff_s
+        self._backoff = Backoff(min(_FIRST_BACKOFF_S, config.max_backoff_s), config.max_backoff_s)
         self._redis = client or _connect(config)
         self._cluster = config.cluster
         self._lock = threading.Lock()
         self._up = True
-        self._backoff_s = _FIRST_BACKOFF_S
+        self._waits: Iterator[float] = iter(())  # while down: the backoff's waits, one per failed attempt
         self._next_attempt = 0.0
         self.errors = 0
 
@@ -153,14 +154,12 @@ class RedisTier:
                 self.errors += 1
             raise TierDown(f"redis error: {exc}") from exc
         with self._lock:
-            self._up, self._backoff_s = True, _FIRST_BACKOFF_S
+            self._up = True
         return result
 
     def _mark_down(self) -> None:
         with self._lock:
             self.errors += 1
             if self._up:
-                self._up, self._backoff_s = False, _FIRST_BACKOFF_S
-            else:
-                self._backoff_s = min(self._backoff_s * 2, self._max_backoff_s)
-            self._next_attempt = time.monotonic() + self._backoff_s
+                self._up, self._waits = False, self._backoff.delays()
+            self._next_attempt = time.monotonic() + next(self._waits)

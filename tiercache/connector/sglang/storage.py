@@ -7,9 +7,10 @@
             "interface_v1": 1, "url": "grpc://127.0.0.1:50051"}'
 
 Extra-config keys (SGLang's own: `backend_name`, `module_path`, `class_name`, `interface_v1`, `file_storage_path`
-and its prefetch settings; ours, all optional): `url` (default $TIERCACHE_URL, else grpc://127.0.0.1:50051),
-`token`, `tls_ca_file`, `tls_cert_file`, `tls_key_file`, `tls_server_name`, `salt` (the tenant's), `model_name`
-(default: SGLang's), `timeout_s`, `offline_backoff_s`. Any other key is refused (docs/sglang.md).
+and its prefetch settings; ours, all optional): the connection's (tiercache.client.settings: `url`, `token`,
+`tls_ca_file`, `tls_cert_file`, `tls_key_file`, `tls_server_name`, each defaulting to its environment variable), and
+`salt` (the tenant's), `model_name` (default: SGLang's), `timeout_s`, `offline_backoff_s`. Any other key is refused
+(docs/sglang.md).
 
 All three levels of HiCacheStorage: v0 (`get` / `set` / `exists` and their batches; pages as SGLang's flat tensors),
 v1 (`batch_get_v1` / `batch_set_v1`: pages straight between the host pool's memory and the server, by host index;
@@ -27,9 +28,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Sequence, TypeVar
 
 import torch
@@ -43,8 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from tiercache.client import BreakerPolicy, Chunk, Client
-from tiercache.client.retry import RetryPolicy
+from tiercache.client import BreakerPolicy, Chunk, Client, ConnectionSettings, RetryPolicy
 from tiercache.config import refuse_unknown
 from tiercache.connector.limits import check_fits
 from tiercache.connector.sglang import naming
@@ -54,7 +53,6 @@ from tiercache.record.encoding import CLASS_KV, CLASS_STATE, ChunkMeta
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DEFAULT_URL = "grpc://127.0.0.1:50051"
 # SGLang's own keys (its controllers pop some of them before constructing the backend; not all of its paths do).
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "file_storage_path", "tp_lcm_size",
                "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
@@ -66,12 +64,7 @@ PER_RANK_POOLS = {str(PoolName.MAMBA)}  # sharded by TP rank even in a model who
 
 @dataclass(frozen=True)
 class Settings:
-    url: str = ""
-    token: str | None = None
-    tls_ca_file: str | None = None
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    tls_server_name: str | None = None
+    connection: ConnectionSettings = field(default_factory=ConnectionSettings)  # url, token, TLS files
     salt: str = ""
     model_name: str | None = None
     timeout_s: float = 5.0  # one call of SGLang's prefetch or backup thread
@@ -84,11 +77,11 @@ class Settings:
         interface_v1 = bool(extra.get("interface_v1"))
         for key in SGLANG_KEYS:
             extra.pop(key, None)
-        ours = [f.name for f in fields(cls) if f.name != "interface_v1"]
-        refuse_unknown(extra, ours, "unknown --hicache-storage-backend-extra-config keys for TierCacheStorage:",
-                       ValueError)
-        extra["url"] = extra.get("url") or os.environ.get("TIERCACHE_URL", DEFAULT_URL)
-        return cls(**extra, interface_v1=interface_v1)
+        ours = [f.name for f in fields(cls) if f.name not in ("connection", "interface_v1")]
+        refuse_unknown(extra, [*ConnectionSettings.keys(), *ours],
+                       "unknown --hicache-storage-backend-extra-config keys for TierCacheStorage:", ValueError)
+        connection, engine = ConnectionSettings.from_config(extra)
+        return cls(connection, **engine, interface_v1=interface_v1)
 
 
 def _answers(failed: Callable[..., Any]):
@@ -121,11 +114,8 @@ class TierCacheStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.settings = Settings.from_extra_config(storage_config.extra_config)
         settings = self.settings
-        self.client = Client.from_url(
-            settings.url, token=settings.token, tls_ca_file=settings.tls_ca_file,
-            tls_cert_file=settings.tls_cert_file, tls_key_file=settings.tls_key_file,
-            tls_server_name=settings.tls_server_name, timeout_s=settings.timeout_s, retry=RetryPolicy(attempts=2),
-            breaker=BreakerPolicy(max_probe_interval_s=settings.offline_backoff_s))
+        self.client = Client(settings.connection, timeout_s=settings.timeout_s, retry=RetryPolicy(attempts=2),
+                             breaker=BreakerPolicy.probing_at_most(settings.offline_backoff_s))
         self.model = settings.model_name or storage_config.model_name or "unnamed"
         self.mem_pool_host = None
         self.registered_pools: dict[str, Any] = {}
@@ -203,7 +193,8 @@ class TierCacheStorage(HiCacheStorage):
         if target_locations is None:
             found = self._guarded(lambda: self.client.get_many(pool.namespace, [pool.key(k) for k in keys]),
                                   [None] * len(keys))
-            return [torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None for data in found]
+            return [torch.frombuffer(bytearray(f.data), dtype=torch.uint8) if f is not None and f.data else None
+                    for f in found]
         staged = [t if t.is_contiguous() else t.contiguous() for t in target_locations]
         fetched = self._fetch(pool, keys, [_tensor_bytes(t) for t in staged])
         for ok, target, page in zip(fetched, target_locations, staged):
@@ -380,7 +371,7 @@ class TierCacheStorage(HiCacheStorage):
     def _fetch(self, pool: "_Pool", keys: Sequence[str], buffers: list) -> list[bool]:
         """Read each key's object into its buffer; True where it came whole (a size that does not match the buffer
         is a miss: the namespace names the layout, so that is damage, never a page to use)."""
-        fetched = self._guarded(lambda: self.client.fetch_into(pool.namespace, [pool.key(k) for k in keys], buffers),
+        fetched = self._guarded(lambda: self.client.get_many(pool.namespace, [pool.key(k) for k in keys], buffers),
                                 [None] * len(keys))
         return [f is not None and len(f.data) == len(memoryview(b).cast("B")) for f, b in zip(fetched, buffers)]
 

@@ -7,10 +7,11 @@
                                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                                "kv_connector_extra_config": {"url": "grpc://127.0.0.1:50051"}}'
 
-`kv_connector_extra_config` keys (all optional): `url` (default $TIERCACHE_URL, else grpc://127.0.0.1:50051),
-`token`, `tls_ca_file`, `model_name` (default: the served model), `revision`, `match_unit` (u, default 16 when it
-divides the block size, else the block size), `salt`, `weights_id`, `timeout_s`, `lookup_timeout_s`,
-`offline_backoff_s`, `max_pending_save_bytes`, `max_boundary_states`. Prefix caching (on by default) puts the Mamba
+`kv_connector_extra_config` keys (all optional): the connection's (tiercache.client.settings: `url`, `token`,
+`tls_ca_file`, `tls_cert_file`, `tls_key_file`, `tls_server_name`, each defaulting to its environment variable), and
+vLLM's own: `model_name` (default: the served model), `revision`, `match_unit` (u, default 16 when it divides the
+block size, else the block size), `salt`, `weights_id`, `timeout_s`, `lookup_timeout_s`, `offline_backoff_s`,
+`max_pending_save_bytes`, `max_boundary_states`. Prefix caching (on by default) puts the Mamba
 groups in the 'align' mode the connector needs; `--mamba-cache-mode` decides nothing (deprecated in 0.33; 0.32 derives
 the mode from prefix caching). At startup the scheduler's connector checks that its largest object fits the server's
 chunk limit (tiercache.connector.limits). The rules (what is loaded, what is saved,
@@ -21,9 +22,8 @@ tiercache.connector.vllm.identity.
 from __future__ import annotations
 
 import logging
-import os
 import weakref
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -36,8 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiercache.client import BreakerPolicy, Client
-from tiercache.client.retry import RetryPolicy
+from tiercache.client import BreakerPolicy, Client, ConnectionSettings, RetryPolicy
 from tiercache.connector.limits import check_spec
 from tiercache.connector.prefix_cache import PrefixCache
 from tiercache.connector.vllm.identity import engine_identity
@@ -50,8 +49,6 @@ from tiercache.prefix.objects import CacheSpec
 
 log = logging.getLogger(__name__)
 
-DEFAULT_URL = "grpc://127.0.0.1:50051"
-
 # Scheduler-role connectors of this process. With vLLM's engine core in the process that computes (the `uni`
 # executor and VLLM_ENABLE_V1_MULTIPROCESSING=0, e.g. an offline `LLM`), a request's end-of-request save reaches the
 # worker with the next step's metadata, and a process that exits after its last request runs no next step: the
@@ -61,9 +58,7 @@ _SCHEDULERS: "weakref.WeakSet[TierCacheConnector]" = weakref.WeakSet()
 
 @dataclass(frozen=True)
 class Settings:
-    url: str = ""
-    token: str | None = None
-    tls_ca_file: str | None = None
+    connection: ConnectionSettings = field(default_factory=ConnectionSettings)  # url, token, TLS files
     model_name: str | None = None
     revision: str | None = None
     match_unit: int | None = None
@@ -79,11 +74,11 @@ class Settings:
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> "Settings":
-        extra = dict(extra or {})
-        refuse_unknown(extra, [f.name for f in fields(cls)],
+        ours = [f.name for f in fields(cls) if f.name != "connection"]
+        refuse_unknown(extra or {}, [*ConnectionSettings.keys(), *ours],
                        "unknown kv_connector_extra_config keys for TierCacheConnector:", InvalidArgument)
-        extra["url"] = extra.get("url") or os.environ.get("TIERCACHE_URL", DEFAULT_URL)
-        return cls(**extra)
+        connection, engine = ConnectionSettings.from_config(extra or {})
+        return cls(connection, **engine)
 
 
 class TierCacheMetadata(KVConnectorMetadata):
@@ -135,9 +130,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         unit = settings.match_unit or (16 if block % 16 == 0 else block)
         self.spec = CacheSpec(self.layout, block, unit, salt=settings.salt,
                               max_boundary_states=settings.max_boundary_states)
-        breaker = BreakerPolicy(max_probe_interval_s=settings.offline_backoff_s)
-        self.client = Client.from_url(settings.url, token=settings.token, tls_ca_file=settings.tls_ca_file,
-                                      timeout_s=settings.timeout_s, breaker=breaker)
+        breaker = BreakerPolicy.probing_at_most(settings.offline_backoff_s)
+        self.client = Client(settings.connection, timeout_s=settings.timeout_s, breaker=breaker)
         self._planner: Planner | None = None
         self._transfers: Transfers | None = None
         self._reported: dict[str, int] = {}
@@ -145,9 +139,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             # One try within a short deadline: a lookup that cannot be answered quickly is a miss, not a stall, and
             # the breaker makes every later one an instant miss until the server answers again. The server counts
             # the lookup itself (no second call for statistics).
-            lookups = Client.from_url(settings.url, token=settings.token, tls_ca_file=settings.tls_ca_file,
-                                      timeout_s=settings.lookup_timeout_s, retry=RetryPolicy(attempts=1),
-                                      breaker=breaker)
+            lookups = Client(settings.connection, timeout_s=settings.lookup_timeout_s, retry=RetryPolicy(attempts=1),
+                             breaker=breaker)
             # Every rank's objects are the same size: the scheduler checks them once, before the engine serves.
             check_spec(lookups, self.spec, "TierCacheConnector")
             cache = PrefixCache(lookups, self.spec, all_ranks=True)
@@ -155,7 +148,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             _SCHEDULERS.add(self)
         else:
             self._transfers = Transfers(self.client, self.groups, self.spec, settings.max_pending_save_bytes)
-        log.info("TierCacheConnector (%s) on %s: namespace %s, N=%d, u=%d", role.name, settings.url,
+        log.info("TierCacheConnector (%s) on %s: namespace %s, N=%d, u=%d", role.name, settings.connection.url,
                  self.spec.namespace, block, unit)
         vllm_unit = vllm_config.cache_config.prefix_match_unit
         if role == KVConnectorRole.SCHEDULER and self.groups.mamba and (vllm_unit or block) >= block:

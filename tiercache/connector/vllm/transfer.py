@@ -125,8 +125,8 @@ class Transfers:
             staged = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=self._load_staging.pinned)
         rows = _ObjectRows(staged, sizes)
         try:
-            fetched = self.client.fetch_into(self.namespace(job.salt), [t.ref.key for t in job.transfers],
-                                             rows.buffers())
+            fetched = self.client.get_many(self.namespace(job.salt), [t.ref.key for t in job.transfers],
+                                           rows.buffers())
         except TierCacheError as exc:
             (log.debug if isinstance(exc, CircuitOpen) else log.warning)(
                 "tiercache load for request %s failed, recomputing: %s", job.req_id, exc)
