@@ -178,31 +178,3 @@ def test_a_gather_that_fails_beside_the_engine_loses_its_save_not_the_engine(ser
     assert "injected gather fault" in caplog.text
     assert saver._save_staging.out_bytes == 0  # its staging buffer went back
     saver.shutdown()
-
-
-def test_a_gather_of_blocks_the_next_step_cannot_write_goes_on_beside_it_unless_their_request_is_freed(server):
-    saver = _transfers(server, "cpu", seed=9)
-    saver.before_step()
-    release = threading.Event()
-    gather = saver._gather_step
-
-    def held_gather(transfers, rows):  # a gather that runs until the test lets it finish
-        assert release.wait(30)
-        return gather(transfers, rows)
-    saver._gather_step = held_gather
-    job = _jobs(saver.spec, prompt_seed=90)[0]
-    complete_blocks_only = Job(job.req_id, "", tuple(t for t in job.transfers if not t.running))
-    saver.save([complete_blocks_only])
-
-    def next_step(freed):
-        step = threading.Thread(target=saver.before_step, args=(freed,))
-        step.start()
-        step.join(0.5)
-        return step
-    assert not next_step(frozenset({"other"})).is_alive()  # r0 runs on: its complete blocks stay as they are
-    fenced = next_step(frozenset({"r0"}))  # r0 ended: its blocks may be reused, the step waits for the copies
-    assert fenced.is_alive()
-    release.set()
-    fenced.join(30)
-    assert not fenced.is_alive() and saver.drain(30) and saver.stats.objects_saved == 2
-    saver.shutdown()

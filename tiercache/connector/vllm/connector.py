@@ -188,10 +188,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._transfers.register(paged_views(self.groups, self._kv_cache_config, kv_caches))
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
-        """vLLM calls this first thing in every step, before it writes a block: saves still copying blocks this step
-        may write (a running state, blocks of requests that ended or were preempted) must be done by now (on CPU
-        saves are copied beside the engine)."""
-        self._transfers.before_step(kv_connector_metadata.plan.freed)
+        """vLLM calls this first thing in every step, before it writes a block: the last step's saves must have been
+        copied out by now (on CPU they are copied beside the engine, between steps)."""
+        self._transfers.before_step()
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self._transfers.start_loads(self._get_connector_metadata().plan.loads)

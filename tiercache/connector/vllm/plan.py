@@ -60,9 +60,6 @@ class StepPlan:
     loads: list[Job] = field(default_factory=list)
     saves: list[Job] = field(default_factory=list)
     idle: bool = False  # vLLM computes nothing this step (e.g. only loads in flight): the workers may wait for them
-    # Requests whose blocks vLLM may hand to others from this step on (finished, aborted, preempted): a save still
-    # copying their blocks must be done before the step writes any block.
-    freed: frozenset = frozenset()
 
 
 @dataclass
@@ -149,7 +146,6 @@ class Planner:
         self._loads, self._finishes = [], []
         block_state = scheduler_output.kv_connector_block_state
         gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
-        plan.freed = frozenset(gone)
         offloads = block_state.boundary_state_offloads if block_state is not None else {}
         n = self.groups.block_size
         for req_id in set(scheduler_output.num_scheduled_tokens) | set(offloads):

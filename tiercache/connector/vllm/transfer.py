@@ -11,10 +11,9 @@ a partial load is never reported as a hit.
 
 Saves are gathered once the step's forward pass is over (`wait_for_save`: the blocks hold what the plan names until
 the next step writes them) into host memory, and put on a background thread, so the engine never waits for the
-network. On CPU the gather itself runs on a thread beside the engine, and `before_step` (vLLM's `handle_preemptions`,
-the first thing a step does, before it copies states or reuses blocks) waits for the gathers that read blocks the
-step may write: a request's running state, blocks of requests that ended or were preempted. The engine's thread no
-longer pays for the copies, and rarely waits for them. Saves beyond `max_pending_save_bytes` are dropped with a warning:
+network. On CPU the gather itself runs on a thread beside the engine, between its steps, and `before_step` (vLLM's
+`handle_preemptions`, the first thing a step does, before it copies states or frees and reuses blocks) waits for it:
+the engine's thread no longer pays for the copies. Saves beyond `max_pending_save_bytes` are dropped with a warning:
 a cache may forget, an engine must not stall.
 
 On CUDA tensors the copies are the CUDA kernels, staged through pinned host memory, loads on their own stream; on
@@ -73,7 +72,7 @@ class Transfers:
         self._loader: ThreadPoolExecutor | None = None  # made by register(), on cores vLLM does not compute on
         self._saver: ThreadPoolExecutor | None = None
         self._gatherer: ThreadPoolExecutor | None = None  # CPU step saves' copies, between the engine's steps
-        self._gathers: list[_Gather] = []  # CPU gathers beside the engine, not yet known done (vLLM's thread only)
+        self._gathers: list[Future] = []  # gathers the next step must wait for (vLLM's thread only)
         self._steps_fenced = False  # the engine calls before_step each step: gathers may run beside it
         self._lock = threading.Lock()
         self._loaded: set[str] = set()
@@ -232,19 +231,15 @@ class Transfers:
 
     # -- saves ---------------------------------------------------------------------------------------------------
 
-    def before_step(self, freed: frozenset = frozenset()) -> None:
-        """The start of an engine step, before it writes any block: gathers reading blocks this step may write must
-        be done — a running state (the step advances it) or any block of a request in `freed` (ended, aborted or
-        preempted: vLLM may give its blocks to another request now). A running request's complete blocks and
-        committed states are never written again, so their gathers go on beside the step. vLLM calls this first
-        thing in every step; until it has, gathers run on vLLM's thread."""
+    def before_step(self) -> None:
+        """The start of an engine step, before it writes any block: the gathers of the last step's saves must be
+        done (vLLM calls this first thing in every step; until it has, gathers run on vLLM's thread). Every gather,
+        not only those of requests that ended: vLLM also frees blocks of running requests (align-mode Mamba blocks
+        behind the last state, sliding-window pages), and the step may hand them to another request."""
         self._steps_fenced = True
-        if not self._gathers:
-            return
-        must = [g.done for g in self._gathers if g.running or not g.req_ids.isdisjoint(freed)]
-        if must:
-            futures_wait(must)
-        self._gathers = [g for g in self._gathers if not g.done.done()]
+        if self._gathers:
+            futures_wait(self._gathers)
+            self._gathers = []
 
     def save(self, jobs: list[Job], inline: bool = False) -> None:
         """Gather every object this step's jobs name into one staging buffer (the blocks hold them until the next
@@ -284,8 +279,7 @@ class Transfers:
             by_namespace.setdefault(self.namespace(job.salt), {})[transfer.ref] = view
         objects = [t for _, t in transfers]
         if beside:
-            self._gathers.append(_Gather(frozenset(job.req_id for job in jobs), any(t.running for t in objects),
-                                         self._gatherer.submit(self._gather_and_put, objects, rows, by_namespace)))
+            self._gathers.append(self._gatherer.submit(self._gather_and_put, objects, rows, by_namespace))
             return
         try:
             gathered = self._gather_in_inference_mode(objects, rows)
@@ -396,7 +390,7 @@ class Transfers:
         # (Waits on the futures already there: at interpreter exit the executors take no new work. A gather hands
         # its put to the saver before it ends, so the last put is known once the gathers are done.)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        if futures_wait([g.done for g in self._gathers], timeout=timeout_s).not_done:
+        if futures_wait(self._gathers, timeout=timeout_s).not_done:
             return False
         self._gathers = []
         running = [p.fetch for p in self._fetches] + ([self._last_put] if self._last_put is not None else [])
@@ -491,15 +485,6 @@ _COPIED = _CopiedOnHost()
 class _Fetched:
     rows: _ObjectRows
     kept: bool  # the staging buffer goes back to the pool (else it was made for this load only)
-
-
-@dataclass(frozen=True)
-class _Gather:
-    """A CPU save's copies running beside the engine."""
-
-    req_ids: frozenset  # whose blocks it reads
-    running: bool  # it reads a running state, which the next step of its request rewrites
-    done: Future
 
 
 @dataclass
