@@ -4,11 +4,14 @@ sockets, real certificates; raw sockets play the clients that misbehave."""
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import ssl
 import struct
+import threading
 import time
 
+import grpc
 import pytest
 
 from tests.certs import make_pki
@@ -20,6 +23,7 @@ from tiercache.config import MiB, SecurityConfig
 from tiercache.errors import Busy, CapacityExceeded, ConnectionBroken, PermissionDenied, TierCacheError, Unauthenticated
 from tiercache.process import ServerProcess, free_port
 from tiercache.protocol import data
+from tiercache.protocol.wire import pb, pb_grpc
 from tiercache.record.encoding import CLASS_STATE, ChunkMeta
 from tiercache.record.keys import ChunkKey
 from tiercache.server import data_plane
@@ -56,7 +60,11 @@ def _gets_for(keys: int) -> int:
 
 def _raw(server, token: str | None = None) -> socket.socket:
     """A bare connection to the data port, past its hello when `token` is not None (open servers: token '')."""
-    sock = socket.create_connection(("127.0.0.1", server.data_port), timeout=10)
+    return _connect(server.data_port, token)
+
+
+def _connect(port: int, token: str | None = None) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     if token is not None:
         sock.sendall(data.hello(token))
         data.read_status(sock)
@@ -271,26 +279,44 @@ def test_connections_over_the_per_host_limit_are_refused_and_the_call_goes_over_
         sock.close()
 
 
-def test_requests_over_the_in_flight_limit_go_over_grpc(start_server):
+def test_requests_in_flight_are_counted_once_for_both_transports(start_server):
+    """A host may have server.max_streams_per_peer requests in flight, gRPC streams and data-channel requests
+    together (issue 26: each transport counted its own, so a host could have twice the limit)."""
     server = start_server(max_streams_per_peer=2, stream_idle_timeout_s=30)
-    stalled = []
-    for i in range(2):  # two puts in flight, stalled half-way through their payload
-        sock = _raw(server, token="")
-        sock.sendall(data.put_request(NS, [data.PutEntry(b"half-%d" % i, MiB, ChunkMeta())]) + bytes(1000))
-        stalled.append(sock)
-    wait_for(lambda: _held(server) == 2, what="both stalled puts in flight")
-    with _client(server) as client:
-        client.put(NS, b"k", bytes(100_000))
-        assert client.get(NS, b"k") == bytes(100_000)
-    _wait_served(server, {("Put", "OK"): 1, ("Get", "OK"): 1, ("DataPut", "RESOURCE_EXHAUSTED"): 1,
-                          ("DataGet", "RESOURCE_EXHAUSTED"): 1})
-    for sock in stalled:
-        sock.close()
+    stalled = _raw(server, token="")  # a data-channel put in flight, stalled half-way through its payload
+    stalled.sendall(data.put_request(NS, [data.PutEntry(b"half", MiB, ChunkMeta())]) + bytes(1000))
+    wait_for(lambda: _held(server) == 1, what="the stalled data-channel put in flight")
+    release = threading.Event()
+
+    def stalled_frames():  # a gRPC Put stream in flight, stalled after its header
+        yield pb.PutFrame(header=pb.ChunkHeader(namespace=NS, key=b"never", size_bytes=MiB))
+        release.wait(30)
+    channel = grpc.insecure_channel(server.url.removeprefix("grpc://"))
+    stalled_put = pb_grpc.TierCacheStub(channel).Put.future(stalled_frames(), timeout=60)
+    try:
+        wait_for(lambda: _held(server) == 2, what="the stalled gRPC Put in flight too")
+        with _client(server) as remote, _client(server, data_channel=False) as streamed:
+            for client in (remote, streamed):
+                with pytest.raises(CapacityExceeded, match="max_streams_per_peer"):
+                    client.put(NS, b"k", bytes(100_000))
+                with pytest.raises(CapacityExceeded, match="max_streams_per_peer"):
+                    client.get(NS, b"k")
+            stalled.close()
+            release.set()
+            wait_for(lambda: _held(server) == 0, what="the stalled requests to end")
+            remote.put(NS, b"k", bytes(100_000))
+            assert streamed.get(NS, b"k") == bytes(100_000)
+    finally:
+        release.set()
+        stalled_put.cancel()
+        channel.close()
+    _wait_served(server, {("DataPut", "RESOURCE_EXHAUSTED"): 1, ("DataGet", "RESOURCE_EXHAUSTED"): 1,
+                          ("Put", "RESOURCE_EXHAUSTED"): 1, ("Get", "RESOURCE_EXHAUSTED"): 1})
 
 
 def _held(server) -> int:
-    """Data requests in flight from this host."""
-    return server.data_plane._streams.peers._open.get("127.0.0.1", 0)
+    """Requests in flight from this host (data channel and gRPC streams together)."""
+    return server.intake.limits.peers.held("127.0.0.1")
 
 
 def test_a_trickling_put_is_ended_before_it_completes(start_server):
@@ -304,6 +330,91 @@ def test_a_trickling_put_is_ended_before_it_completes(start_server):
             time.sleep(0.2)
     with _client(server) as client:
         assert client.get(NS, b"trickle") is None
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS line")
+
+
+class _Tricklers:
+    """Raw data-channel connections that each send the start of a request and then one byte at a time, every
+    `every_s`, for as long as the server keeps them; `ended[name]` is how long each lasted from its first byte."""
+
+    def __init__(self, port: int, every_s: float = 0.25) -> None:
+        self.port = port
+        self.every_s = every_s
+        self.open: dict[str, tuple[socket.socket, float]] = {}
+        self.ended: dict[str, float] = {}
+
+    def start(self, name: str, request_start: bytes) -> None:
+        sock = _connect(self.port, token="")
+        sock.setblocking(False)
+        sock.send(request_start)
+        self.open[name] = (sock, time.monotonic())
+
+    def step(self) -> None:
+        """Send every open connection one more byte; note those the server closed."""
+        for name, (sock, began) in list(self.open.items()):
+            try:
+                readable, _, _ = select.select([sock], [], [], 0)
+                if readable and not sock.recv(65536):
+                    raise ConnectionResetError
+                sock.send(b"\0")
+            except OSError:  # reset, broken pipe, or a status before the close: the server ended it
+                self.ended[name] = time.monotonic() - began
+                del self.open[name]
+                sock.close()
+        time.sleep(self.every_s)
+
+    def close(self) -> None:
+        for sock, _ in self.open.values():
+            sock.close()
+
+
+def test_hostile_clients_are_cut_off_by_deadlines_and_hold_memory_only_for_what_they_sent(tmp_path):
+    """Issue 26's hostile run, against a real server process: clients that declare large header blocks, large puts
+    and refused payloads, then trickle a byte at a time. Each part of a request has a deadline (a header block
+    within one idle timeout, a drained payload at 1 MiB per idle timeout), and the server's memory follows the bytes
+    that arrived, not the sizes declared (16 MiB blocks and 64 MiB chunks the arena cannot take: 656 MiB here)."""
+    idle_s, hostile = 2.0, 8
+    config = tmp_path / "tiercache.yaml"
+    config.write_text(f"server:\n  stream_idle_timeout_s: {idle_s}\n  max_chunk_bytes: 64MiB\n"
+                      "host:\n  capacity_bytes: 16MiB\n")
+    port = free_port()
+    with ServerProcess("--config", str(config), "--data-port", str(port)) as proc, \
+            Client.from_url(proc.url, same_host=False, timeout_s=30) as client:
+        warm = bytes(range(256)) * (16 * 1024)
+        client.put(NS, b"warm", warm)
+        assert client.get(NS, b"warm") == warm
+        baseline = _rss_bytes(proc.process.pid)
+        tricklers = _Tricklers(port)
+        try:
+            for i in range(hostile):
+                tricklers.start(f"block-{i}", struct.pack("<BII", data.OP_GET, 1, data.MAX_BLOCK_BYTES) + b"\0")
+                tricklers.start(f"put-{i}", data.put_request(NS, [data.PutEntry(b"big-%d" % i, 64 * MiB,
+                                                                                ChunkMeta())]) + b"\0")
+            for i in range(hostile // 2):  # an unknown object class: refused, its 4 MiB drained
+                tricklers.start(f"drain-{i}", data.put_request(NS, [data.PutEntry(b"bad", 4 * MiB,
+                                                                                  ChunkMeta(9))]) + b"\0")
+            peak = baseline
+            give_up = time.monotonic() + 60
+            while any(not name.startswith("put") for name in tricklers.open) and time.monotonic() < give_up:
+                tricklers.step()
+                peak = max(peak, _rss_bytes(proc.process.pid))
+            margin_s = 5.0  # a loaded machine; without the deadlines these would trickle for days
+            blocks = {n: t for n, t in tricklers.ended.items() if n.startswith("block")}
+            drains = {n: t for n, t in tricklers.ended.items() if n.startswith("drain")}
+            assert len(blocks) == hostile and max(blocks.values()) < idle_s + margin_s, blocks
+            assert len(drains) == hostile // 2 and max(drains.values()) < 4 * idle_s + margin_s, drains
+            # The puts may trickle on (64 MiB at 1 MiB per idle timeout), each holding what it received and a step.
+            assert peak - baseline < 64 * MiB, f"server RSS grew {(peak - baseline) / MiB:.0f} MiB"
+            assert client.get(NS, b"warm") == warm
+        finally:
+            tricklers.close()
 
 
 def test_a_get_that_fails_half_way_closes_the_connection_and_the_client_retries(start_server, monkeypatch):

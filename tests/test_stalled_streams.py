@@ -104,7 +104,7 @@ def test_stalled_and_unread_streams_do_not_stop_the_server_serving_others(server
 def test_streams_over_the_per_host_limit_are_refused_at_once_and_unary_calls_still_served(server, stalls):
     stalls.put_and_stall(48)  # the limit of this host (server.max_streams_per_peer)
     with Client.from_url(server.url, timeout_s=5, retry=RetryPolicy(attempts=1), same_host=False,
-                         data_channel=False) as client:  # gRPC streams: the data channel counts its own connections
+                         data_channel=False) as client:  # gRPC streams (the data channel is refused the same)
         def refused() -> bool:
             try:
                 client.put(NS, b"one-too-many", b"x")

@@ -31,6 +31,7 @@ closes the connection.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import time
@@ -79,20 +80,35 @@ def error_for(code: int, message: str) -> TierCacheError:
 
 def recv_exactly_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     """Fill `view` from the socket (the kernel copies straight into it); ConnectionBroken at an early end. Each read
-    waits up to the socket's timeout; `deadline` (time.monotonic()) bounds them all, so a peer that trickles a byte
-    now and then cannot hold the read (and what it holds) forever."""
-    while view:
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimedOut("data channel: the peer sent too slowly")
-        try:
-            n = sock.recv_into(view)
-        except TimeoutError:
-            raise TimedOut("data channel: the peer sent nothing within the timeout") from None
-        except (OSError, ValueError) as exc:  # ValueError: the socket was closed under us (server shutdown)
-            raise ConnectionBroken(f"data channel: {exc or type(exc).__name__}") from None
-        if not n:
-            raise ConnectionBroken("data channel closed by the peer")
-        view = view[n:]
+    waits up to the socket's timeout, and never past `deadline` (time.monotonic()), which bounds them all: a peer that
+    trickles a byte now and then cannot hold the read (and what it holds) for longer."""
+    idle_s = sock.gettimeout()
+    try:
+        while view:
+            if deadline is not None:
+                _wait_at_most(sock, idle_s, deadline)
+            try:
+                n = sock.recv_into(view)
+            except TimeoutError:
+                raise TimedOut("data channel: the peer sent nothing within the timeout, or too little by the "
+                               "deadline") from None
+            except (OSError, ValueError) as exc:  # ValueError: the socket was closed under us (server shutdown)
+                raise ConnectionBroken(f"data channel: {exc or type(exc).__name__}") from None
+            if not n:
+                raise ConnectionBroken("data channel closed by the peer")
+            view = view[n:]
+    finally:
+        if deadline is not None and sock.gettimeout() != idle_s:
+            with contextlib.suppress(OSError):
+                sock.settimeout(idle_s)
+
+
+def _wait_at_most(sock: socket.socket, idle_s: float | None, deadline: float) -> None:
+    """The next read's timeout: the socket's own, cut to what is left before `deadline`; TimedOut when nothing is."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimedOut("data channel: the peer sent too slowly")
+    sock.settimeout(left if idle_s is None else min(idle_s, left))
 
 
 def recv_exactly(sock: socket.socket, size: int, deadline: float | None = None) -> bytearray:
@@ -115,12 +131,35 @@ def send_all(sock: socket.socket, *parts) -> None:
         raise ConnectionBroken(f"data channel: {exc or type(exc).__name__}") from None
 
 
-def drain(sock: socket.socket, size: int, scratch: memoryview) -> None:
-    """Read and drop `size` bytes (payloads of a refused request, so the connection stays in step)."""
+def drain(sock: socket.socket, size: int, scratch: memoryview, deadline: float | None = None) -> None:
+    """Read and drop `size` bytes (payloads of a refused request, so the connection stays in step), all of them by
+    `deadline`: a peer that trickles them cannot hold the connection (and its thread) for longer."""
     while size:
         step = min(size, len(scratch))
-        recv_exactly_into(sock, scratch[:step])
+        recv_exactly_into(sock, scratch[:step], deadline)
         size -= step
+
+
+def recv_growing(sock: socket.socket, size: int, deadline: float, first_bytes: int = 64 << 10) -> bytearray:
+    """`size` bytes in a buffer that grows as they arrive (`first_bytes`, then doubling): memory is committed for
+    what a peer sends, never for what it declares (issue 26: a declared 16 MiB header block sent a byte at a time
+    held a zero-filled 16 MiB buffer per connection)."""
+    buffer = bytearray(min(size, first_bytes))
+    filled = 0
+    while True:
+        with memoryview(buffer) as view:
+            recv_exactly_into(sock, view[filled:], deadline)
+        filled = len(buffer)
+        if filled == size:
+            return buffer
+        buffer += bytes(min(size - filled, filled))
+
+
+def payload_deadline(size_bytes: int, idle_s: float) -> float:
+    """When a payload of `size_bytes` (a chunk, or what a refused request drains) must have arrived: at least 1 MiB
+    per idle timeout, and one idle timeout at the least. A client that trickles bytes cannot hold what the payload
+    holds (a reservation in the arena, a record, a connection's thread) for long."""
+    return time.monotonic() + idle_s * max(1.0, size_bytes / (1 << 20))
 
 
 # -- messages ---------------------------------------------------------------------------------------------------------
@@ -189,7 +228,9 @@ class Request(NamedTuple):
 
 def read_request(sock: socket.socket, idle_s: float) -> Request | None:
     """The next request, or None when the client closed the connection between requests. The wait for its first
-    byte is the socket's timeout; every read after it gets `idle_s`."""
+    byte is the socket's timeout; the rest of its header and its whole block must follow within `idle_s` of that
+    byte (each read alone waiting `idle_s` let a client trickle a declared 16 MiB block for as long as it liked:
+    issue 26), and the block's buffer grows as it arrives."""
     head = bytearray(_REQUEST.size)
     view = memoryview(head)
     try:
@@ -198,12 +239,13 @@ def read_request(sock: socket.socket, idle_s: float) -> Request | None:
         raise ConnectionBroken(f"data channel: {exc or type(exc).__name__}") from None
     if not first:
         return None
+    deadline = time.monotonic() + idle_s
     sock.settimeout(idle_s)
-    recv_exactly_into(sock, view[first:])
+    recv_exactly_into(sock, view[first:], deadline)
     op, count, block_bytes = _REQUEST.unpack(head)
     if op not in (OP_PUT, OP_GET) or count > MAX_BATCH or block_bytes > MAX_BLOCK_BYTES:
         raise InvalidArgument(f"malformed data-channel request (op {op}, {count} entries, {block_bytes} bytes)")
-    return parse_block(op, count, recv_exactly(sock, block_bytes))
+    return parse_block(op, count, recv_growing(sock, block_bytes, deadline))
 
 
 def parse_block(op: int, count: int, block: bytearray) -> Request:

@@ -88,7 +88,8 @@ def stats_dict(message: pb.StatsResponse) -> dict:
 
 
 def chunk_meta(header: pb.ChunkHeader) -> ChunkMeta:
-    return checked_meta(ChunkMeta(header.object_class, header.prefix_tokens, header.parent))
+    """A chunk header's meta as the client sent it (the server's intake checks it with `checked_meta`)."""
+    return ChunkMeta(header.object_class, header.prefix_tokens, header.parent)
 
 
 def checked_meta(meta: ChunkMeta) -> ChunkMeta:

@@ -18,7 +18,9 @@ from tiercache.errors import ConfigError
 from tiercache.protocol.wire import SERVICE_NAME, max_message_bytes
 from tiercache.server.auth import TenantTable
 from tiercache.server.data_plane import DataPlane
+from tiercache.server.intake import Intake
 from tiercache.server.leases import LeaseTable
+from tiercache.server.limits import StreamLimits
 from tiercache.server.metrics import Metrics
 from tiercache.server.rpc import service_handler
 from tiercache.server.servicer import TierCacheServicer
@@ -121,6 +123,11 @@ class CacheServer:
         self.store = store or TieredStore.from_config(config, cancelled)
         self.metrics = Metrics(self.store)
         self.leases = LeaseTable(config.server.lease_ttl_s)
+        # One intake for every transport: one tenant lookup, one admission rule, one serve path, one count of requests
+        # in flight per host and tenant.
+        self.intake = Intake(self.store, self.tenants, StreamLimits(config.server.max_streams_per_peer,
+                                                                    config.server.max_streams_per_tenant),
+                             config.server.max_chunk_bytes)
         self._blocking = futures.ThreadPoolExecutor(max_workers=config.server.workers,
                                                     thread_name_prefix="tiercache-rpc")
         self._loop: asyncio.AbstractEventLoop | None = None  # made by start()
@@ -149,8 +156,7 @@ class CacheServer:
     def _start_serving(self) -> "CacheServer":
         cfg = self.config.server
         if cfg.data_channel:  # before gRPC: an Attach answered during start must already name its port
-            self.data_plane = DataPlane(self.config, self.store, self.metrics, self.tenants,
-                                        data_tls_context(self.config.security))
+            self.data_plane = DataPlane(self.config, self.intake, self.metrics, data_tls_context(self.config.security))
             try:
                 self.data_plane.start(cfg.host, cfg.data_port, cfg.unix_socket)
             except OSError as exc:
@@ -181,8 +187,8 @@ class CacheServer:
         cfg = self.config.server
         self._health = health.aio.HealthServicer()
         server = grpc.aio.server(options=_grpc_options(cfg.max_chunk_bytes))
-        servicer = TierCacheServicer(self.store, self.config, self.metrics, self.leases, self.tenants,
-                                     self._blocking, data_channel=self._data_channel)
+        servicer = TierCacheServicer(self.intake, self.config, self.metrics, self.leases, self._blocking,
+                                     data_channel=self._data_channel)
         server.add_generic_rpc_handlers((service_handler(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.port = _listen(server, _address(cfg.host, cfg.port), self._credentials)

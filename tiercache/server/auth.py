@@ -129,18 +129,26 @@ class TenantTable:
             raise ConfigError(f"tenants file {path}: {exc}") from None
         return cls(table)
 
-    def authenticate(self, metadata: Sequence[tuple[str, str | bytes]]) -> Tenant:
-        """The tenant whose token the call carries (`authorization: Bearer <token>`)."""
+    def tenant(self, token: str | None) -> Tenant:
+        """The tenant a bearer token belongs to: the one lookup, whatever carried the token (gRPC metadata, the data
+        channel's hello). Unauthenticated without a known token, unless the server is open."""
         if not self._by_digest:
             return OPEN
-        token = next((v for k, v in metadata if k == AUTHORIZATION), None)
-        if not isinstance(token, str) or not token.lower().startswith(_BEARER):
+        if not token:
             raise Unauthenticated("this server requires a bearer token (authorization: Bearer <token>)")
-        digest = token_digest(token[len(_BEARER):].strip())
+        digest = token_digest(token)
         for known, tenant in self._by_digest.items():  # constant-time compare; tenants are few
             if hmac.compare_digest(known, digest):
                 return tenant
         raise Unauthenticated("unknown bearer token")
+
+
+def bearer_token(metadata: Sequence[tuple[str, str | bytes]]) -> str | None:
+    """The token of a gRPC call's `authorization: Bearer <token>` metadata, None when it carries none."""
+    value = next((v for k, v in metadata if k == AUTHORIZATION), None)
+    if not isinstance(value, str) or not value.lower().startswith(_BEARER):
+        return None
+    return value[len(_BEARER):].strip()
 
 
 def _tenant(name: str, entry: object) -> tuple[bytes, Tenant]:

@@ -5,13 +5,17 @@ One thread per connection, blocking I/O: a thread waits in `recv_into` / `sendal
 what moves bytes fastest from Python. A client that stalls holds only its own connection's thread, never a shared
 worker: a read or write mid-request that makes no progress for `server.stream_idle_timeout_s` ends the connection,
 and a chunk's payload must arrive at 1 MiB per idle timeout at least (what a trickling client holds in the arena is
-bounded in time); between requests a connection may idle DATA_KEEPALIVE_S. Connections are bounded in all
-(`server.max_data_connections`) and per peer host (`server.max_data_connections_per_peer`), so threads are too;
-requests in flight count against the stream limits of their peer and tenant, like gRPC streams (a refused one is
-answered RESOURCE_EXHAUSTED, and the client sends it over gRPC instead).
+bounded in time); a request's header and header block must arrive within one idle timeout of its first byte, and a
+refused request's payload is drained under the same rate as a stored one (protocol.data). Memory follows the bytes
+that arrive, not the sizes a client declares: a header block's buffer and a record received outside the arena grow
+as they fill. Between requests a connection may idle DATA_KEEPALIVE_S. Connections are bounded in all
+(`server.max_data_connections`) and per peer host (`server.max_data_connections_per_peer`), so threads are too:
+over those the refusal is Busy, and the client sends that call over gRPC instead.
 
-Requests are checked exactly like their gRPC twins (servicer.TierCacheServicer.Put / Get): the caller's tenant from
-the same bearer token, the namespace it owns, key and size limits, its quota.
+This is a transport: it frames bytes, and everything else is the intake's (server.intake), as for gRPC — the tenant
+of the hello's token, the one count of requests in flight per host and tenant (shared with gRPC streams: over it a
+request is refused RESOURCE_EXHAUSTED), the one admission rule of a put (sizes, metas, namespace, quota), where a
+put's payload is received, and the one serve path of a get.
 """
 
 from __future__ import annotations
@@ -24,51 +28,37 @@ import ssl
 import stat
 import threading
 import time
-from typing import NamedTuple, NoReturn
+from typing import NoReturn, Sequence
 
 from tiercache.config import Config
-from tiercache.errors import Busy, CapacityExceeded, TierCacheError
+from tiercache.errors import Busy, TierCacheError
 from tiercache.protocol import data
-from tiercache.protocol.wire import AUTHORIZATION, checked_meta, status_for
-from tiercache.record import encoding
-from tiercache.record.keys import ChunkKey
-from tiercache.server.auth import Tenant, TenantTable
-from tiercache.server.limits import Counts, StreamLimits, check_chunk_size
+from tiercache.protocol.wire import status_for
+from tiercache.server.auth import Tenant
+from tiercache.server.intake import Intake, Served
+from tiercache.server.limits import Counts
 from tiercache.server.metrics import Metrics
-from tiercache.store.same_host import WriteGrant
-from tiercache.store.tiered import TieredStore
 
 log = logging.getLogger("tiercache.server")
 
 DATA_KEEPALIVE_S = 300.0  # an idle connection between requests is closed after this (clients pool connections)
-_SCRATCH_BYTES = 1 << 20  # for draining the payloads of a refused request
+# Draining a refused request's payloads reads into a buffer made for that drain: a connection holds none while idle.
+_DRAIN_BYTES = 256 << 10
 _ACCEPT_BACKLOG = 128
 
 
-class _Incoming(NamedTuple):
-    """Where one put chunk's payload is received: arena pages reserved for it, or a record buffer of its own."""
-
-    views: list[memoryview]
-    grant: WriteGrant | None
-    record: bytearray | None
-
-
 class DataPlane:
-    def __init__(self, config: Config, store: TieredStore, metrics: Metrics, tenants: TenantTable,
-                 tls: ssl.SSLContext | None) -> None:
+    def __init__(self, config: Config, intake: Intake, metrics: Metrics, tls: ssl.SSLContext | None) -> None:
         cfg = config.server
-        self.store = store
+        self.intake = intake
         self.metrics = metrics
-        self.tenants = tenants
         self._tls = tls
-        self._max_chunk_bytes = cfg.max_chunk_bytes
         self._idle_s = cfg.stream_idle_timeout_s
         # Over a limit the refusal is Busy: the client sends that call over gRPC instead.
         self._all = Counts(cfg.max_data_connections, "data connections open (server.max_data_connections)",
                            Busy)
         self._connections_per_peer = Counts(cfg.max_data_connections_per_peer,
                                             "data connections open (server.max_data_connections_per_peer)", Busy)
-        self._streams = StreamLimits(cfg.max_streams_per_peer, cfg.max_streams_per_tenant, Busy)  # in flight
         self._listeners: list[socket.socket] = []
         self._connections: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
@@ -170,7 +160,7 @@ class DataPlane:
                     sock = self._tls.wrap_socket(conn, server_side=True)  # the handshake, within the idle time
                     self._track(conn, sock)
                 token = data.read_hello(sock, deadline=time.monotonic() + self._idle_s)
-                tenant = self.tenants.authenticate([(AUTHORIZATION, f"Bearer {token}")] if token else [])
+                tenant = self.intake.tenant(token)
                 data.send_all(sock, data.status(data.OK))
                 self._requests(sock, tenant, peer)
         except _OutOfStep as exc:  # failed after answering OK: nothing more can be said on this connection
@@ -206,7 +196,6 @@ class DataPlane:
             pass
 
     def _requests(self, sock: socket.socket, tenant: Tenant, peer: str) -> None:
-        scratch = memoryview(bytearray(_SCRATCH_BYTES))
         while not self._stopping.is_set():
             sock.settimeout(DATA_KEEPALIVE_S)
             request = data.read_request(sock, idle_s=self._idle_s)
@@ -216,9 +205,9 @@ class DataPlane:
             name = "DataPut" if request.op == data.OP_PUT else "DataGet"
             code = "OK"
             try:
-                with self._in_flight(sock, request, peer, tenant, scratch):
+                with self._in_flight(sock, request, peer, tenant):
                     if request.op == data.OP_PUT:
-                        self._put(sock, tenant, request, scratch)
+                        self._put(sock, tenant, request)
                     else:
                         self._get(sock, tenant, request)
             except _Refused as refused:
@@ -230,115 +219,80 @@ class DataPlane:
                 self.metrics.rpc_seconds.labels(name, code).observe(time.perf_counter() - started)
 
     @contextlib.contextmanager
-    def _in_flight(self, sock, request: data.Request, peer: str, tenant: Tenant, scratch: memoryview):
-        """Count the request against its peer's and tenant's stream limits while it runs; over them, refuse it."""
+    def _in_flight(self, sock: socket.socket, request: data.Request, peer: str, tenant: Tenant):
+        """Count the request as one in flight of its peer host and tenant (with their gRPC streams) while it runs;
+        over a limit, refuse it."""
         with contextlib.ExitStack() as held:
             try:
-                held.enter_context(self._streams.stream(peer, tenant.name))
-            except Busy as refused:
-                if request.op == data.OP_PUT:
-                    data.drain(sock, sum(entry.size for entry in request.entries), scratch)
-                self._refuse(sock, refused)
+                held.enter_context(self.intake.in_flight(peer, tenant))
+            except TierCacheError as refused:
+                self._refuse(sock, refused, request.entries)
             yield
 
-    def _refuse(self, sock: socket.socket, error: TierCacheError) -> NoReturn:
+    def _refuse(self, sock: socket.socket, error: TierCacheError, unread: Sequence[data.PutEntry] = ()) -> NoReturn:
+        """Answer a request with its error, after draining the payloads of `unread` chunks (already on their way),
+        so the connection stays in step for the next request."""
+        size = sum(entry.size for entry in unread)
+        if size:
+            data.drain(sock, size, memoryview(bytearray(min(size, _DRAIN_BYTES))),
+                       data.payload_deadline(size, self._idle_s))
         data.send_all(sock, data.status(data.code_for(error), str(error)))
         raise _Refused(error)
 
     # -- PUT --------------------------------------------------------------------------------------------------------
 
-    def _put(self, sock: socket.socket, tenant: Tenant, request: data.Request, scratch: memoryview) -> None:
+    def _put(self, sock: socket.socket, tenant: Tenant, request: data.Request) -> None:
         entries = request.entries
-        sizes = [entry.size for entry in entries]
-        # Not drained when it fails: the announced bytes could be anything. Malformed input closes the connection.
-        check_chunk_size(max(sizes, default=0), self._max_chunk_bytes)
         try:
-            keys = tenant.checked_keys(request.namespace, request.keys)
-            metas = [checked_meta(entry.meta) for entry in entries]
-            tenant.check_room(self.store, sum(sizes))
+            chunks = self.intake.admit(tenant, request.namespace, entries)
         except TierCacheError as refused:
-            data.drain(sock, sum(sizes), scratch)
-            self._refuse(sock, refused)
+            if any(entry.size > self.intake.max_chunk_bytes for entry in entries):
+                raise  # not drained: the announced bytes could be anything. The connection is closed.
+            self._refuse(sock, refused, entries)
         tiers = []
-        for index, (key, meta, size) in enumerate(zip(keys, metas, sizes)):
+        for index, chunk in enumerate(chunks):
             try:
-                incoming = self._incoming(key, meta, size)
+                incoming = self.intake.receive(chunk)
             except TierCacheError as refused:  # nothing of this chunk read yet
-                data.drain(sock, sum(sizes[index:]), scratch)
-                self._refuse(sock, refused)
-            # At least 1 MiB per idle timeout: a client that trickles bytes cannot hold the reservation for long.
-            deadline = time.monotonic() + self._idle_s * max(1.0, size / (1 << 20))
+                self._refuse(sock, refused, entries[index:])
+            deadline = data.payload_deadline(chunk.size_bytes, self._idle_s)
             try:
-                for view in incoming.views:
-                    data.recv_exactly_into(sock, view, deadline)
+                incoming.fill(lambda view: data.recv_exactly_into(sock, view, deadline))
             except BaseException:
-                if incoming.grant is not None:
-                    self.store.same_host.abort(incoming.grant)
+                incoming.abort()
                 raise
             try:
-                tiers.append(self._store(key, meta, incoming))
+                tiers.append(incoming.store())
             except TierCacheError as refused:  # this chunk was read whole
-                data.drain(sock, sum(sizes[index + 1:]), scratch)
-                self._refuse(sock, refused)
+                self._refuse(sock, refused, entries[index + 1:])
         data.send_all(sock, data.status(data.OK), data.tiers_answer(tiers))
-
-    def _incoming(self, key: ChunkKey, meta: encoding.ChunkMeta, size: int) -> _Incoming:
-        """Room for a chunk's payload: reserved arena pages when the arena takes it (received in place, no copy),
-        else a record buffer of its own that the store places in any tier."""
-        same_host = self.store.same_host
-        if same_host is not None:
-            try:
-                grant = same_host.reserve(key, size, meta)
-            except CapacityExceeded:
-                pass
-            else:
-                return _Incoming(same_host.views(grant.payload), grant, None)
-        record = bytearray(encoding.header_bytes(key, meta) + size)
-        return _Incoming([memoryview(record)[len(record) - size:]], None, record)
-
-    def _store(self, key: ChunkKey, meta: encoding.ChunkMeta, incoming: _Incoming) -> str:
-        if incoming.grant is not None:
-            return self.store.same_host.commit(incoming.grant)
-        encoding.seal(incoming.record, key, meta)
-        return self.store.put_record(key, incoming.record)
 
     # -- GET --------------------------------------------------------------------------------------------------------
 
     def _get(self, sock: socket.socket, tenant: Tenant, request: data.Request) -> None:
         try:
-            keys = tenant.checked_keys(request.namespace, request.keys)
+            keys = self.intake.checked_keys(tenant, request.namespace, request.keys)
         except TierCacheError as refused:
             self._refuse(sock, refused)
         data.send_all(sock, data.status(data.OK))
         try:
             for key in keys:
-                self._send_chunk(sock, key)
+                _send_item(sock, self.intake.serve(key))
         except data.ConnectionBroken:
             raise
         except Exception as exc:  # a tier failed half-way: the client expects an item, so only closing is left
             raise _OutOfStep() from exc
 
-    def _send_chunk(self, sock: socket.socket, key: ChunkKey) -> None:
-        """One ITEM: from the arena's pages in place when the chunk is (or is promoted) there, else from the copy the
-        store read."""
-        same_host = self.store.same_host
-        if same_host is None:
-            found = self.store.get(key)
-            if found is None:
-                data.send_all(sock, data.item(False))
-            else:
-                data.send_all(sock, data.item(True, len(found.payload), found.tier), found.payload)
-            return
-        read = same_host.pin(key)
-        if read is None:
-            data.send_all(sock, data.item(False))
-        elif not read.pinned:
-            data.send_all(sock, data.item(True, read.size_bytes, read.tier), read.copy)
-        else:
-            try:
-                data.send_all(sock, data.item(True, read.size_bytes, read.tier), *same_host.views(read.payload))
-            finally:
-                same_host.unpin(read)
+
+def _send_item(sock: socket.socket, served: Served | None) -> None:
+    """One ITEM, its payload sent from where it lies (the arena's pages in place, or the store's copy)."""
+    if served is None:
+        data.send_all(sock, data.item(False))
+        return
+    try:
+        data.send_all(sock, data.item(True, served.size_bytes, served.tier), *served.views())
+    finally:
+        served.release()
 
 
 class _OutOfStep(Exception):

@@ -1,9 +1,11 @@
-"""How many Put / Get streams one host and one tenant may hold open at once.
+"""How many requests one host and one tenant may have in flight at once, whatever carries them.
 
-The server is asyncio: a stream whose client stops reading or writing holds no thread, only its connection and the
-chunk it was assembling (up to server.max_chunk_bytes), until its idle timeout ends it. These limits bound that memory
-per host and per tenant, so one misbehaving engine or tenant cannot take what the others need: over a limit a new
-stream is refused at once (RESOURCE_EXHAUSTED), everyone else is still served.
+A request in flight — a gRPC Put or Get stream, a data-channel request — holds its connection, a pin or a
+reservation in the arena, or the record it is receiving, until it ends or its idle timeout ends it (a gRPC stream
+whose client stops holds no thread; a data-channel request holds its connection's). These limits bound that per host
+and per tenant, so one misbehaving engine or tenant cannot take what the others need: over a limit a new request is
+refused at once (RESOURCE_EXHAUSTED), everyone else is still served. One StreamLimits counts both transports
+(server.intake): a host may have server.max_streams_per_peer requests in flight, not that many on each.
 """
 
 from __future__ import annotations
@@ -13,26 +15,18 @@ import threading
 from collections import Counter
 from typing import Iterator
 
-from tiercache.config import format_size
-from tiercache.errors import CapacityExceeded, InvalidArgument
-
-
-def check_chunk_size(size_bytes: int, max_chunk_bytes: int) -> None:
-    """InvalidArgument for a chunk past server.max_chunk_bytes, saying how to raise the limit: a model's state can be
-    larger than the default (a Qwen3.6-27B state is 147 MiB), and the bare numbers did not say where the limit is set
-    (issue 24)."""
-    if size_bytes > max_chunk_bytes:
-        raise InvalidArgument(f"chunk of {size_bytes} bytes ({format_size(size_bytes)}) exceeds the server's maximum "
-                              f"of {max_chunk_bytes} ({format_size(max_chunk_bytes)}): raise it with `tiercache serve "
-                              f"--max-chunk-size` (server.max_chunk_bytes)")
+from tiercache.errors import CapacityExceeded
 
 
 def peer_host(peer: str) -> str:
-    """The host of a gRPC peer string ('ipv4:127.0.0.1:5000', 'ipv6:[::1]:5000', 'unix:/path'): its port is not
-    part of it (an engine opens many connections)."""
+    """The host of a peer, as both transports name it: a gRPC peer string ('ipv4:127.0.0.1:5000',
+    'ipv6:[::1]:5000', 'unix:/path') or a data-channel peer's address ('127.0.0.1', '::1', 'unix'). Its port is not
+    part of it (an engine opens many connections), and every unix-socket client is the one local host 'unix'."""
     kind, _, address = peer.partition(":")
     if kind in ("ipv4", "ipv6"):
-        return address.rsplit(":", 1)[0]
+        return address.rsplit(":", 1)[0].strip("[]")
+    if kind == "unix":
+        return "unix"
     return peer
 
 
@@ -42,10 +36,15 @@ class Counts:
 
     def __init__(self, limit: int, what: str, refusal: type[CapacityExceeded] = CapacityExceeded) -> None:
         self.limit = limit
-        self._what = what  # how a refusal names the limit, e.g. "streams open (server.max_streams_per_peer)"
+        self._what = what  # how a refusal names the limit, e.g. "requests in flight (server.max_streams_per_peer)"
         self._refusal = refusal
         self._open: Counter[str] = Counter()
         self._lock = threading.Lock()
+
+    def held(self, name: str) -> int:
+        """How many `name` holds open now."""
+        with self._lock:
+            return self._open[name]
 
     @contextlib.contextmanager
     def hold(self, name: str, label: str) -> Iterator[None]:
@@ -64,11 +63,11 @@ class Counts:
 
 
 class StreamLimits:
-    """Open Put / Get streams per peer host and per tenant."""
+    """Requests in flight (gRPC Put / Get streams and data-channel requests together) per peer host and per tenant."""
 
-    def __init__(self, per_peer: int, per_tenant: int, refusal: type[CapacityExceeded] = CapacityExceeded) -> None:
-        self.peers = Counts(per_peer, "streams open (server.max_streams_per_peer)", refusal)
-        self.tenants = Counts(per_tenant, "streams open (server.max_streams_per_tenant)", refusal)
+    def __init__(self, per_peer: int, per_tenant: int) -> None:
+        self.peers = Counts(per_peer, "requests in flight (server.max_streams_per_peer)")
+        self.tenants = Counts(per_tenant, "requests in flight (server.max_streams_per_tenant)")
 
     @contextlib.contextmanager
     def stream(self, peer: str, tenant: str) -> Iterator[None]:

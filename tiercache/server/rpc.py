@@ -15,6 +15,7 @@ from google.protobuf.message import Message
 
 from tiercache.errors import InvalidArgument
 from tiercache.protocol.wire import ANSWERED_BY_SERVER, pb, status_for
+from tiercache.server.auth import bearer_token
 
 log = logging.getLogger("tiercache.server")
 
@@ -22,8 +23,9 @@ log = logging.getLogger("tiercache.server")
 def rpc(method=None, *, stream: bool = False):
     """Authenticate the caller, time the RPC, and map every error it raises to a status code in one place.
 
-    The wrapped coroutine receives the caller's Tenant as a third argument. `stream=True` (Put, Get) also counts the
-    call against the stream limits of its peer host and tenant (server.limits) for as long as it runs.
+    The wrapped coroutine receives the caller's Tenant (the intake's lookup of the call's bearer token) as a third
+    argument. `stream=True` (Put, Get) also counts the call as a request in flight of its peer host and tenant
+    (server.intake, server.limits) for as long as it runs.
     """
     if method is None:
         return functools.partial(rpc, stream=stream)
@@ -36,8 +38,8 @@ def rpc(method=None, *, stream: bool = False):
     async def handler(self, request, context):
         started = time.perf_counter()
         try:
-            tenant = self.tenants.authenticate(context.invocation_metadata())
-            with self.limits.stream(context.peer(), tenant.name) if stream else contextlib.nullcontext():
+            tenant = self.intake.tenant(bearer_token(context.invocation_metadata()))
+            with self.intake.in_flight(context.peer(), tenant) if stream else contextlib.nullcontext():
                 response = await method(self, _well_formed(request), context, tenant)
         except asyncio.CancelledError:  # the client went away (or the server is stopping): nobody to answer
             observe(self, started, grpc.StatusCode.CANCELLED)

@@ -17,53 +17,16 @@ from tiercache import __version__
 from tiercache.config import Config
 from tiercache.errors import InvalidArgument, Unavailable
 from tiercache.prefix.lookup import find_hit
+from tiercache.protocol.data import PutEntry
 from tiercache.protocol.wire import chunk_meta, frames, lookup_query, pb, pb_grpc
-from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey
-from tiercache.server.auth import Tenant, TenantTable
+from tiercache.server.auth import Tenant
+from tiercache.server.intake import InArena, Incoming, Intake, Served
 from tiercache.server.leases import LeaseTable
-from tiercache.server.limits import StreamLimits, check_chunk_size
 from tiercache.server.metrics import Metrics
 from tiercache.server.rpc import rpc
-from tiercache.store.same_host import SameHostPath, WriteGrant
 from tiercache.store.stats import StoreStats
 from tiercache.store.tiered import TieredStore
-
-
-def _checked_header(header: pb.ChunkHeader, namespace: str, max_chunk_bytes: int,
-                    tenant: Tenant) -> tuple[ChunkKey, encoding.ChunkMeta]:
-    """A chunk a client announces (a Put header, a Reserve entry): within the size limit, with a valid key in a
-    namespace the tenant owns."""
-    check_chunk_size(header.size_bytes, max_chunk_bytes)
-    key = ChunkKey.checked(namespace, header.key)
-    tenant.check_namespace(key.namespace)
-    return key, chunk_meta(header)
-
-
-class _ChunkAssembler:
-    """Collects one Put chunk's frames directly into the record buffer the store will keep (no join copy)."""
-
-    def __init__(self, key: ChunkKey, meta: encoding.ChunkMeta, size_bytes: int) -> None:
-        self.key = key
-        self.meta = meta
-        self.start = encoding.header_bytes(key, meta)
-        self.record = bytearray(self.start + size_bytes)
-        self.filled = self.start
-
-    @property
-    def complete(self) -> bool:
-        return self.filled == len(self.record)
-
-    def add(self, data: bytes) -> None:
-        end = self.filled + len(data)
-        if end > len(self.record):
-            raise InvalidArgument(f"frames exceed the announced size of {len(self.record) - self.start} bytes")
-        self.record[self.filled:end] = data
-        self.filled = end
-
-    def sealed(self) -> bytearray:
-        encoding.seal(self.record, self.key, self.meta)
-        return self.record
 
 
 class _StoreChain:
@@ -99,14 +62,12 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
     """The handlers. They run on the server's event loop; every store call runs on the `blocking` pool (copies, disk,
     Redis), so a stream waiting on its client holds no thread, and the loop never waits on a tier."""
 
-    def __init__(self, store: TieredStore, config: Config, metrics: Metrics, leases: LeaseTable,
-                 tenants: TenantTable, blocking: Executor,
+    def __init__(self, intake: Intake, config: Config, metrics: Metrics, leases: LeaseTable, blocking: Executor,
                  data_channel: Callable[[], tuple[int, str]] = lambda: (0, "")) -> None:
-        self.store = store
-        self.tenants = tenants
+        self.intake = intake
+        self.store = intake.store
         self.metrics = metrics
         self.leases = leases
-        self.limits = StreamLimits(config.server.max_streams_per_peer, config.server.max_streams_per_tenant)
         self._blocking = blocking
         self._data_channel = data_channel  # (port, unix socket) of the data channel, announced by Attach
         self._max_chunk_bytes = config.server.max_chunk_bytes
@@ -140,43 +101,63 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
     @rpc(stream=True)
     async def Put(self, request_iterator: AsyncIterator[pb.PutFrame], context, tenant: Tenant) -> pb.PutResponse:
         stored_in = []
-        current: _ChunkAssembler | None = None
-        while (frame := await self._next_frame(request_iterator)) is not None:
-            part = frame.WhichOneof("part")
-            if part == "header":
-                if current is not None:
-                    raise InvalidArgument("a chunk header arrived before the previous chunk's data was complete")
-                key, meta = _checked_header(frame.header, frame.header.namespace, self._max_chunk_bytes, tenant)
-                if tenant.quota_bytes is not None:
-                    await self._run(tenant.check_room, self.store, frame.header.size_bytes)
-                current = _ChunkAssembler(key, meta, frame.header.size_bytes)
-            elif part == "data":
-                if current is None:
-                    raise InvalidArgument("a data frame arrived before any chunk header")
-                current.add(frame.data)
-            else:
-                raise InvalidArgument("empty Put frame")
-            if current is not None and current.complete:
-                chunk, current = current, None
-                stored_in.append(await self._run(lambda c: self.store.put_record(c.key, c.sealed()), chunk))
-        if current is not None:
-            raise InvalidArgument(f"stream ended after {current.filled - current.start} of "
-                                  f"{len(current.record) - current.start} announced bytes")
+        current: Incoming | None = None
+        try:
+            while (frame := await self._next_frame(request_iterator)) is not None:
+                part = frame.WhichOneof("part")
+                if part == "header":
+                    if current is not None:
+                        raise InvalidArgument("a chunk header arrived before the previous chunk's data was complete")
+                    current = await self._receive(tenant, frame.header)
+                elif part == "data":
+                    if current is None:
+                        raise InvalidArgument("a data frame arrived before any chunk header")
+                    current.write(frame.data)
+                else:
+                    raise InvalidArgument("empty Put frame")
+                if current is not None and current.complete:
+                    chunk, current = current, None
+                    stored_in.append(await self._run(chunk.store))
+            if current is not None:
+                raise InvalidArgument(f"stream ended after {current.received_bytes} of {current.size_bytes} "
+                                      "announced bytes")
+        finally:
+            if current is not None:  # not stored: give back its room (quick, no I/O: on the loop)
+                current.abort()
         return pb.PutResponse(stored_in=stored_in)
+
+    async def _receive(self, tenant: Tenant, header: pb.ChunkHeader) -> Incoming:
+        """Room for the chunk a Put header announces (the stream announces its chunks one at a time: each is a
+        request of one chunk to the intake). The room is made on the pool (reserving may evict, and demote to disk);
+        if the stream is cancelled meanwhile, it is given back once made."""
+        def receive() -> Incoming:
+            entry = PutEntry(header.key, header.size_bytes, chunk_meta(header))
+            (chunk,) = self.intake.admit(tenant, header.namespace, [entry])
+            return self.intake.receive(chunk)
+        made = asyncio.get_running_loop().run_in_executor(self._blocking, receive)
+        try:
+            return await asyncio.shield(made)
+        except asyncio.CancelledError:
+            made.add_done_callback(lambda done: done.cancelled() or done.exception() or done.result().abort())
+            raise
 
     @rpc(stream=True)
     async def Get(self, request: pb.GetRequest, context, tenant: Tenant) -> None:
-        keys = tenant.checked_keys(request.namespace, request.keys)
+        keys = self.intake.checked_keys(tenant, request.namespace, request.keys)
         for index, key in enumerate(keys):
-            found = await self._run(self.store.get, key)
-            if found is None:
+            served = await self._run(self.intake.serve, key)
+            if served is None:
                 await self._send(context, pb.GetFrame(header=pb.GetHeader(index=index, found=False)))
                 continue
-            await self._send(context, pb.GetFrame(header=pb.GetHeader(index=index, found=True,
-                                                                      size_bytes=len(found.payload),
-                                                                      tier=found.tier)))
-            for data in frames(found.payload, self._frame_bytes):
-                await self._send(context, pb.GetFrame(data=data))
+            try:  # sent from the arena's pages while pinned: a reader that stops holds the pin until its idle timeout
+                await self._send(context, pb.GetFrame(header=pb.GetHeader(index=index, found=True,
+                                                                          size_bytes=served.size_bytes,
+                                                                          tier=served.tier)))
+                for view in served.views():
+                    for data in frames(view, self._frame_bytes):
+                        await self._send(context, pb.GetFrame(data=data))
+            finally:
+                served.release()
 
     @rpc
     async def Exists(self, request: pb.KeysRequest, context, tenant: Tenant) -> pb.ExistsResponse:
@@ -231,27 +212,27 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                                  lease_ttl_s=self.leases.ttl_s, data_port=data_port,
                                  data_unix_socket=data_unix_socket, max_chunk_bytes=self._max_chunk_bytes)
 
-    def _same_host(self, tenant: Tenant, instead: str) -> SameHostPath:
+    def _same_host(self, tenant: Tenant, instead: str) -> None:
+        """Whether this caller may use the same-host path: the server has an arena and the tenant the right."""
         if self.store.same_host is None:
             raise InvalidArgument(f"this server has no shared-memory arena: use {instead}")
         tenant.check_same_host()
-        return self.store.same_host
 
     @rpc
     async def Reserve(self, request: pb.ReserveRequest, context, tenant: Tenant) -> pb.ReserveResponse:
-        same_host = self._same_host(tenant, "Put")
-        granted = await self._run(self._reserve, request, tenant, same_host)
-        return pb.ReserveResponse(reservations=[pb.Reservation(lease_id=lease_id, payload=_pb_ranges(grant.payload))
-                                                for lease_id, grant in granted])
+        self._same_host(tenant, "Put")
+        granted = await self._run(self._reserve, request, tenant)
+        return pb.ReserveResponse(reservations=[pb.Reservation(lease_id=lease_id, payload=_pb_ranges(incoming.ranges))
+                                                for lease_id, incoming in granted])
 
-    def _reserve(self, request: pb.ReserveRequest, tenant: Tenant, same_host: SameHostPath):
-        granted: list[tuple[int, WriteGrant]] = []
+    def _reserve(self, request: pb.ReserveRequest, tenant: Tenant) -> list[tuple[int, InArena]]:
+        entries = [PutEntry(header.key, header.size_bytes, chunk_meta(header)) for header in request.chunks]
+        chunks = self.intake.admit(tenant, request.namespace, entries)
+        granted: list[tuple[int, InArena]] = []
         try:
-            for header in request.chunks:
-                key, meta = _checked_header(header, request.namespace, self._max_chunk_bytes, tenant)
-                tenant.check_room(self.store, header.size_bytes)
-                grant = same_host.reserve(key, header.size_bytes, meta)
-                granted.append((self.leases.grant(grant, same_host.abort, writable=True), grant))
+            for chunk in chunks:
+                incoming = self.intake.reserve(chunk)
+                granted.append((self.leases.grant(incoming, InArena.abort, writable=True), incoming))
         except Exception:
             self.leases.release([lease_id for lease_id, _ in granted], writable=True)
             raise
@@ -263,9 +244,9 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         return pb.PutResponse(stored_in=await self._run(self._commit, request.lease_ids))
 
     def _commit(self, lease_ids) -> list[str]:
-        # One lease at a time: a grant taken out of the table is committed at once, so an id that fails (expired,
+        # One lease at a time: a reservation taken out of the table is stored at once, so an id that fails (expired,
         # unknown) leaves the ones after it in the table, where they expire and are taken back.
-        return [self.store.same_host.commit(self.leases.take(i, writable=True)) for i in lease_ids]
+        return [self.leases.take(i, writable=True).store() for i in lease_ids]
 
     @rpc
     async def Abort(self, request: pb.LeaseIds, context, tenant: Tenant) -> pb.LeaseAck:
@@ -275,22 +256,23 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     @rpc
     async def Acquire(self, request: pb.KeysRequest, context, tenant: Tenant) -> pb.AcquireResponse:
-        same_host = self._same_host(tenant, "Get")
-        keys = tenant.checked_keys(request.namespace, request.keys)
-        return pb.AcquireResponse(leases=await self._run(self._acquire, keys, same_host))
+        self._same_host(tenant, "Get")
+        keys = self.intake.checked_keys(tenant, request.namespace, request.keys)
+        return pb.AcquireResponse(leases=await self._run(self._acquire, keys))
 
-    def _acquire(self, keys: list[ChunkKey], same_host: SameHostPath) -> list:
+    def _acquire(self, keys: list[ChunkKey]) -> list[pb.Lease]:
         leases = []
         for key in keys:
-            read = same_host.pin(key)
-            if read is None:
+            served = self.intake.serve(key)
+            if served is None:
                 leases.append(pb.Lease(found=False))
-            elif not read.pinned:
-                leases.append(pb.Lease(found=True, leased=False, tier=read.tier))
+            elif not served.pinned:  # not in the arena (too large for it, or no room now): the client reads it remotely
+                served.release()
+                leases.append(pb.Lease(found=True, leased=False, tier=served.tier))
             else:
-                lease_id = self.leases.grant(read, same_host.unpin, writable=False)
-                leases.append(pb.Lease(found=True, leased=True, lease_id=lease_id, tier=read.tier,
-                                       size_bytes=read.size_bytes, payload=_pb_ranges(read.payload)))
+                lease_id = self.leases.grant(served, Served.release, writable=False)
+                leases.append(pb.Lease(found=True, leased=True, lease_id=lease_id, tier=served.tier,
+                                       size_bytes=served.size_bytes, payload=_pb_ranges(served.ranges)))
         return leases
 
     @rpc

@@ -96,8 +96,8 @@ class SameHostPath:
         self._tier.unpin(grant.pin)
 
     def views(self, ranges: Ranges) -> list[memoryview]:
-        """The arena's bytes at a grant's payload ranges, for a reader or writer inside the server (the data
-        plane: tiercache.server.data_plane)."""
+        """The arena's bytes at a grant's payload ranges, for a reader or writer inside the server (the transports
+        behind tiercache.server.intake receive into and send from them in place)."""
         return self._tier.views(ranges)
 
 

@@ -1,0 +1,270 @@
+"""The server's one intake: what every transport asks before it moves a chunk's payload in or out of the store.
+
+Three transports carry payloads — gRPC streams (Put / Get), the same-host path's leases (Reserve / Commit, Acquire /
+Release) and the data channel (server.data_plane) — and they only frame bytes. The rules are written here, once:
+- who is calling: `tenant(token)`, the one lookup of a bearer token;
+- how many at once: `in_flight(peer, tenant)`, one count of requests in flight per peer host and per tenant whatever
+  carries them (issue 26: the data channel kept counters of its own, so a host could have 64 + 64 in flight);
+- a put: `admit` applies the one size / meta / namespace / quota rule to a whole request (one quota point per
+  request: the quota is a store call), then `receive` (or `reserve`, for a same-host writer) gives each chunk its
+  room and `Incoming.store` places it;
+- a get: `checked_keys` once per request, then `serve(key)` for each key: where the payload lies and how to let it go.
+
+`serve` is the one read path (issue 26: a 4 KiB chunk read fine over gRPC was a miss through the data channel and
+the same-host path while stalled puts held the arena's room; tests/test_data_channel.py reproduces it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from tiercache.config import format_size
+from tiercache.errors import CapacityExceeded, InvalidArgument
+from tiercache.protocol.data import PutEntry
+from tiercache.protocol.wire import checked_meta
+from tiercache.record import encoding
+from tiercache.record.keys import ChunkKey
+from tiercache.server.auth import Tenant, TenantTable
+from tiercache.server.limits import StreamLimits
+from tiercache.store.same_host import ReadGrant, SameHostPath, WriteGrant
+from tiercache.store.tiered import TieredStore
+
+# A record received outside the arena grows as its payload arrives: its first step, then as much again as has come
+# (at most twice what was received, or one step): a client that announces 64 MiB and sends a byte commits 1 MiB of
+# this process's memory, not 64 (issue 26: hostile clients on the data channel).
+FIRST_STEP_BYTES = 1 << 20
+
+
+def check_chunk_size(size_bytes: int, max_chunk_bytes: int) -> None:
+    """InvalidArgument for a chunk past server.max_chunk_bytes, saying how to raise the limit: a model's state can be
+    larger than the default (a Qwen3.6-27B state is 147 MiB), and the bare numbers did not say where the limit is set
+    (issue 24)."""
+    if size_bytes > max_chunk_bytes:
+        raise InvalidArgument(f"chunk of {size_bytes} bytes ({format_size(size_bytes)}) exceeds the server's maximum "
+                              f"of {max_chunk_bytes} ({format_size(max_chunk_bytes)}): raise it with `tiercache serve "
+                              f"--max-chunk-size` (server.max_chunk_bytes)")
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A chunk a put may send: its key checked, within the size limit, its meta valid, its tenant's quota asked."""
+
+    key: ChunkKey
+    size_bytes: int
+    meta: encoding.ChunkMeta
+
+
+class Incoming:
+    """One admitted chunk's payload on its way in: filled front to back (`fill` from a socket, `write` from frames),
+    then `store`d or `abort`ed. Subclasses say where the bytes go (`_space`) and how the record is placed."""
+
+    def __init__(self, size_bytes: int) -> None:
+        self.size_bytes = size_bytes
+        self.received_bytes = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.received_bytes == self.size_bytes
+
+    def fill(self, receive: Callable[[memoryview], None]) -> None:
+        """Receive the rest of the payload: `receive(view)` fills each view it is given completely (a socket read
+        with its deadline). No view outlives its call: the buffer behind it may grow between calls."""
+        while not self.complete:
+            with self._space() as view:
+                receive(view)
+                self.received_bytes += len(view)
+
+    def write(self, data) -> None:
+        """Copy the next part of the payload (a gRPC frame) in; InvalidArgument past the announced size."""
+        data = memoryview(data).cast("B")
+        if len(data) > self.size_bytes - self.received_bytes:
+            raise InvalidArgument(f"frames exceed the announced size of {self.size_bytes} bytes")
+        while data:
+            with self._space() as view:
+                n = min(len(view), len(data))
+                view[:n] = data[:n]
+                self.received_bytes += n
+            data = data[n:]
+
+    def store(self) -> str:
+        """Place the complete record in the store; returns the tier that holds it."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Give back what the chunk held (called on every path that does not store it)."""
+
+    def _space(self) -> memoryview:
+        """A non-empty view where the next payload bytes go (the caller releases it)."""
+        raise NotImplementedError
+
+
+class InArena(Incoming):
+    """Received straight into pages reserved in the arena (no copy after the socket's), visible once committed."""
+
+    def __init__(self, same_host: SameHostPath, grant: WriteGrant, size_bytes: int) -> None:
+        super().__init__(size_bytes)
+        self.grant = grant
+        self._same_host = same_host
+        self._views = same_host.views(grant.payload)
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        """The reserved payload's (offset, length) in the arena file (where a same-host writer copies to)."""
+        return self.grant.payload
+
+    def _space(self) -> memoryview:
+        at = self.received_bytes
+        for view in self._views:
+            if at < len(view):
+                return view[at:]
+            at -= len(view)
+        raise AssertionError("the reservation is full")
+
+    def store(self) -> str:
+        self._let_go()
+        return self._same_host.commit(self.grant)
+
+    def abort(self) -> None:
+        self._let_go()
+        self._same_host.abort(self.grant)
+
+    def _let_go(self) -> None:
+        """Drop the views of the arena's pages (a view alive at shutdown keeps the arena from closing: an exception's
+        traceback can keep this object alive long after its request ended)."""
+        for view in self._views:
+            view.release()
+        self._views = []
+
+
+class OwnRecord(Incoming):
+    """Received into a record buffer of its own, which the store places in any tier. It grows as bytes arrive
+    (FIRST_STEP_BYTES, then doubling), never to the announced size before they come."""
+
+    def __init__(self, store: TieredStore, chunk: Admitted) -> None:
+        super().__init__(chunk.size_bytes)
+        self._store = store
+        self._key, self._meta = chunk.key, chunk.meta
+        self._start = encoding.header_bytes(chunk.key, chunk.meta)
+        self._record = bytearray(self._start)
+
+    def _space(self) -> memoryview:
+        end = self._start + self.received_bytes
+        if end == len(self._record):
+            grow = min(self.size_bytes - self.received_bytes, max(FIRST_STEP_BYTES, self.received_bytes))
+            self._record += bytes(grow)
+        return memoryview(self._record)[end:]
+
+    def store(self) -> str:
+        record, self._record = self._record, bytearray()
+        encoding.seal(record, self._key, self._meta)
+        return self._store.put_record(self._key, record)
+
+
+class Served:
+    """A chunk found for a reader: where its payload lies — pinned arena pages (`pinned`: sent or leased in place) or
+    the copy the store read — and `release`, which every reader calls once it is done with the bytes."""
+
+    def __init__(self, grant: ReadGrant, same_host: SameHostPath | None) -> None:
+        self.tier = grant.tier
+        self.size_bytes = grant.size_bytes
+        self._grant = grant
+        self._same_host = same_host
+        self._views: list[memoryview] = []
+
+    @property
+    def pinned(self) -> bool:
+        return self._grant.pinned
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        """The pinned payload's (offset, length) in the arena file (what a same-host reader copies from)."""
+        return self._grant.payload
+
+    def views(self) -> list[memoryview]:
+        """The payload, in order: views of the arena's pages while pinned (valid until `release`), else the store's
+        copy."""
+        if not self.pinned:
+            return [self._grant.copy]
+        if not self._views:
+            self._views = self._same_host.views(self._grant.payload)
+        return self._views
+
+    def release(self) -> None:
+        for view in self._views:  # see InArena._let_go
+            view.release()
+        self._views = []
+        if self.pinned:
+            self._same_host.unpin(self._grant)
+
+
+class Intake:
+    """The rules every transport applies (see the module docstring). Thread-safe: gRPC handlers call it from the
+    event loop and its worker pool, the data plane from its connection threads."""
+
+    def __init__(self, store: TieredStore, tenants: TenantTable, limits: StreamLimits, max_chunk_bytes: int) -> None:
+        self.store = store
+        self.limits = limits
+        self.max_chunk_bytes = max_chunk_bytes
+        self._tenants = tenants
+
+    # -- who, and how many at once ----------------------------------------------------------------------------------
+
+    def tenant(self, token: str | None) -> Tenant:
+        """The tenant a bearer token belongs to (Unauthenticated when none does; every caller is `open` without a
+        tenants file)."""
+        return self._tenants.tenant(token)
+
+    def in_flight(self, peer: str, tenant: Tenant) -> contextlib.AbstractContextManager:
+        """Count one request (a stream, a data-channel request) against its peer host's and tenant's limits while it
+        runs; CapacityExceeded over either."""
+        return self.limits.stream(peer, tenant.name)
+
+    # -- puts -------------------------------------------------------------------------------------------------------
+
+    def admit(self, tenant: Tenant, namespace: object, entries: Sequence[PutEntry]) -> list[Admitted]:
+        """The chunks of one put request, checked: sizes first (a transport that refuses an oversized chunk does not
+        read what follows: the announced bytes could be anything), then the namespace (once), keys and metas, then
+        the tenant's quota for all of them at once. Raises the first failure."""
+        for entry in entries:
+            check_chunk_size(entry.size, self.max_chunk_bytes)
+        keys = tenant.checked_keys(namespace, [entry.key for entry in entries])
+        admitted = [Admitted(key, entry.size, checked_meta(entry.meta)) for key, entry in zip(keys, entries)]
+        tenant.check_room(self.store, sum(entry.size for entry in entries))
+        return admitted
+
+    def receive(self, chunk: Admitted) -> Incoming:
+        """Room for a chunk's payload: pages reserved in the arena when it takes them (received in place), else a
+        record of its own, growing as the bytes arrive."""
+        if self.store.same_host is not None:
+            try:
+                return self.reserve(chunk)
+            except CapacityExceeded:
+                pass
+        return OwnRecord(self.store, chunk)
+
+    def reserve(self, chunk: Admitted) -> InArena:
+        """Pages in the arena for a same-host writer; CapacityExceeded when the arena cannot take the chunk now."""
+        same_host = self.store.same_host
+        if same_host is None:
+            raise CapacityExceeded("this server has no shared-memory arena")
+        return InArena(same_host, same_host.reserve(chunk.key, chunk.size_bytes, chunk.meta), chunk.size_bytes)
+
+    # -- gets -------------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def checked_keys(tenant: Tenant, namespace: object, keys: Iterable[object]) -> list[ChunkKey]:
+        """The keys of one get request: the namespace valid and the tenant's (checked once), every key valid."""
+        return tenant.checked_keys(namespace, keys)
+
+    def serve(self, key: ChunkKey) -> Served | None:
+        """A chunk for any reader, from whichever tier holds it (promoted on the way, as every hit is): pinned in the
+        arena when it is there, else the store's copy. None for a miss."""
+        same_host = self.store.same_host
+        if same_host is None:
+            found = self.store.get(key)
+            return None if found is None else Served(ReadGrant(found.tier, (), len(found.payload), None,
+                                                               found.payload), None)
+        read = same_host.pin(key)
+        return None if read is None else Served(read, same_host)
