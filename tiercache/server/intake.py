@@ -17,6 +17,7 @@ the same-host path while stalled puts held the arena's room; tests/test_data_cha
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -35,6 +36,11 @@ from tiercache.store.tiered import TieredStore
 # (at most twice what was received, or one step): a client that announces 64 MiB and sends a byte commits 1 MiB of
 # this process's memory, not 64 (issue 26: hostile clients on the data channel).
 FIRST_STEP_BYTES = 1 << 20
+# It grows with PyByteArray_Resize (documented C API), which leaves the new bytes unwritten until the payload lands on
+# them: `+= bytes(n)` zero-fills them first, a pass over every byte that halved the rate of receiving a 4 MiB record
+# here (4.5 against 12.8 GB/s, memcpy standing in for the socket; bytearray(n) of the whole size: 8.4 GB/s). The
+# unwritten bytes are never read: a record is stored only once its payload is complete.
+_resize = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_ssize_t)(("PyByteArray_Resize", ctypes.pythonapi))
 
 
 def check_chunk_size(size_bytes: int, max_chunk_bytes: int) -> None:
@@ -153,7 +159,7 @@ class OwnRecord(Incoming):
         end = self._start + self.received_bytes
         if end == len(self._record):
             grow = min(self.size_bytes - self.received_bytes, max(FIRST_STEP_BYTES, self.received_bytes))
-            self._record += bytes(grow)
+            _resize(self._record, end + grow)
         return memoryview(self._record)[end:]
 
     def store(self) -> str:

@@ -24,6 +24,7 @@ from tiercache.record.keys import ChunkKey
 from tiercache.store.same_host import SameHostPath
 from tiercache.store.stats import LookupStats, NamespaceUsage, StoreStats, TierCounters, TierStats
 from tiercache.tiers import from_config as tiers_from_config
+from tiercache.tiers.arena import ArenaTier
 from tiercache.tiers.base import Evicted, IndexedTier, Tier
 
 LOST_KEYS_REMEMBERED = 1 << 16  # keys lost for good that the store remembers (see after_placement)
@@ -51,6 +52,8 @@ class TieredStore:
             above = [t for t in self.tiers[:level] if not t.shared_by_nodes]
             if above and isinstance(tier, IndexedTier):
                 tier.needed_above = functools.partial(self._has_children, above)
+            if isinstance(tier, ArenaTier):  # its victims are placed below while still readable there (issue 26)
+                tier.hand_down = functools.partial(self.demote, level=level)
         arena_levels = [level for level, tier in enumerate(self.tiers) if tier.arena_file() is not None]
         # The same-host path (writes and reads in place), over the first tier whose arena clients can map; or None.
         self.same_host = SameHostPath(self, arena_levels[0]) if arena_levels else None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from tiercache.config import state_budget
 from tiercache.errors import TierFull
@@ -112,6 +112,9 @@ class ArenaTier(IndexedTier):
     checksum_on_read = False  # the bytes never leave this process's memory
     shared_by_nodes = False
     codec = RAW  # memory tiers hold raw records: readers copy payloads straight out
+    # Set by the store: places what a put or reservation evicts below this tier *before* the victims' pages are
+    # freed (see _let_go); put and reserve then return no victims. None: they return them (the contract's default).
+    hand_down: Callable[[list[Evicted]], None] | None = None
 
     def __init__(self, name: str, memory: ArenaMemory, capacity_bytes: int, page_bytes: int,
                  state_budget_bytes: int | None, state_value_weight: float) -> None:
@@ -123,6 +126,7 @@ class ArenaTier(IndexedTier):
         self._memory = memory
         self._allocator = ExtentAllocator(pages)
         self._index: ChunkIndex[_Entry] = ChunkIndex(state_value_weight)
+        self._leaving: dict[ChunkKey, _Entry] = {}  # victims being copied out and handed down: still readable
         self._lock = threading.Lock()
 
     def arena_file(self) -> ArenaFile | None:
@@ -166,7 +170,7 @@ class ArenaTier(IndexedTier):
     def pin(self, key: ChunkKey) -> "Pinned | None":
         """Hold a record in place for a same-host reader until `unpin`: its pages are not reused meanwhile."""
         with self._lock:
-            entry = self._index.touch(key)
+            entry = self._found(key)
             if entry is None:
                 return None
             entry.pins += 1
@@ -201,11 +205,26 @@ class ArenaTier(IndexedTier):
                     return extents, evicted
             if not victims:  # everything left is being read right now
                 raise TierFull(f"{self.name} tier has no room for {size} bytes right now", evicted)
-            for victim in victims:  # copy victims out without the lock; they are pinned
-                record = self._read(victim.entry) if return_evicted and victim.reachable else None
-                evicted.append(Evicted(victim.key, record, victim.reachable))
+            self._let_go(victims, evicted, return_evicted)
+
+    def _let_go(self, victims: list[Victim[_Entry]], evicted: list[Evicted], return_evicted: bool) -> None:
+        """Copy victims out (without the lock: they are pinned) and hand them down, or add them to `evicted`; then
+        free their pages. Until then a victim stays readable here (`_leaving`): with `hand_down` set, a chunk on its
+        way to the tier below is in one tier or the other at every moment. (Issue 26: a victim used to be in no tier
+        from its eviction until the store had written it below, and a read then missed it on every path;
+        tests/test_data_channel.py reproduces it with stalled puts whose reservations evict again and again.)"""
+        try:
+            batch = [Evicted(v.key, self._read(v.entry) if return_evicted and v.reachable else None, v.reachable)
+                     for v in victims]
+            if self.hand_down is None:
+                evicted.extend(batch)
+            else:
+                self.hand_down(batch)
+        finally:
             with self._lock:
                 for victim in victims:
+                    if self._leaving.get(victim.key) is victim.entry:
+                        del self._leaving[victim.key]
                     self._unpin(victim.entry)  # frees their pages; the next round allocates (or evicts more if raced)
 
     def _commit_entry(self, key: ChunkKey, size: int, meta: encoding.ChunkMeta, extents: tuple[Extent, ...]) -> None:
@@ -217,7 +236,7 @@ class ArenaTier(IndexedTier):
 
     def get(self, key: ChunkKey) -> bytearray | None:
         with self._lock:
-            entry = self._index.touch(key)
+            entry = self._found(key)
             if entry is None:
                 return None
             entry.pins += 1
@@ -229,7 +248,7 @@ class ArenaTier(IndexedTier):
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         with self._lock:
-            return [k in self._index for k in keys]
+            return [k in self._index or k in self._leaving for k in keys]
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         with self._lock:
@@ -240,6 +259,11 @@ class ArenaTier(IndexedTier):
             self._memory.close()
 
     # -- inside the lock --------------------------------------------------------------------------------------------
+
+    def _found(self, key: ChunkKey) -> _Entry | None:
+        """A record held here for a reader: in the index (marked used), or evicted and still on its way down."""
+        entry = self._index.touch(key)
+        return entry if entry is not None else self._leaving.get(key)
 
     def _unlink(self, key: ChunkKey) -> bool:
         entry = self._index.remove(key)
@@ -261,6 +285,7 @@ class ArenaTier(IndexedTier):
                                       needed_above=self.needed_above)
         for victim in victims:
             victim.entry.pins, victim.entry.dead = 1, True
+            self._leaving[victim.key] = victim.entry
         return victims
 
     def _unpin(self, entry: _Entry) -> None:

@@ -26,6 +26,10 @@ Contract (every method is thread-safe):
 - needed_above (an attribute of an IndexedTier, set by the store): needed_above(key) says whether a tier above
   holds a child of `key`; the tier then keeps `key` (tiercache.tiers.index: a chain shrinks from its deep end across
   tiers too). Called under the tier's lock; it takes the locks of tiers above it only.
+- hand_down (an attribute of an ArenaTier, set by the store): hand_down(evicted) places what a put or reservation
+  evicts in the tiers below while the victims are still readable in this one, before their pages are reused; put
+  and reserve then return no victims. So a chunk on its way down is always in a tier (issue 26: without it, a read
+  between the eviction and the demotion missed). Called without the tier's lock.
 - arena_file(): the file same-host clients may map to write and read records in place (the host tier's arena in
   /dev/shm), or None. A tier that returns one also implements reserve / commit / abort / pin / unpin (ArenaTier), and
   its reservations and pins name their `payload_ranges` in that file; the store's same-host path
