@@ -10,8 +10,10 @@ Release) and the data channel (server.data_plane) — and they only frame bytes.
   room and `Incoming.store` places it;
 - a get: `checked_keys` once per request, then `serve(key)` for each key: where the payload lies and how to let it go.
 
-`serve` is the one read path (issue 26: a 4 KiB chunk read fine over gRPC was a miss through the data channel and
-the same-host path while stalled puts held the arena's room; tests/test_data_channel.py reproduces it).
+`serve` is the one read path: a chunk any tier holds is served to every transport alike, pinned in the arena when it
+is there (or promoted there), else from the store's copy, whatever room the arena has. (Issue 26 saw a chunk read
+over gRPC and missed a moment later through the data channel and the same-host path while stalled puts held the
+arena; the miss was every path's, a chunk evicted and not yet placed below: tiers/arena.py `_let_go`.)
 """
 
 from __future__ import annotations

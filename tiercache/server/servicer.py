@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import time
 from concurrent.futures import Executor
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, TypeVar
 
 from tiercache import __version__
 from tiercache.config import Config
@@ -27,6 +27,9 @@ from tiercache.server.metrics import Metrics
 from tiercache.server.rpc import rpc
 from tiercache.store.stats import StoreStats
 from tiercache.store.tiered import TieredStore
+
+
+T = TypeVar("T")
 
 
 class _StoreChain:
@@ -128,24 +131,28 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     async def _receive(self, tenant: Tenant, header: pb.ChunkHeader) -> Incoming:
         """Room for the chunk a Put header announces (the stream announces its chunks one at a time: each is a
-        request of one chunk to the intake). The room is made on the pool (reserving may evict, and demote to disk);
-        if the stream is cancelled meanwhile, it is given back once made."""
+        request of one chunk to the intake)."""
         def receive() -> Incoming:
             entry = PutEntry(header.key, header.size_bytes, chunk_meta(header))
             (chunk,) = self.intake.admit(tenant, header.namespace, [entry])
             return self.intake.receive(chunk)
-        made = asyncio.get_running_loop().run_in_executor(self._blocking, receive)
+        return await self._run_holding(receive, Incoming.abort)
+
+    async def _run_holding(self, make: Callable[[], T], give_back: Callable[[T], None]) -> T:
+        """`make()` on the pool, for what must be given back (a reservation may evict and demote to disk; a read may
+        promote): if the stream is cancelled while it runs, what it made is given back once made."""
+        made = asyncio.get_running_loop().run_in_executor(self._blocking, make)
         try:
             return await asyncio.shield(made)
         except asyncio.CancelledError:
-            made.add_done_callback(lambda done: done.cancelled() or done.exception() or done.result().abort())
+            made.add_done_callback(functools.partial(_give_back, give_back))
             raise
 
     @rpc(stream=True)
     async def Get(self, request: pb.GetRequest, context, tenant: Tenant) -> None:
         keys = self.intake.checked_keys(tenant, request.namespace, request.keys)
         for index, key in enumerate(keys):
-            served = await self._run(self.intake.serve, key)
+            served = await self._run_holding(functools.partial(self.intake.serve, key), Served.release)
             if served is None:
                 await self._send(context, pb.GetFrame(header=pb.GetHeader(index=index, found=False)))
                 continue
@@ -288,6 +295,11 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             stats = dataclasses.replace(stats, namespaces=own)
         return _stats_message(stats, version=__version__, uptime_s=time.monotonic() - self._started,
                              max_chunk_bytes=self._max_chunk_bytes)
+
+
+def _give_back(give_back: Callable, done: asyncio.Future) -> None:
+    if not done.cancelled() and done.exception() is None and done.result() is not None:
+        give_back(done.result())
 
 
 def _pb_ranges(ranges) -> list:
