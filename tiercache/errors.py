@@ -30,7 +30,8 @@ class CapacityExceeded(TierCacheError):
 
 
 class Busy(CapacityExceeded):
-    """The server is at its data-connection or in-flight limits: the client sends this call over gRPC instead."""
+    """The server is at its data-connection limits: the client sends this call over gRPC instead. (Requests in flight
+    are counted once for both transports, so over that limit the refusal is a plain CapacityExceeded.)"""
 
 
 class Unavailable(TierCacheError):
