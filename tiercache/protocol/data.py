@@ -80,13 +80,13 @@ def error_for(code: int, message: str) -> TierCacheError:
 
 def recv_exactly_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     """Fill `view` from the socket (the kernel copies straight into it); ConnectionBroken at an early end. Each read
-    waits up to the socket's timeout, and never past `deadline` (time.monotonic()), which bounds them all: a peer that
-    trickles a byte now and then cannot hold the read (and what it holds) for longer."""
-    idle_s = sock.gettimeout()
+    waits up to the socket's timeout, and not much past `deadline` (time.monotonic()), which bounds them all: a peer
+    that trickles a byte now and then cannot hold the read (and what it holds) for longer."""
+    idle_s = timeout_s = sock.gettimeout()
     try:
         while view:
             if deadline is not None:
-                _wait_at_most(sock, idle_s, deadline)
+                timeout_s = _wait_at_most(sock, timeout_s, deadline)
             try:
                 n = sock.recv_into(view)
             except TimeoutError:
@@ -98,17 +98,24 @@ def recv_exactly_into(sock: socket.socket, view: memoryview, deadline: float | N
                 raise ConnectionBroken("data channel closed by the peer")
             view = view[n:]
     finally:
-        if deadline is not None and sock.gettimeout() != idle_s:
+        if timeout_s != idle_s:
             with contextlib.suppress(OSError):
                 sock.settimeout(idle_s)
 
 
-def _wait_at_most(sock: socket.socket, idle_s: float | None, deadline: float) -> None:
-    """The next read's timeout: the socket's own, cut to what is left before `deadline`; TimedOut when nothing is."""
+_DEADLINE_SLACK_S = 0.1  # how far past its deadline a read may wait (settimeout costs two fcntl calls: not per read)
+
+
+def _wait_at_most(sock: socket.socket, timeout_s: float | None, deadline: float) -> float | None:
+    """The socket's timeout for the next read, lowered to what is left before `deadline` once that is less (within
+    _DEADLINE_SLACK_S); TimedOut when nothing is left."""
     left = deadline - time.monotonic()
     if left <= 0:
         raise TimedOut("data channel: the peer sent too slowly")
-    sock.settimeout(left if idle_s is None else min(idle_s, left))
+    if timeout_s is None or left < timeout_s - _DEADLINE_SLACK_S:
+        sock.settimeout(left)
+        return left
+    return timeout_s
 
 
 def recv_exactly(sock: socket.socket, size: int, deadline: float | None = None) -> bytearray:
