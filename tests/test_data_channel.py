@@ -344,37 +344,44 @@ def _rss_bytes(pid: int) -> int:
 
 
 class _Tricklers:
-    """Raw data-channel connections that each send the start of a request and then one byte at a time, every
-    `every_s`, for as long as the server keeps them; `ended[name]` is how long each lasted from its first byte."""
+    """Raw data-channel connections that each send their first bytes and then one byte at a time (the next of
+    `then`, zeros after it), every `every_s`, for as long as the server keeps them; `ended[name]` is how long each
+    lasted from its first byte."""
 
     def __init__(self, port: int, every_s: float = 0.25) -> None:
         self.port = port
         self.every_s = every_s
-        self.open: dict[str, tuple[socket.socket, float]] = {}
+        self.open: dict[str, tuple[socket.socket, float, bytearray]] = {}
         self.ended: dict[str, float] = {}
 
-    def start(self, name: str, request_start: bytes) -> None:
-        sock = _connect(self.port, token="")
+    def start(self, name: str, first: bytes, then: bytes = b"", token: str | None = "") -> None:
+        sock = _connect(self.port, token)
         sock.setblocking(False)
-        sock.send(request_start)
-        self.open[name] = (sock, time.monotonic())
+        sock.send(first)
+        self.open[name] = (sock, time.monotonic(), bytearray(then))
 
     def step(self) -> None:
         """Send every open connection one more byte; note those the server closed."""
-        for name, (sock, began) in list(self.open.items()):
+        for name, (sock, began, then) in list(self.open.items()):
             try:
                 readable, _, _ = select.select([sock], [], [], 0)
                 if readable and not sock.recv(65536):
                     raise ConnectionResetError
-                sock.send(b"\0")
+                sock.send(bytes(then[:1]) or b"\0")
+                del then[:1]
             except OSError:  # reset, broken pipe, or a status before the close: the server ended it
                 self.ended[name] = time.monotonic() - began
                 del self.open[name]
                 sock.close()
         time.sleep(self.every_s)
 
+    def trickle_until_ended(self, names, give_up_s: float = 60) -> None:
+        until = time.monotonic() + give_up_s
+        while any(name in self.open for name in names) and time.monotonic() < until:
+            self.step()
+
     def close(self) -> None:
-        for sock, _ in self.open.values():
+        for sock, _, _ in self.open.values():
             sock.close()
 
 
@@ -418,6 +425,28 @@ def test_hostile_clients_are_cut_off_by_deadlines_and_hold_memory_only_for_what_
             assert client.get(NS, b"warm") == warm
         finally:
             tricklers.close()
+
+
+def test_a_trickled_tls_handshake_is_ended_within_the_idle_timeout(start_server, tmp_path):
+    pki = make_pki(tmp_path)
+    idle_s = 1.0
+    server = start_server(stream_idle_timeout_s=idle_s, security=SecurityConfig(tls_cert_file=pki.server_cert,
+                                                                                tls_key_file=pki.server_key))
+    outgoing = ssl.MemoryBIO()
+    client = ssl.create_default_context(cafile=pki.ca).wrap_bio(ssl.MemoryBIO(), outgoing, server_hostname="localhost")
+    with pytest.raises(ssl.SSLWantReadError):
+        client.do_handshake()
+    client_hello = outgoing.read()  # a real ClientHello, sent a byte every 0.25 s: two minutes' worth
+    tricklers = _Tricklers(server.data_port)
+    try:
+        tricklers.start("tls", client_hello[:1], then=client_hello[1:], token=None)
+        tricklers.trickle_until_ended(["tls"], give_up_s=30)
+        assert tricklers.ended["tls"] < idle_s + 5.0  # a loaded machine's margin
+    finally:
+        tricklers.close()
+    with _client(server, tls_ca_file=pki.ca) as client:
+        client.put(NS, b"k", b"after")
+        assert client.get(NS, b"k") == b"after"
 
 
 def test_a_stored_chunk_is_served_by_every_path_while_stalled_puts_take_the_arena(tmp_path):

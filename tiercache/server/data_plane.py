@@ -2,20 +2,18 @@
 and sent from the arena's pages in place (wire format and the reasons for it: tiercache.protocol.data).
 
 One thread per connection, blocking I/O: a thread waits in `recv_into` / `sendall` with the GIL released, which is
-what moves bytes fastest from Python. A client that stalls holds only its own connection's thread, never a shared
-worker: a read or write mid-request that makes no progress for `server.stream_idle_timeout_s` ends the connection,
-and a chunk's payload must arrive at 1 MiB per idle timeout at least (what a trickling client holds in the arena is
-bounded in time); a request's header and header block must arrive within one idle timeout of its first byte, and a
-refused request's payload is drained under the same rate as a stored one (protocol.data). Memory follows the bytes
-that arrive, not the sizes a client declares: a header block's buffer and a record received outside the arena grow
-as they fill. Between requests a connection may idle DATA_KEEPALIVE_S. Connections are bounded in all
-(`server.max_data_connections`) and per peer host (`server.max_data_connections_per_peer`), so threads are too:
-over those the refusal is Busy, and the client sends that call over gRPC instead.
+what moves bytes fastest from Python. A client that stalls or trickles holds only its own connection's thread, and
+not for long: every part of a request has a deadline — a read or write that makes no progress for
+`server.stream_idle_timeout_s`, a request's header and header block within one idle timeout of its first byte, a
+chunk's payload (or a refused request's, drained) at 1 MiB per idle timeout at least — and memory follows the bytes
+that arrive, not the sizes declared (a header block's buffer and a record the arena cannot take grow as they fill).
+Between requests a connection may idle DATA_KEEPALIVE_S. Connections are bounded in all
+(`server.max_data_connections`) and per peer host (`server.max_data_connections_per_peer`), so threads are too; over
+those the refusal is Busy, and the client sends that call over gRPC instead.
 
-This is a transport: it frames bytes, and everything else is the intake's (server.intake), as for gRPC — the tenant
-of the hello's token, the one count of requests in flight per host and tenant (shared with gRPC streams: over it a
-request is refused RESOURCE_EXHAUSTED), the one admission rule of a put (sizes, metas, namespace, quota), where a
-put's payload is received, and the one serve path of a get.
+This is a transport: it frames bytes, and the rest is the intake's (server.intake), as for gRPC — the tenant of the
+hello's token, the one count of requests in flight per host and tenant (shared with gRPC streams), the one admission
+rule of a put, where its payload is received, and the one serve path of a get.
 """
 
 from __future__ import annotations
@@ -157,7 +155,9 @@ class DataPlane:
             with self._all.hold("*", "the server"), self._connections_per_peer.hold(peer, peer):
                 sock.settimeout(self._idle_s)
                 if tls and self._tls is not None:
-                    sock = self._tls.wrap_socket(conn, server_side=True)  # the handshake, within the idle time
+                    # The whole handshake within the idle time: CPython's ssl takes a socket's timeout as the
+                    # handshake's deadline, not each read's (tests/test_data_channel.py trickles a ClientHello).
+                    sock = self._tls.wrap_socket(conn, server_side=True)
                     self._track(conn, sock)
                 token = data.read_hello(sock, deadline=time.monotonic() + self._idle_s)
                 tenant = self.intake.tenant(token)
