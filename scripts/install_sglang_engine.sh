@@ -18,6 +18,10 @@ if [ ! -e "$stamp" ]; then
         "(requirements/sglang-engine-0.5.23.txt: uvloop, fastapi, xgrammar, ...; about 60 MB)"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
         -r requirements/sglang-engine-0.5.23.txt 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
+    say "checking that SGLang's engine and HTTP server import with the CPU harness (tests/sglang_engine/harness)"
+    SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=tests/sglang_engine/harness "$VENV/bin/python" -W ignore -c \
+        "import sglang.srt.entrypoints.engine, sglang.srt.entrypoints.http_server" >/dev/null 2>&1 \
+        || { echo "SGLang's engine does not import in $VENV; remove it and re-run" >&2; exit 1; }
     touch "$stamp"
 else
     say "$VENV already has SGLang's engine packages ($stamp)"
@@ -28,7 +32,3 @@ if "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.fi
         "CPU torch): remove $VENV and re-run" >&2
     exit 1
 fi
-say "checking that SGLang's engine imports with the CPU harness (tests/sglang_engine/harness)"
-SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=tests/sglang_engine/harness "$VENV/bin/python" -W ignore -c \
-    "import sglang.srt.entrypoints.engine, sglang.srt.entrypoints.http_server" >/dev/null 2>&1 \
-    || { echo "SGLang's engine does not import in $VENV; remove it and re-run" >&2; exit 1; }

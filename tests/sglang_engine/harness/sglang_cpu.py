@@ -71,20 +71,19 @@ def torchvision_spec(name: str):
         import transformers.utils.import_utils as import_utils
 
         import_utils.is_torchvision_available()
-    if import_utils_asking():
+    if _transformers_is_asking():
         return None
     return importlib.machinery.ModuleSpec(name, _StubLoader(), is_package=True)
 
 
-def import_utils_asking() -> bool:
-    """True while transformers' own availability check is running (its first call, above)."""
+def _transformers_is_asking() -> bool:
+    """True while transformers' own availability check (is_torchvision_available) is on the stack."""
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_name == "is_torchvision_available":
             return True
         frame = frame.f_back
     return False
-
 
 
 # -- HiCache's host memory: plain memory, not CUDA-pinned -------------------------------------------------------------
@@ -142,8 +141,10 @@ def _mamba_host_pool(module) -> None:
 
 @patches("torch.cpu")
 def _cpu_stream_synchronize(module) -> None:
-    """torch.cpu.Stream stands in for a device stream in SGLang's device-agnostic code but has no synchronize();
-    HiCache's transfer engine calls it. CPU work is done when the call that queued it returns."""
+    """torch.cpu.Stream stands in for a device stream in SGLang's device-agnostic code but has no synchronize().
+    HiCache's L2 transfer engine calls it when a transfer raises (mem_cache/l2_transfer.py): without it the
+    transfer's own error (e.g. a missing transfer function) is hidden behind an AttributeError. CPU work is done
+    when the call that queued it returns."""
     if not hasattr(module.Stream, "synchronize"):
         module.Stream.synchronize = lambda self: None
 
