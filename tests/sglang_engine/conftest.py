@@ -1,0 +1,36 @@
+"""Real-engine tests: SGLang 0.5.23's own engine on the CPU (scheduler, model runner, radix caches, HiCache
+controller, storage prefetch and backup) with tiny random-weight models, through TierCacheStorage and a real
+`tiercache serve`.
+
+They run in .venv-sglang with the engine's extra packages (`make install-sglang-engine`; `make test-sglang-engine`
+runs them); anywhere else this folder is skipped. The CPU harness the engines load is in harness/ (sitecustomize).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+_ENGINE = all(importlib.util.find_spec(name) is not None for name in ("sglang", "uvloop", "fastapi", "xgrammar"))
+
+if not _ENGINE:
+    collect_ignore_glob = ["*.py"]
+
+VOCAB = 1024
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    """Token ids in [3, VOCAB): never the models' special tokens (<unk>, <s>, </s>)."""
+    return np.random.default_rng(seed).integers(3, VOCAB, length).tolist()
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("engine-logs")

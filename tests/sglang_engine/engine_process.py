@@ -1,0 +1,74 @@
+"""One real SGLang engine (`sglang.Engine`, SGLang 0.5.23's CPU engine) in a process of its own, driven by
+tests/sglang_engine/harness.py. SGLang's scheduler and detokenizer run in processes it spawns; the CPU harness
+(tests/sglang_engine/harness/sitecustomize.py) is on PYTHONPATH, so it loads at the start of every one of them.
+
+Protocol: one JSON object per line on stdin, one answer per line on stdout ({"ready": true} first). Commands:
+  {"op": "generate", "prompt": [ids], "max_new_tokens": n, "logprob_start_len": k (-1: output logprobs only)}
+      -> {"cached": n, "details": {...} | null, "tokens": [..], "output": [[logprob, id], ..],
+          "top": [{id: logprob}, ..], "input": [[logprob, id], ..], "seconds": s}
+  {"op": "flush", "timeout_s": t}
+      -> {"success": bool}: SGLang's flush_cache with a timeout: it waits until the scheduler is fully idle (no
+         write-through, load-back, prefetch or storage backup in flight), then drops the device and host caches.
+         After it, everything the engine backed up is in storage, and the engine reads its next prompt from there.
+  {"op": "exit"}
+Everything SGLang prints goes to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+TOP_LOGPROBS = 20
+
+
+def generate(engine, command: dict) -> dict:
+    logprob_start_len = command.get("logprob_start_len", -1)
+    started = time.perf_counter()
+    out = engine.generate(input_ids=command["prompt"],
+                          sampling_params={"max_new_tokens": command.get("max_new_tokens", 1), "temperature": 0,
+                                           "ignore_eos": True},
+                          return_logprob=True, logprob_start_len=logprob_start_len, top_logprobs_num=TOP_LOGPROBS)
+    seconds = time.perf_counter() - started
+    meta = out["meta_info"]
+    return {"cached": meta["cached_tokens"], "details": meta.get("cached_tokens_details"),
+            "tokens": [token for _, token, _ in meta["output_token_logprobs"]],
+            "output": [[logprob, token] for logprob, token, _ in meta["output_token_logprobs"]],
+            "top": [{str(token): logprob for logprob, token, _ in step} for step in meta["output_top_logprobs"]],
+            "input": [[logprob, token] for logprob, token, _ in meta.get("input_token_logprobs") or []],
+            "seconds": seconds}
+
+
+def main() -> None:
+    settings = json.loads(sys.argv[1])
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    import sglang
+
+    engine = sglang.Engine(**settings)
+    reply.write(json.dumps({"ready": True}) + "\n")
+    reply.flush()
+    try:
+        for line in sys.stdin:
+            command = json.loads(line)
+            if command["op"] == "exit":
+                break
+            if command["op"] == "generate":
+                answer = generate(engine, command)
+            elif command["op"] == "flush":
+                result = engine.loop.run_until_complete(
+                    engine.tokenizer_manager.flush_cache(timeout_s=command.get("timeout_s", 60)))
+                answer = {"success": bool(result.success)}
+            else:
+                answer = {"error": f"unknown op {command['op']}"}
+            reply.write(json.dumps(answer) + "\n")
+            reply.flush()
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

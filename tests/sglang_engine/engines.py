@@ -1,0 +1,185 @@
+"""Drive real SGLang engines (tests/sglang_engine/engine_process.py, one process each) from the tests: their settings
+(SGLang's CPU engine, HiCache with a storage backend: tiercache's or SGLang's own file backend), what they return,
+and how to wait until a storage backend holds what an engine backed up."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).parent
+HARNESS = HERE / "harness"  # sitecustomize.py + the sgl_kernel stand-in: on PYTHONPATH of every engine process
+ENGINE_SCRIPT = HERE / "engine_process.py"
+ROOT = HERE.parents[1]
+
+TIERCACHE_BACKEND = {"backend_name": "tiercache", "module_path": "tiercache.connector.sglang",
+                     "class_name": "TierCacheStorage"}
+# SGLang prefetches from storage only a hit of at least this many tokens (its default, 256, is above these prompts).
+PREFETCH_THRESHOLD = 16
+
+
+@dataclass(frozen=True)
+class Completion:
+    cached: int  # prompt tokens SGLang did not compute (device, host and storage hits)
+    details: dict | None  # SGLang's cached_tokens_details: {"device", "host", "storage", "storage_backend"}
+    tokens: list[int]
+    output: list[list]  # [logprob, token id] per generated token
+    top: list[dict[str, float]]  # top-20 logprobs per generated token
+    input: list[list]  # [logprob, token id] per prompt token from logprob_start_len (None for the first)
+    seconds: float
+
+    @property
+    def storage(self) -> int:
+        return int((self.details or {}).get("storage") or 0)
+
+    @property
+    def storage_backend(self) -> str | None:
+        return (self.details or {}).get("storage_backend")
+
+    def same_computation(self) -> tuple:
+        """What a hit must reproduce bit for bit: tokens, every logprob returned."""
+        return self.tokens, self.output, self.top, self.input
+
+
+def engine_settings(model_dir: str, *, page_size: int, storage: str | None = None, url: str | None = None,
+                    file_dir: str | None = None, hybrid: bool = False, extra: dict | None = None,
+                    **overrides) -> dict:
+    """sglang.Engine arguments for SGLang's CPU engine on a tiny model; `storage`: None (no HiCache), "tiercache"
+    (TierCacheStorage on the server at `url`) or "file" (SGLang's HiCacheFile in `file_dir`)."""
+    settings = dict(model_path=model_dir, device="cpu", dtype="bfloat16", log_level="warning", random_seed=0,
+                    page_size=page_size, max_total_tokens=4096, chunked_prefill_size=1024,
+                    # On the CPU SGLang checks that the memory free after loading the weights is above
+                    # (1 - mem_fraction_static) of what was free before: other processes' allocations meanwhile count
+                    # against it. The pools are sized by max_total_tokens (and max_mamba_cache_size), not by this.
+                    mem_fraction_static=0.5,
+                    max_running_requests=2, disable_cuda_graph=True, watchdog_timeout=600)
+    if hybrid:
+        # SGLang refuses the extra_buffer strategy on the CPU: states are cached at a request's end (no_buffer),
+        # which SGLang runs without its overlap scheduler only; 16 state slots are plenty here (default: thousands).
+        settings.update(mamba_radix_cache_strategy="no_buffer", disable_overlap_schedule=True,
+                        max_mamba_cache_size=16)
+    if storage is not None:
+        if storage == "tiercache":
+            config = {**TIERCACHE_BACKEND, "url": url, "timeout_s": 30}
+            backend = "dynamic"
+        elif storage == "file":
+            config = {"file_storage_path": file_dir}
+            backend = "file"
+        else:
+            raise ValueError(storage)
+        config = {**config, "prefetch_threshold": PREFETCH_THRESHOLD, **(extra or {})}
+        settings.update(enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_io_backend="direct",
+                        hicache_mem_layout="page_first_direct", hicache_write_policy="write_through",
+                        hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend=backend,
+                        hicache_storage_backend_extra_config=json.dumps(config))
+    settings.update(overrides)
+    return settings
+
+
+class EngineProcess:
+    """One SGLang engine (sglang.Engine) in a process of its own, with the CPU harness loaded at every interpreter
+    start (PYTHONPATH), SGLang's spawned scheduler included."""
+
+    def __init__(self, settings: dict, log_path: Path, start_timeout_s: float = 300.0) -> None:
+        self.log_path = log_path
+        pythonpath = os.pathsep.join([str(HARNESS), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, "SGLANG_USE_CPU_ENGINE": "1"}
+        self._log = open(log_path, "w")
+        self.process = subprocess.Popen([sys.executable, str(ENGINE_SCRIPT), json.dumps(settings)], env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                        start_new_session=True)
+        self._lock = threading.Lock()
+        self._read(start_timeout_s)
+
+    def generate(self, prompt: list[int], max_new_tokens: int = 4, logprob_start_len: int = -1,
+                 timeout_s: float = 300) -> Completion:
+        answer = self._call({"op": "generate", "prompt": prompt, "max_new_tokens": max_new_tokens,
+                             "logprob_start_len": logprob_start_len}, timeout_s)
+        return Completion(**answer)
+
+    def flush(self, timeout_s: float = 60) -> None:
+        """SGLang's flush_cache once the engine is idle: every backup it started is in storage when this returns,
+        and its device and host caches are empty (its next prompt is read from storage)."""
+        answer = self._call({"op": "flush", "timeout_s": timeout_s}, timeout_s + 30)
+        assert answer["success"], f"SGLang's flush_cache did not succeed in {timeout_s}s:\n{self.log_tail()}"
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                self.process.stdin.flush()
+                self.process.wait(timeout=60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self._kill_group()
+        self._kill_group()  # SGLang's scheduler and detokenizer, should one outlive the engine's process
+        self._log.close()
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self.process.pid, 9)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.wait()
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def _call(self, command: dict, timeout_s: float) -> dict:
+        with self._lock:
+            self.process.stdin.write(json.dumps(command) + "\n")
+            self.process.stdin.flush()
+            return self._read(timeout_s)
+
+    def _read(self, timeout_s: float) -> dict:
+        result: list[str] = []
+        reader = threading.Thread(target=lambda: result.append(self.process.stdout.readline()), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + timeout_s
+        while reader.is_alive() and time.monotonic() < deadline and self.process.poll() is None:
+            reader.join(0.2)
+        if not result or not result[0]:
+            self._kill_group()
+            raise RuntimeError(f"the SGLang engine did not answer in {timeout_s}s (exit {self.process.poll()}):\n"
+                               f"{self.log_tail()}")
+        answer = json.loads(result[0])
+        if "error" in answer:
+            raise RuntimeError(answer["error"])
+        return answer
+
+
+def wait_until(condition, what: str, timeout_s: float = 60.0):
+    """Poll `condition()` until it returns a true value (returned), or fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def server_pages(url: str, model_name: str) -> int:
+    """Objects a tiercache server holds for SGLang's pages (and states) of the model whose folder is `model_name`
+    (TierCacheStorage's namespaces are `sglang/<model path>@<layout digest>`)."""
+    from tiercache.client import Client
+
+    client = Client.from_url(url)
+    try:
+        return sum(n["chunks"] for n in client.stats()["namespaces"]
+                   if n["namespace"].startswith("sglang/") and f"/{model_name}@" in n["namespace"])
+    finally:
+        client.close()
+
+
+def file_pages(directory: Path, kind: str = "") -> int:
+    """Pages SGLang's file backend (HiCacheFile) holds in `directory`: KV pages (kind ""), or a side pool's
+    (kind "mamba": `<hash>.mamba_<suffix>.bin`)."""
+    names = [f.name[64:] for f in Path(directory).glob("*.bin")]  # after the 64-hex page hash
+    return sum(1 for name in names if name.startswith(f".{kind}_" if kind else "_"))
