@@ -86,6 +86,7 @@ def test_stats_and_metrics(start_server, data_channel, put_method):
                  "tiercache_tier_checksum_failures_total", "tiercache_rpc_duration_seconds_bucket"):
         assert name in text, name
     assert 'tiercache_tier_hits_total{tier="host"} 1.0' in text
+    assert 'tiercache_requests_in_flight{tenant="open"} 0.0' in text  # every request ended (one per tenant)
     assert f'tiercache_rpc_duration_seconds_count{{code="OK",method="{put_method}"}} 1.0' in text
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import threading
+import urllib.request
 
 import grpc
 import pytest
 
-from tests.helpers import wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import free_port, wait_for
 from tiercache.client import Client, RetryPolicy
 from tiercache.config import MiB
 from tiercache.errors import CapacityExceeded
@@ -21,12 +24,25 @@ STALLED = 20  # more than server.workers (16): with a thread per stream these fr
 
 
 @pytest.fixture
-def server(tmp_path):
+def server(request, tmp_path):
+    """A server whose idle timeout is the test's `idle_timeout_s` mark (default 5 s: long enough that a
+    well-behaved client on a loaded machine never idles that long between frames, short enough to wait for)."""
+    mark = request.node.get_closest_marker("idle_timeout_s")
+    idle_s = mark.args[0] if mark else 5
     config = tmp_path / "tiercache.yaml"
-    config.write_text("server:\n  stream_idle_timeout_s: 2\n  max_streams_per_peer: 48\n"
+    config.write_text(f"server:\n  stream_idle_timeout_s: {idle_s}\n  max_streams_per_peer: 48\n"
                       "host:\n  capacity_bytes: 512MiB\ndisk:\n  capacity_bytes: 0\n")
-    with ServerProcess("--config", str(config)) as process:
+    metrics_port = free_port()
+    with ServerProcess("--config", str(config), "--metrics-port", str(metrics_port)) as process:
+        process.metrics_port = metrics_port
         yield process
+
+
+def in_flight(server) -> int:
+    """Requests the server is serving now, from its /metrics (tiercache_requests_in_flight)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               if family.name == "tiercache_requests_in_flight" for sample in family.samples)
 
 
 class _Stalls:
@@ -96,25 +112,21 @@ def test_stalled_and_unread_streams_do_not_stop_the_server_serving_others(server
         assert client.get(NS, b"fresh") == data  # a streamed Get
         assert client.get(NS, b"big") == big
         # The idle timeout ends the stalled Puts (UNAVAILABLE, which a live but slow client retries).
-        wait_for(lambda: len(stalls.errors) == STALLED, timeout_s=30, what="the stalled Puts to be ended")
+        wait_for(lambda: len(stalls.errors) == STALLED, timeout_s=60, what="the stalled Puts to be ended")
         assert set(stalls.errors) == {grpc.StatusCode.UNAVAILABLE}
         assert client.get(NS, b"never") is None  # nothing half-written was stored
 
 
+@pytest.mark.idle_timeout_s(600)  # the stalled streams stay open until the test releases them, however slow the machine
 def test_streams_over_the_per_host_limit_are_refused_at_once_and_unary_calls_still_served(server, stalls):
     stalls.put_and_stall(48)  # the limit of this host (server.max_streams_per_peer)
+    wait_for(lambda: in_flight(server) == 48, timeout_s=60, what="the 48 stalled Puts to be open on the server")
     with Client.from_url(server.url, timeout_s=5, retry=RetryPolicy(attempts=1), same_host=False,
                          data_channel=False) as client:  # gRPC streams (the data channel is refused the same)
-        def refused() -> bool:
-            try:
-                client.put(NS, b"one-too-many", b"x")
-            except CapacityExceeded as exc:
-                refused.error = exc
-                return True
-            client.delete(NS, [b"one-too-many"])  # the stalled streams were not all open yet
-            return False
-        wait_for(refused, timeout_s=10, what="a stream over the limit to be refused")
-        assert "max_streams_per_peer" in str(refused.error)
+        with pytest.raises(CapacityExceeded, match="max_streams_per_peer"):
+            client.put(NS, b"one-too-many", b"x")
         assert client.locate(NS, [b"one-too-many"]) == [None]  # unary calls are not streams
-        wait_for(lambda: len(stalls.errors) == 48, timeout_s=30, what="the stalled Puts to be ended")
+        stalls.release.set()  # the stalled clients end their streams short of the size they announced
+        wait_for(lambda: len(stalls.errors) == 48, timeout_s=60, what="the stalled Puts to be ended")
+        wait_for(lambda: in_flight(server) == 0, timeout_s=60, what="the server to count them ended")
         assert client.put(NS, b"after", b"y") == "host"  # their slots are free again

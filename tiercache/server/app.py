@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tiercache.config import Config, SecurityConfig, read_file
 from tiercache.errors import ConfigError
 from tiercache.protocol.wire import SERVICE_NAME, max_message_bytes
-from tiercache.server.auth import TenantTable
+from tiercache.server.auth import OPEN, TenantTable
 from tiercache.server.data_plane import DataPlane
 from tiercache.server.intake import Intake
 from tiercache.server.leases import LeaseTable
@@ -128,6 +128,7 @@ class CacheServer:
         self.intake = Intake(self.store, self.tenants, StreamLimits(config.server.max_streams_per_peer,
                                                                     config.server.max_streams_per_tenant),
                              config.server.max_chunk_bytes)
+        self.metrics.watch_requests(self.intake.limits, [t.name for t in self.tenants.tenants] or [OPEN.name])
         self._blocking = futures.ThreadPoolExecutor(max_workers=config.server.workers,
                                                     thread_name_prefix="tiercache-rpc")
         self._loop: asyncio.AbstractEventLoop | None = None  # made by start()

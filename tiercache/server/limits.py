@@ -46,6 +46,11 @@ class Counts:
         with self._lock:
             return self._open[name]
 
+    def snapshot(self) -> dict[str, int]:
+        """How many each name holds open now (names holding none are absent)."""
+        with self._lock:
+            return dict(self._open)
+
     @contextlib.contextmanager
     def hold(self, name: str, label: str) -> Iterator[None]:
         """Count one more for `name` while the block runs; CapacityExceeded when it already holds `limit`."""

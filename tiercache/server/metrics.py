@@ -10,6 +10,7 @@ from typing import Iterator
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from tiercache.server.limits import StreamLimits
 from tiercache.store.tiered import TieredStore
 
 # name, help, attribute of TierStats; counters get the `_total` suffix from prometheus_client.
@@ -73,6 +74,23 @@ class StoreCollector:
         yield used
 
 
+class RequestsCollector:
+    """Requests in flight per tenant (gRPC Put/Get streams and data-channel requests: what
+    server.max_streams_per_tenant bounds). Per tenant, not per peer host: hosts come and go, tenants are configured."""
+
+    def __init__(self, limits: StreamLimits, tenants: list[str]) -> None:
+        self._limits = limits
+        self._tenants = tenants  # a series for each from the start, at 0 while it has nothing in flight
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("tiercache_requests_in_flight",
+                                   "Put/Get streams and data-channel requests being served", labels=["tenant"])
+        held = {name: 0 for name in self._tenants} | self._limits.tenants.snapshot()
+        for tenant, n in sorted(held.items()):
+            family.add_metric([tenant], n)
+        yield family
+
+
 class Metrics:
     def __init__(self, store: TieredStore) -> None:
         self.registry = CollectorRegistry()
@@ -81,6 +99,9 @@ class Metrics:
             "tiercache_rpc_duration_seconds", "Server-side RPC latency", ["method", "code"], registry=self.registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
         self._http = None
+
+    def watch_requests(self, limits: StreamLimits, tenants: list[str]) -> None:
+        self.registry.register(RequestsCollector(limits, tenants))
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP endpoint; returns the bound port (useful with port 0)."""
