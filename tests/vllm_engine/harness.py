@@ -18,8 +18,10 @@ ROOT = ENGINE_SCRIPT.parents[2]
 # from its wheel into this site-packages directory: every engine with the connector must have loaded it from there.
 WHEEL_SITE = os.environ.get("TIERCACHE_WHEEL_SITE")
 
-# bf16 logprobs of the same computation are bit-identical on vLLM's CPU engine (issue 14 measured 0.0); this bound
-# only leaves room for a summation order that differs, and is 40x below the smallest wrong restore measured (0.04).
+# bf16 logprobs of the same computation are bit-identical on vLLM's CPU engine (issue 14 measured 0.0), and a
+# difference in the computation shows as a whole multiple of 2^-8 (the logits are bf16): this bound asks for identical
+# logits; the smallest wrong restore measured was 0.04. A yardstick engine therefore runs the same settings as the
+# engine it judges (step size included).
 LOGPROB_TOLERANCE = 1e-3
 
 

@@ -110,15 +110,18 @@ def test_diverging_questions_after_one_system_prompt_hit_the_shared_blocks(trio)
 
 @pytest.fixture(scope="module")
 def readers(engines, cache_server):
-    """Two engines with the settings docs/vllm.md recommends for documents that questions branch off: vLLM's align
+    """Three engines with the settings docs/vllm.md recommends for documents that questions branch off: vLLM's align
     mode keeps a Mamba state only where a scheduler step ends, so steps of N tokens (--max-num-batched-tokens N) put
     one at every block boundary. `reader` has the connector (tiercache saves every one); `alone` is vLLM alone with
-    the same settings, the yardstick: its own hit at a boundary uses a state computed the same way, in N-token steps
-    (vLLM keeps states in the model's dtype between steps, so a state computed in one long step differs by rounding:
-    0.004 in logprobs here)."""
+    the same settings, the yardstick: its own hit at a boundary uses a state computed the same way, in N-token steps;
+    `fresh` has the connector and has never seen the document. All three run the same settings: bf16 logits make any
+    difference in the computation a whole multiple of 2^-8 in logprobs, and whether a step size changes the
+    computation depends on the CPU's kernels (a state computed in one long step gave logprobs 0.004 apart from one
+    computed in N-token steps on one machine of this kind, 0.0 on another)."""
     n = engines.n
     return (engines.start("reader", cache_server.url, max_num_batched_tokens=n),
-            engines.start("alone-in-steps", None, max_num_batched_tokens=n))
+            engines.start("alone-in-steps", None, max_num_batched_tokens=n),
+            engines.start("fresh-in-steps", cache_server.url, max_num_batched_tokens=n))
 
 
 @pytest.mark.parametrize("share", [0.1, 0.5, 0.9])
@@ -126,8 +129,8 @@ def test_questions_branching_inside_a_long_document_resume_within_n_of_the_branc
     """Document + question A on the reader; question B branches at 10%..90% of the document on a fresh engine and
     resumes at the block boundary below its branch point, computing what vLLM alone computes from its own state
     there. vLLM alone reading the document in one step keeps no state there."""
-    one_step, _, fresh, n = trio
-    reader, alone = readers
+    one_step, _, _, n = trio
+    reader, alone, fresh = readers
     document = prompt(1100, 6 * n + 37)  # seeds no other test uses: the cache server is shared by the session
     question = prompt(1101, 40)
     for engine in (reader, alone, one_step):
