@@ -30,6 +30,7 @@ from tiercache.protocol.wire import pb, pb_grpc
 from tiercache.record.encoding import CLASS_STATE, ChunkMeta
 from tiercache.record.keys import ChunkKey
 from tiercache.server import data_plane
+from tiercache.server.intake import SERVE_BATCH
 
 NS = "model@main#fp"
 
@@ -501,18 +502,19 @@ def test_a_stored_chunk_is_served_by_every_path_while_stalled_puts_take_the_aren
 def test_a_get_that_fails_half_way_closes_the_connection_and_the_client_retries(start_server, monkeypatch):
     server = start_server()
     with _client(server, retry=RetryPolicy(attempts=3, backoff=Backoff(0.01, 1.0))) as client:
-        client.put_many(NS, [(b"a", b"first"), (b"b", b"second")])
+        items = [(b"k%d" % i, b"value %d" % i) for i in range(SERVE_BATCH + 1)]  # two batches
+        client.put_many(NS, items)
         pin = server.store.same_host.pin
         failures = []
 
-        def failing_once(key):
-            if key.key == b"b" and not failures:
-                failures.append(key)
+        def failing_once(keys):
+            if keys[-1].key == items[-1][0] and not failures:  # the second batch, after the first was sent
+                failures.append(keys)
                 raise OSError("a tier failed")
-            return pin(key)
+            return pin(keys)
         monkeypatch.setattr(server.store.same_host, "pin", failing_once)
-        got = client.get_many(NS, [b"a", b"b"])
-        assert [f.data for f in got] == [b"first", b"second"]  # the retry, on a new connection
+        got = client.get_many(NS, [k for k, _ in items])
+        assert [f.data for f in got] == [v for _, v in items]  # the retry, on a new connection
         assert failures
 
 

@@ -33,7 +33,7 @@ from tiercache.errors import Busy, TierCacheError
 from tiercache.protocol import data
 from tiercache.protocol.wire import status_for
 from tiercache.server.auth import Tenant
-from tiercache.server.intake import Intake, Served
+from tiercache.server.intake import Intake, Served, batches
 from tiercache.server.limits import Counts
 from tiercache.server.metrics import Metrics
 
@@ -276,8 +276,13 @@ class DataPlane:
             self._refuse(sock, refused)
         data.send_all(sock, data.status(data.OK))
         try:
-            for key in keys:
-                _send_item(sock, self.intake.serve(key))
+            for batch in batches(keys):
+                served = self.intake.serve(batch)
+                try:
+                    for item in served:
+                        _send_item(sock, item)
+                finally:
+                    Served.release_all(served)
         except data.ConnectionBroken:
             raise
         except Exception as exc:  # a tier failed half-way: the client expects an item, so only closing is left

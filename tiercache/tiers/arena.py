@@ -109,12 +109,14 @@ def _payload_ranges(key: ChunkKey, meta: encoding.ChunkMeta, ranges: Ranges) -> 
 
 
 class ArenaTier(IndexedTier):
+    """A Tier, a ChainDirectory (its index) and HandsDown (its victims stay readable until placed below)."""
+
     checksum_on_read = False  # the bytes never leave this process's memory
     shared_by_nodes = False
     codec = RAW  # memory tiers hold raw records: readers copy payloads straight out
     # Set by the store: places what a put or reservation evicts below this tier *before* the victims' pages are
     # freed (see _let_go); put and reserve then return no victims. None: they return them (the contract's default).
-    hand_down: Callable[[list[Evicted]], None] | None = None
+    hand_down: Callable[[list[Evicted]], None] | None = None  # (HandsDown)
 
     def __init__(self, name: str, memory: ArenaMemory, capacity_bytes: int, page_bytes: int,
                  state_budget_bytes: int | None, state_value_weight: float) -> None:
@@ -129,11 +131,6 @@ class ArenaTier(IndexedTier):
         self._leaving: dict[ChunkKey, _Entry] = {}  # victims being copied out and handed down: still readable
         self._lock = threading.Lock()
 
-    def arena_file(self) -> ArenaFile | None:
-        """The file same-host clients can map, when the arena lives in shared memory (a HostMemory with a path)."""
-        path = getattr(self._memory, "path", None)
-        return ArenaFile(path, self._memory.size, self._memory.inode) if path else None
-
     # -- contract ---------------------------------------------------------------------------------------------------
 
     def put(self, key: ChunkKey, record, *, return_evicted: bool) -> list[Evicted]:
@@ -143,47 +140,6 @@ class ArenaTier(IndexedTier):
         self._write(extents, record)
         self._commit_entry(key, len(record), meta, extents)
         return evicted
-
-    # -- same-host writes and reads (store.same_host): the client copies the payload itself ---------------------------
-
-    def reserve(self, key: ChunkKey, size: int, meta: encoding.ChunkMeta, *,
-                return_evicted: bool) -> tuple["Reservation", list[Evicted]]:
-        """Room for a record of `size` bytes, invisible until `commit` (or freed by `abort`)."""
-        extents, evicted = self._allocate(key, size, meta, return_evicted)
-        return Reservation(key, size, meta, extents, self._ranges(extents, size)), evicted
-
-    def commit(self, reservation: "Reservation") -> None:
-        """Write the record's header over the reserved front and make it visible. The header is left unsealed:
-        memory records are trusted, and the store seals a record when it leaves for a verifying tier."""
-        start = encoding.header_bytes(reservation.key, reservation.meta)
-        payload = self._memory.views(_shift(reservation.ranges, start))
-        head = encoding.header(reservation.key, reservation.meta, payload, seal=False)
-        self._memory.write(_cut(reservation.ranges, start), memoryview(head))
-        self._commit_entry(reservation.key, reservation.size, reservation.meta, reservation.extents)
-
-    def abort(self, reservation: "Reservation") -> None:
-        with self._lock:
-            self._allocator.free(reservation.extents)
-            if reservation.meta.object_class == encoding.CLASS_STATE:
-                self._index.state_reserved -= reservation.size
-
-    def pin(self, key: ChunkKey) -> "Pinned | None":
-        """Hold a record in place for a same-host reader until `unpin`: its pages are not reused meanwhile."""
-        with self._lock:
-            entry = self._found(key)
-            if entry is None:
-                return None
-            entry.pins += 1
-        return Pinned(key, entry.meta, entry.record_bytes, self._ranges(entry.extents, entry.record_bytes), entry)
-
-    def unpin(self, pinned: "Pinned") -> None:
-        with self._lock:
-            self._unpin(pinned.entry)
-
-    def views(self, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
-        """The arena's bytes at reserved or pinned ranges, in place (the data plane receives into and sends from
-        them)."""
-        return self._memory.views(ranges)
 
     def _allocate(self, key: ChunkKey, size: int, meta: encoding.ChunkMeta,
                   return_evicted: bool) -> tuple[tuple[Extent, ...], list[Evicted]]:
@@ -319,3 +275,52 @@ class ArenaTier(IndexedTier):
             assert live + self._allocator.free_pages <= self._allocator.total_pages
             assert self._index.used_bytes <= self.capacity_bytes
             assert self._index.state_bytes <= self.state_budget_bytes
+
+
+class MappedArenaTier(ArenaTier):
+    """An ArenaTier whose memory is a file same-host clients map (the host tier in /dev/shm): a MappableArena too.
+    The client copies payloads itself, at a reservation's or a pin's ranges (tiercache.store.same_host)."""
+
+    def __init__(self, name: str, memory: ArenaMemory, arena: ArenaFile, capacity_bytes: int, page_bytes: int,
+                 state_budget_bytes: int | None, state_value_weight: float) -> None:
+        super().__init__(name, memory, capacity_bytes, page_bytes, state_budget_bytes, state_value_weight)
+        self.arena = arena
+
+    def reserve(self, key: ChunkKey, size: int, meta: encoding.ChunkMeta, *,
+                return_evicted: bool) -> tuple["Reservation", list[Evicted]]:
+        """Room for a record of `size` bytes, invisible until `commit` (or freed by `abort`)."""
+        extents, evicted = self._allocate(key, size, meta, return_evicted)
+        return Reservation(key, size, meta, extents, self._ranges(extents, size)), evicted
+
+    def commit(self, reservation: "Reservation") -> None:
+        """Write the record's header over the reserved front and make it visible. The header is left unsealed:
+        memory records are trusted, and the store seals a record when it leaves for a verifying tier."""
+        start = encoding.header_bytes(reservation.key, reservation.meta)
+        payload = self._memory.views(_shift(reservation.ranges, start))
+        head = encoding.header(reservation.key, reservation.meta, payload, seal=False)
+        self._memory.write(_cut(reservation.ranges, start), memoryview(head))
+        self._commit_entry(reservation.key, reservation.size, reservation.meta, reservation.extents)
+
+    def abort(self, reservation: "Reservation") -> None:
+        with self._lock:
+            self._allocator.free(reservation.extents)
+            if reservation.meta.object_class == encoding.CLASS_STATE:
+                self._index.state_reserved -= reservation.size
+
+    def pin(self, key: ChunkKey) -> "Pinned | None":
+        """Hold a record in place for a same-host reader until `unpin`: its pages are not reused meanwhile."""
+        with self._lock:
+            entry = self._found(key)
+            if entry is None:
+                return None
+            entry.pins += 1
+        return Pinned(key, entry.meta, entry.record_bytes, self._ranges(entry.extents, entry.record_bytes), entry)
+
+    def unpin(self, pinned: "Pinned") -> None:
+        with self._lock:
+            self._unpin(pinned.entry)
+
+    def views(self, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """The arena's bytes at reserved or pinned ranges, in place (the data plane receives into and sends from
+        them)."""
+        return self._memory.views(ranges)

@@ -146,9 +146,6 @@ class DiskTier(IndexedTier):
         self._discard(removed, read=False)
         return len(removed)
 
-    def arena_file(self) -> None:
-        return None  # no same-host path: records are read through the server
-
     def close(self) -> None:
         """Every file is complete on disk once put returns; evicted ones are unlinked before close returns. The
         directory is free for another server after."""
