@@ -39,7 +39,7 @@ class FakeCache:
         self.keys: dict[bytes, object] = {}
         self.calls = 0
 
-    # the ChainIndex protocol
+    # the ChainView protocol
     def locate(self, keys):
         return ["host" if k in self.keys else None for k in keys]
 

@@ -22,7 +22,7 @@ import time
 from typing import Callable, Sequence, TypeVar
 
 from tiercache.client.arena_path import ArenaPath
-from tiercache.client.data_channel import DataChannel
+from tiercache.client.data_channel import DataChannelPath
 from tiercache.client.payload import ELSEWHERE, Chunk, Fetched, PayloadPath
 from tiercache.client.settings import ConnectionSettings
 from tiercache.client.shared_arena import SharedArena
@@ -54,7 +54,7 @@ class PathChooser:
         self._mapping = threading.Lock()  # held while the arena is mapped (once): others wait, not map it again
         self._attached: pb.AttachResponse | None = None  # the server's Attach answer, asked once (and after a restart)
         self._arena: ArenaPath | None = None
-        self._data: DataChannel | None = None
+        self._data: DataChannelPath | None = None
         self._data_retry_at = 0.0  # while the data channel is unreachable or absent: streams until then
 
     # -- the payload path of each try -------------------------------------------------------------------------------
@@ -137,11 +137,11 @@ class PathChooser:
         return self._arena
 
     @property
-    def data_channel(self) -> DataChannel | None:
+    def data_channel(self) -> DataChannelPath | None:
         """The data channel in use now (None: none yet, or streams)."""
         return self._data
 
-    def _data_channel(self, deadline: float) -> tuple[DataChannel | None, bool]:
+    def _data_channel(self, deadline: float) -> tuple[DataChannelPath | None, bool]:
         """The server's data channel (None: stream over gRPC), and whether the server named it just now. A server
         that named none, or one that could not be reached, is asked again after DATA_CHANNEL_RETRY_S."""
         if self._use_data_channel is False or time.monotonic() < self._data_retry_at:
@@ -162,7 +162,7 @@ class PathChooser:
                 self._data_retry_at = time.monotonic() + DATA_CHANNEL_RETRY_S
                 return None, False
             # The server's own limit where it is larger than ours: reads of its largest chunks must not be refused.
-            self._data = DataChannel(address, token=settings.token, tls=tls, server_name=settings.tls_server_name,
+            self._data = DataChannelPath(address, token=settings.token, tls=tls, server_name=settings.tls_server_name,
                                      max_chunk_bytes=max(self._max_chunk_bytes, reply.max_chunk_bytes))
             return self._data, True
 
@@ -171,7 +171,7 @@ class PathChooser:
             return reply.data_unix_socket or None
         return (self._settings.host, reply.data_port) if reply.data_port else None
 
-    def _forget(self, channel: DataChannel) -> None:
+    def _forget(self, channel: DataChannelPath) -> None:
         """A data channel that failed to connect: ask Attach again next time (a restart moves the port)."""
         with self._lock:
             if self._data is channel:

@@ -1,7 +1,7 @@
 """The server's one intake: what every transport asks before it moves a chunk's payload in or out of the store.
 
 Three transports carry payloads — gRPC streams (Put / Get), the same-host path's leases (Reserve / Commit, Acquire /
-Release) and the data channel (server.data_plane) — and they only frame bytes. The rules are written here, once:
+Release) and the data channel (server.data_channel) — and they only frame bytes. The rules are written here, once:
 - who is calling: `tenant(token)`, the one lookup of a bearer token;
 - how many at once: `in_flight(peer, tenant)`, one count of requests in flight per peer host and per tenant whatever
   carries them (issue 26: the data channel kept counters of its own, so a host could have 64 + 64 in flight);
@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Sequence
 
 from tiercache.config import format_size
 from tiercache.errors import CapacityExceeded, InvalidArgument
-from tiercache.protocol.data import PutEntry
+from tiercache.protocol.data_channel import PutEntry
 from tiercache.protocol.wire import checked_meta
 from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey
@@ -230,7 +230,7 @@ class Served:
 
 class Intake:
     """The rules every transport applies (see the module docstring). Thread-safe: gRPC handlers call it from the
-    event loop and its worker pool, the data plane from its connection threads."""
+    event loop and its worker pool, the data channel's listener from its connection threads."""
 
     def __init__(self, store: TieredStore, tenants: TenantTable, limits: StreamLimits, max_chunk_bytes: int) -> None:
         self.store = store

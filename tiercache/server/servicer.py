@@ -17,7 +17,7 @@ from tiercache import __version__
 from tiercache.config import Config
 from tiercache.errors import InvalidArgument, Unavailable
 from tiercache.prefix.lookup import find_hit
-from tiercache.protocol.data import PutEntry
+from tiercache.protocol.data_channel import PutEntry
 from tiercache.protocol.wire import chunk_meta, frames, lookup_query, pb, pb_grpc
 from tiercache.record.keys import ChunkKey
 from tiercache.server.auth import Tenant
@@ -33,7 +33,7 @@ T = TypeVar("T")
 
 
 class _StoreChain:
-    """The store seen by the Lookup search (tiercache.prefix.lookup.ChainIndex), in one namespace or in every
+    """The store seen by the Lookup search (tiercache.prefix.lookup.ChainView), in one namespace or in every
     tensor-parallel rank's: an object counts only when each rank holds its shard; the directory is the first's."""
 
     def __init__(self, store: TieredStore, namespaces: list[str]) -> None:

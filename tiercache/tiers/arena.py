@@ -27,7 +27,9 @@ from tiercache.tiers.index import ChunkIndex, Victim, parent_of
 
 
 @dataclass(slots=True)
-class _Entry:
+class _Pages:
+    """A record held in the arena (the index's entry): the pages it lies in, and the readers pinning them."""
+
     record_bytes: int
     meta: encoding.ChunkMeta
     extents: tuple[Extent, ...]
@@ -77,7 +79,7 @@ class Pinned:
         return _payload_ranges(self.key, self.meta, self.ranges)
 
 
-def _pages(entry: _Entry) -> int:
+def _pages(entry: _Pages) -> int:
     return sum(pages for _, pages in entry.extents)
 
 
@@ -127,8 +129,8 @@ class ArenaTier(IndexedTier):
         self.state_budget_bytes = min(state_budget(capacity_bytes, state_budget_bytes), self.capacity_bytes)
         self._memory = memory
         self._allocator = ExtentAllocator(pages)
-        self._index: ChunkIndex[_Entry] = ChunkIndex(state_value_weight)
-        self._leaving: dict[ChunkKey, _Entry] = {}  # victims being copied out and handed down: still readable
+        self._index: ChunkIndex[_Pages] = ChunkIndex(state_value_weight)
+        self._leaving: dict[ChunkKey, _Pages] = {}  # victims being copied out and handed down: still readable
         self._lock = threading.Lock()
 
     # -- contract ---------------------------------------------------------------------------------------------------
@@ -163,7 +165,7 @@ class ArenaTier(IndexedTier):
                 raise TierFull(f"{self.name} tier has no room for {size} bytes right now", evicted)
             self._let_go(victims, evicted, return_evicted)
 
-    def _let_go(self, victims: list[Victim[_Entry]], evicted: list[Evicted], return_evicted: bool) -> None:
+    def _let_go(self, victims: list[Victim[_Pages]], evicted: list[Evicted], return_evicted: bool) -> None:
         """Copy victims out (without the lock: they are pinned) and hand them down, or add them to `evicted`; then
         free their pages. Until then a victim stays readable here (`_leaving`): with `hand_down` set, a chunk on its
         way to the tier below is in one tier or the other at every moment. (Issue 26: a victim used to be in no tier
@@ -188,7 +190,7 @@ class ArenaTier(IndexedTier):
             if meta.object_class == encoding.CLASS_STATE:
                 self._index.state_reserved -= size
             self._unlink(key)  # a concurrent put of the same key may have committed meanwhile: last one wins
-            self._index.add(key, _Entry(size, meta, extents))
+            self._index.add(key, _Pages(size, meta, extents))
 
     def get(self, key: ChunkKey) -> bytearray | None:
         with self._lock:
@@ -216,7 +218,7 @@ class ArenaTier(IndexedTier):
 
     # -- inside the lock --------------------------------------------------------------------------------------------
 
-    def _found(self, key: ChunkKey) -> _Entry | None:
+    def _found(self, key: ChunkKey) -> _Pages | None:
         """A record held here for a reader: in the index (marked used), or evicted and still on its way down."""
         entry = self._index.touch(key)
         return entry if entry is not None else self._leaving.get(key)
@@ -232,7 +234,7 @@ class ArenaTier(IndexedTier):
         return True
 
     def _choose_victims(self, key: ChunkKey, meta: encoding.ChunkMeta, pages: int,
-                        state_bytes: int) -> list[Victim[_Entry]]:
+                        state_bytes: int) -> list[Victim[_Pages]]:
         """Unlink what the index says goes first until the record for `key` of `pages` (and `state_bytes` of state
         budget) would fit; pin them for the copy-out. Entries being read stay."""
         victims = self._index.victims(pages - self._allocator.free_pages,
@@ -244,7 +246,7 @@ class ArenaTier(IndexedTier):
             self._leaving[victim.key] = victim.entry
         return victims
 
-    def _unpin(self, entry: _Entry) -> None:
+    def _unpin(self, entry: _Pages) -> None:
         entry.pins -= 1
         if entry.pins == 0 and entry.dead:
             self._allocator.free(entry.extents)
@@ -263,7 +265,7 @@ class ArenaTier(IndexedTier):
     def _write(self, extents: tuple[Extent, ...], record: memoryview) -> None:
         self._memory.write(self._ranges(extents, len(record)), record)
 
-    def _read(self, entry: _Entry) -> bytearray:
+    def _read(self, entry: _Pages) -> bytearray:
         return self._memory.read(self._ranges(entry.extents, entry.record_bytes), entry.record_bytes)
 
     def check(self) -> None:
@@ -321,6 +323,6 @@ class MappedArenaTier(ArenaTier):
             self._unpin(pinned.entry)
 
     def views(self, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
-        """The arena's bytes at reserved or pinned ranges, in place (the data plane receives into and sends from
-        them)."""
+        """The arena's bytes at reserved or pinned ranges, in place (the data channel's listener receives into and sends
+        from them)."""
         return self._memory.views(ranges)
