@@ -74,7 +74,7 @@ class ReadGrant:
 
 
 class SameHostPath:
-    """The store's same-host path over the one tier whose arena clients can map (see the module docstring)."""
+    """The store's same-host path over the first tier whose arena clients can map (see the module docstring)."""
 
     def __init__(self, store: Placement, tier: MappableArena, level: int, *, more_below: bool) -> None:
         self._store = store

@@ -1,4 +1,5 @@
-"""The tier contract, written once, as the protocols a tier implements in fact. The store is the only caller.
+"""The tier contract, written once, as the protocols a tier implements in fact. The store is the only caller (the
+layers table in docs/architecture.md lets no other layer import `tiers`; tests/test_architecture.py holds it).
 
 A tier stores *records* (see record.encoding) under ChunkKeys. It is mechanism only: it keeps its own recency order
 and capacity, and hands back what it evicted; whether evicted records move down, and whether hits move up, is the
@@ -10,7 +11,7 @@ concrete class, never a probe method):
   (what the Lookup call searches for checkpoints), orphans of a lost parent, and `needed_above`. Redis has none.
 - `HandsDown` — a tier whose victims stay readable until the store has placed them below (the arenas: GPU, host).
 - `MappableArena` — the arena same-host clients map (the host tier's in /dev/shm): reservations and pins in place.
-  Its only caller is the store's same-host path (tiercache.store.same_host).
+  The store's same-host path (tiercache.store.same_host) is what uses it.
 tests/test_tier_contract.py runs the contract against every tier and checks each against the protocols it claims.
 """
 
@@ -158,7 +159,7 @@ class HandsDown(Protocol):
 @runtime_checkable
 class MappableArena(Tier, Protocol):
     """A tier whose arena same-host clients map to write and read records in place (the host tier's, in /dev/shm). Its
-    reservations and pins name their `payload_ranges` in `arena`; its only caller is tiercache.store.same_host.
+    reservations and pins name their `payload_ranges` in `arena`; tiercache.store.same_host uses them.
 
     - arena: the file clients map (an ArenaFile: path, size, inode).
     - reserve(key, size, meta, return_evicted): room for a record of `size` bytes, invisible until committed;
