@@ -56,6 +56,7 @@ class PathChooser:
         self._arena: ArenaPath | None = None
         self._data: DataChannelPath | None = None
         self._data_retry_at = 0.0  # while the data channel is unreachable or absent: streams until then
+        self.clock: Callable[[], float] = time.monotonic  # what DATA_CHANNEL_RETRY_S is measured by (tests set it)
 
     # -- the payload path of each try -------------------------------------------------------------------------------
 
@@ -96,7 +97,7 @@ class PathChooser:
             result = send(self.streams)  # raises when the server is down: then nothing is concluded
             log.warning("%s; its gRPC port answers: streaming payloads over gRPC for %d s (expose the server's data "
                         "port, or set server.data_channel: false)", exc, DATA_CHANNEL_RETRY_S)
-            self._data_retry_at = time.monotonic() + DATA_CHANNEL_RETRY_S
+            self._data_retry_at = self.clock() + DATA_CHANNEL_RETRY_S
             return result
         except Busy as exc:  # at the data channel's limits (a quota or a full store is no Busy: gRPC would fail too)
             log.debug("data channel at its limits (%s): this call goes over gRPC", exc)
@@ -144,7 +145,7 @@ class PathChooser:
     def _data_channel(self, deadline: float) -> tuple[DataChannelPath | None, bool]:
         """The server's data channel (None: stream over gRPC), and whether the server named it just now. A server
         that named none, or one that could not be reached, is asked again after DATA_CHANNEL_RETRY_S."""
-        if self._use_data_channel is False or time.monotonic() < self._data_retry_at:
+        if self._use_data_channel is False or self.clock() < self._data_retry_at:
             return None, False
         with self._lock:
             if self._data is not None:
@@ -159,7 +160,7 @@ class PathChooser:
             if self._data is not None:  # another thread opened it meanwhile
                 return self._data, False
             if address is None:
-                self._data_retry_at = time.monotonic() + DATA_CHANNEL_RETRY_S
+                self._data_retry_at = self.clock() + DATA_CHANNEL_RETRY_S
                 return None, False
             # The server's own limit where it is larger than ours: reads of its largest chunks must not be refused.
             self._data = DataChannelPath(address, token=settings.token, tls=tls, server_name=settings.tls_server_name,

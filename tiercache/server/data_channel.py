@@ -160,7 +160,7 @@ class DataChannelListener:
                 sock.settimeout(self._idle_s)
                 if tls and self._tls is not None:
                     # The whole handshake within the idle time: CPython's ssl takes a socket's timeout as the
-                    # handshake's deadline, not each read's (tests/test_data_channel.py trickles a ClientHello).
+                    # handshake's deadline, not each read's (tests/server/test_data_channel.py trickles a ClientHello).
                     sock = self._tls.wrap_socket(conn, server_side=True)
                     self._track(conn, sock)
                 token = data_channel.read_hello(sock, deadline=time.monotonic() + self._idle_s)

@@ -170,7 +170,7 @@ class ArenaTier(IndexedTier):
         free their pages. Until then a victim stays readable here (`_leaving`): with `hand_down` set, a chunk on its
         way to the tier below is in one tier or the other at every moment. (Issue 26: a victim used to be in no tier
         from its eviction until the store had written it below, and a read then missed it on every path;
-        tests/test_data_channel.py reproduces it with stalled puts whose reservations evict again and again.)"""
+        tests/server/test_data_channel.py reproduces it with stalled puts whose reservations evict again and again.)"""
         try:
             batch = [Evicted(v.key, self._read(v.entry) if return_evicted and v.reachable else None, v.reachable)
                      for v in victims]

@@ -12,7 +12,7 @@ concrete class, never a probe method):
 - `HandsDown` — a tier whose victims stay readable until the store has placed them below (the arenas: GPU, host).
 - `MappableArena` — the arena same-host clients map (the host tier's in /dev/shm): reservations and pins in place.
   The store's same-host path (tiercache.store.same_host) is what uses it.
-tests/test_tier_contract.py runs the contract against every tier and checks each against the protocols it claims.
+tests/tiers/test_contract.py runs the contract against every tier and checks each against the protocols it claims.
 """
 
 from __future__ import annotations

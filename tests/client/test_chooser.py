@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.test_data_channel import _wait_served
+from tests.server.test_data_channel import _wait_served
 from tiercache.client import Client, RetryPolicy
 from tiercache.client.arena_path import ArenaPath
 from tiercache.client.data_channel import DataChannelPath

@@ -19,7 +19,7 @@ import pytest
 
 from tests.certs import make_pki
 from tests.helpers import wait_for
-from tests.test_security import NS_A, NS_B, TOKEN_A, tenants_file  # noqa: F401 - a fixture, used by name
+from tests.server.test_security import NS_A, NS_B, TOKEN_A, tenants_file  # noqa: F401 - a fixture, used by name
 from tiercache.client import Backoff, Chunk, Client, RetryPolicy, chooser
 from tiercache.client.data_channel import DEFAULT_STREAMS, STRIPE_MIN_BYTES, _stripes
 from tiercache.config import MiB, SecurityConfig
@@ -537,9 +537,9 @@ def test_stopping_the_server_ends_idle_tls_connections(start_server, tmp_path):
     server = start_server(security=SecurityConfig(tls_cert_file=pki.server_cert, tls_key_file=pki.server_key))
     client = _client(server, tls_ca_file=pki.ca)
     client.put(NS, b"k", b"v")  # leaves an idle TLS connection in the pool, its server thread in recv
-    assert server.data_channel._connections
+    assert server.data_listener._connections
     server.stop(grace_s=5)
-    assert not server.data_channel._threads  # every connection's thread ended
+    assert not server.data_listener._threads  # every connection's thread ended
     client.close()
 
 
@@ -569,7 +569,7 @@ def test_a_pooled_connection_the_server_closed_is_replaced_transparently(start_s
     server = start_server()
     with _client(server) as client:  # one try: a retry would hide a failure
         client.put(NS, b"k", b"first")
-        wait_for(lambda: not server.data_channel._connections, what="the server to close the idle connection")
+        wait_for(lambda: not server.data_listener._connections, what="the server to close the idle connection")
         assert client.get(NS, b"k") == b"first"
 
 
@@ -588,20 +588,24 @@ def test_a_restarted_server_on_another_data_port_is_found_again(tmp_path):
         proc.kill()
 
 
-def test_an_unreachable_data_port_falls_back_to_grpc_and_is_tried_again_later(start_server, caplog, monkeypatch):
-    monkeypatch.setattr(chooser, "DATA_CHANNEL_RETRY_S", 0.3)
+def test_an_unreachable_data_port_falls_back_to_grpc_and_is_tried_again_later(start_server, caplog):
     server = start_server()
-    server.data_channel.stop()  # the port the server announces now refuses connections: a firewall, a Service
+    server.data_listener.stop()  # the port the server announces now refuses connections: a firewall, a Service
+    now = [1000.0]
     with _client(server) as client, caplog.at_level(logging.WARNING, logger="tiercache.client.chooser"):
+        client.paths.clock = lambda: now[0]
         client.put(NS, b"k", b"streamed instead")
         assert client.get(NS, b"k") == b"streamed instead"
         def warnings() -> int:
             return len([r for r in caplog.records if "streaming payloads over gRPC for" in r.getMessage()])
         assert warnings() == 1  # once, not per call
-        time.sleep(0.4)
+        now[0] += chooser.DATA_CHANNEL_RETRY_S - 1
+        client.put(NS, b"k1", b"still streamed")
+        assert warnings() == 1
+        now[0] += 1
         client.put(NS, b"k2", b"again")  # the wait is over: the data channel is asked for (and refused) again
         assert warnings() == 2
-    _wait_served(server, {("Put", "OK"): 2, ("Get", "OK"): 1})
+    _wait_served(server, {("Put", "OK"): 3, ("Get", "OK"): 1})
 
 
 def test_data_port_is_configurable(start_server):
