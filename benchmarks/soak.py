@@ -41,7 +41,7 @@ from tiercache.client.retry import RetryPolicy  # noqa: E402
 from tiercache.config import parse_size  # noqa: E402
 from tiercache.errors import TierCacheError  # noqa: E402
 from tiercache.process import ServerProcess  # noqa: E402
-from tiercache.protocol import data  # noqa: E402
+from tiercache.protocol import data_channel  # noqa: E402
 from tiercache.protocol.wire import pb, pb_grpc  # noqa: E402
 from tiercache.record.encoding import ChunkMeta  # noqa: E402
 
@@ -161,16 +161,16 @@ def misbehaving_data_loop(kind: str, url: str, deadline: float, tally: Tally, ho
             if kind == "unread-data":  # the chunk it will not read (evictions may have taken the last one)
                 client.put(NS, unread, bytes(16 << 20))
             with socket.create_connection((host, port), timeout=deadline - time.monotonic()) as sock:
-                sock.sendall(data.hello(None))
-                data.read_status(sock)
+                sock.sendall(data_channel.hello(None))
+                data_channel.read_status(sock)
                 if kind == "stalled-data":
-                    sock.sendall(data.put_request(NS, [data.PutEntry(b"stalled", 4 << 20, ChunkMeta())])
+                    sock.sendall(data_channel.put_request(NS, [data_channel.PutEntry(b"stalled", 4 << 20, ChunkMeta())])
                                  + bytes(2 << 20))
                     sock.settimeout(max(deadline - time.monotonic(), 0.1))
                     budget_s = 3600.0
                 else:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-                    sock.sendall(data.get_request(NS, [unread]))
+                    sock.sendall(data_channel.get_request(NS, [unread]))
                     time.sleep(min(hold_s, max(deadline - time.monotonic(), 0)))  # past the server's idle timeout
                     # Through a tiny window, what the server queued before closing drains at a crawl and its FIN
                     # with it; but a closed socket answers new bytes with a reset at once.

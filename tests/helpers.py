@@ -12,7 +12,9 @@ from typing import Callable, Iterator
 
 from tiercache.process import ServerProcess, free_port
 
-__all__ = ["ServerProcess", "free_port", "python_env", "wait_for"]
+__all__ = ["ROOT", "ServerProcess", "free_port", "python_env", "wait_for"]
+
+ROOT = Path(__file__).resolve().parent.parent  # the checkout
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition",

@@ -1,6 +1,7 @@
 """The package's layers, as docs/architecture.md documents them: every import in tiercache goes where the table allows,
 every module belongs to a documented layer and says what it is, and an engine process importing the client loads no
-server-side code."""
+server-side code. And the "one of each" claims the code makes: errors.WIRE_CODES is the only table of error codes,
+client.settings the only reader of tiercache's environment variables."""
 
 from __future__ import annotations
 
@@ -106,3 +107,36 @@ def test_an_engine_process_loads_no_server_side_code(entry):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT,
                          env=python_env())
     assert out.stdout.split() == []
+
+
+def test_errors_wire_codes_is_the_only_table_of_error_codes():
+    """No module but errors.py writes a code of WIRE_CODES: a gRPC status of the table as `StatusCode.X` or as a
+    string, or a `WireCode`. The one exception, protocol.wire.error_of, reads two statuses grpc raises itself (a
+    connection that failed, a deadline that passed) before it looks the rest up in the table."""
+    from tiercache.errors import WIRE_CODES
+
+    statuses = {row.grpc_status for row in WIRE_CODES}
+    allowed = {("protocol/wire.py", "UNAVAILABLE"), ("protocol/wire.py", "DEADLINE_EXCEEDED")}
+    found = []
+    for _, path in modules():
+        relative = str(path.relative_to(PACKAGE))
+        if relative == "errors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = None
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
+                    and node.value.attr == "StatusCode" and node.attr in statuses:
+                name = node.attr
+            elif isinstance(node, ast.Constant) and node.value in statuses:
+                name = node.value
+            elif isinstance(node, ast.Name) and node.id == "WireCode":
+                name = "WireCode"
+            if name and (relative, name) not in allowed:
+                found.append(f"{relative}:{node.lineno} {name}")
+    assert found == []
+
+
+def test_client_settings_is_the_only_reader_of_tiercache_environment_variables():
+    readers = sorted(str(path.relative_to(PACKAGE)) for _, path in modules()
+                     if re.search(r"""["']TIERCACHE_""", path.read_text()))
+    assert readers == ["client/settings.py"]

@@ -37,7 +37,7 @@ VOCAB = 150_000
 
 
 @dataclass
-class Request:
+class RequestResult:
     prompt_tokens: int
     hit_tokens: int
     lookup_ms: float
@@ -57,10 +57,10 @@ class SimulatedEngine:
         self._noise = memoryview(np.random.default_rng(seed).integers(0, 256, 2 * largest, dtype=np.uint8).data)
         self._offset = 0
 
-    def run(self, prompt: np.ndarray, output: np.ndarray | None = None) -> Request:
+    def run(self, prompt: np.ndarray, output: np.ndarray | None = None) -> RequestResult:
         start = time.perf_counter()
         lookup = self.cache.lookup(prompt)
-        result = Request(len(prompt), lookup.hit.tokens, (time.perf_counter() - start) * 1e3)
+        result = RequestResult(len(prompt), lookup.hit.tokens, (time.perf_counter() - start) * 1e3)
         loaded = self.cache.load_with_tiers(lookup.hit)
         if loaded is None:  # an object vanished between lookup and load: recompute everything
             lookup = dataclasses.replace(lookup, hit=dataclasses.replace(lookup.hit, tokens=0, objects=()))
@@ -73,7 +73,7 @@ class SimulatedEngine:
             self._save(plan.objects, result)
         return result
 
-    def _save(self, refs: Sequence[ObjectRef], result: Request) -> None:
+    def _save(self, refs: Sequence[ObjectRef], result: RequestResult) -> None:
         if not refs:
             return
         saved = self.cache.save({ref: self._payload(self.spec.object_bytes(ref)) for ref in refs})
@@ -171,7 +171,7 @@ def long_context(engine: SimulatedEngine, document: np.ndarray, rng: np.random.G
     return rows
 
 
-def _moved(request: Request) -> dict:
+def _moved(request: RequestResult) -> dict:
     return {"loaded_objects": request.loaded_objects, "loaded_bytes_by_tier": request.loaded_bytes_by_tier,
             "saved_objects": request.saved_objects, "saved_bytes_by_tier": request.saved_bytes_by_tier}
 

@@ -185,8 +185,8 @@ class ServerConfig:
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     unix_socket: str | None = None  # also listen on this unix socket (clients: grpc+unix:///path)
     # The data channel: remote clients' payloads over a plain TCP socket beside the gRPC port (same tokens, same TLS;
-    # tiercache.protocol.data), ~2-4x faster than gRPC streams. Port 0 picks a free one; clients learn it from the
-    # server (Attach), so only deployments behind a Service or firewall need to fix it. With unix_socket, also at
+    # tiercache.protocol.data_channel), ~2-4x faster than gRPC streams. Port 0 picks a free one; clients learn it from
+    # the server (Attach), so only deployments behind a Service or firewall need to fix it. With unix_socket, also at
     # <unix_socket>.data.
     data_channel: bool = True
     data_port: int = 0

@@ -110,10 +110,11 @@ class WireCode(NamedTuple):
     data_code: int
 
 
-# The one mapping between errors and the codes that carry them; protocol.wire and protocol.data only look codes up
-# here. An error not listed goes by its nearest listed base class (ConnectionBroken is UNAVAILABLE, 4); a code names the
-# first error listed with it (RESOURCE_EXHAUSTED is CapacityExceeded, UNAVAILABLE is Unavailable); anything else is
-# INTERNAL. The data channel has no deadline status: a deadline that passes there closes the connection.
+# The one mapping between errors and the codes that carry them; protocol.wire and protocol.data_channel only look codes
+# up here (tests/test_architecture.py fails when another module names a code of this table). An error not listed goes
+# by its nearest listed base class (ConnectionBroken is UNAVAILABLE, 4); a code names the first error listed with it
+# (RESOURCE_EXHAUSTED is CapacityExceeded, UNAVAILABLE is Unavailable); anything else is INTERNAL. The data channel
+# has no deadline status: a deadline that passes there closes the connection.
 WIRE_CODES: tuple[WireCode, ...] = (
     WireCode(InvalidArgument, "INVALID_ARGUMENT", 1),
     WireCode(NotFound, "NOT_FOUND", 2),

@@ -34,7 +34,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str
 from tests.certs import make_pki
 from tiercache.client import Client
 from tiercache.config import SecurityConfig
-from tiercache.connector.sglang import TierCacheStorage
+from tiercache.connector.sglang import SGLangSettings, TierCacheStorage
 from tiercache.errors import InvalidArgument
 from tiercache.process import ServerProcess
 from tiercache.record.keys import salt_suffix
@@ -433,7 +433,7 @@ def test_mutual_tls_from_the_extra_config(start_server, tmp_path):
 
 
 def test_settings_take_sglangs_keys_and_ours():
-    settings = TierCacheStorage.__init__.__globals__["Settings"].from_extra_config(
+    settings = SGLangSettings.from_extra_config(
         {**FACTORY, "interface_v1": 1, "file_storage_path": "/x", "url": "grpc://h:1", "salt": "s", "timeout_s": 2})
     assert settings.connection.url == "grpc://h:1" and settings.interface_v1 and settings.salt == "s"
 

@@ -14,7 +14,7 @@ from tests.certs import make_pki
 from tests.vllm.engine import ATTENTION, BLOCK, GDN, Engine, kv_value, next_token, prompt, state_value
 from tiercache.client import Client
 from tiercache.config import SecurityConfig
-from tiercache.connector.vllm.connector import Settings
+from tiercache.connector.vllm.connector import VllmSettings
 from tiercache.errors import InvalidArgument
 from tiercache.prefix.objects import ObjectKind, object_ref
 
@@ -154,13 +154,13 @@ def test_cache_salt_separates_namespaces(engines):
 
 
 def test_extra_config_is_checked():
-    settings = Settings.from_extra_config({"url": "grpc://h:1", "match_unit": 32, "tls_server_name": "cache"})
+    settings = VllmSettings.from_extra_config({"url": "grpc://h:1", "match_unit": 32, "tls_server_name": "cache"})
     assert (settings.match_unit, settings.connection.url, settings.connection.tls_server_name) == (
         32, "grpc://h:1", "cache")
     with pytest.raises(InvalidArgument, match="unknown kv_connector_extra_config keys"):
-        Settings.from_extra_config({"urll": "grpc://h:1"})
+        VllmSettings.from_extra_config({"urll": "grpc://h:1"})
     with pytest.raises(InvalidArgument, match="together"):
-        Settings.from_extra_config({"tls_cert_file": "/client.pem"})
+        VllmSettings.from_extra_config({"tls_cert_file": "/client.pem"})
 
 
 def test_mutual_tls_from_the_extra_config(start_server, engines, tmp_path):

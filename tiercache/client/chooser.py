@@ -22,7 +22,7 @@ import time
 from typing import Callable, Sequence, TypeVar
 
 from tiercache.client.arena_path import ArenaPath
-from tiercache.client.data_channel import DataChannel
+from tiercache.client.data_channel import DataChannelPath
 from tiercache.client.payload import ELSEWHERE, Chunk, Fetched, PayloadPath
 from tiercache.client.settings import ConnectionSettings
 from tiercache.client.shared_arena import SharedArena
@@ -54,8 +54,9 @@ class PathChooser:
         self._mapping = threading.Lock()  # held while the arena is mapped (once): others wait, not map it again
         self._attached: pb.AttachResponse | None = None  # the server's Attach answer, asked once (and after a restart)
         self._arena: ArenaPath | None = None
-        self._data: DataChannel | None = None
+        self._data: DataChannelPath | None = None
         self._data_retry_at = 0.0  # while the data channel is unreachable or absent: streams until then
+        self.clock: Callable[[], float] = time.monotonic  # what DATA_CHANNEL_RETRY_S is measured by (tests set it)
 
     # -- the payload path of each try -------------------------------------------------------------------------------
 
@@ -96,7 +97,7 @@ class PathChooser:
             result = send(self.streams)  # raises when the server is down: then nothing is concluded
             log.warning("%s; its gRPC port answers: streaming payloads over gRPC for %d s (expose the server's data "
                         "port, or set server.data_channel: false)", exc, DATA_CHANNEL_RETRY_S)
-            self._data_retry_at = time.monotonic() + DATA_CHANNEL_RETRY_S
+            self._data_retry_at = self.clock() + DATA_CHANNEL_RETRY_S
             return result
         except Busy as exc:  # at the data channel's limits (a quota or a full store is no Busy: gRPC would fail too)
             log.debug("data channel at its limits (%s): this call goes over gRPC", exc)
@@ -137,14 +138,14 @@ class PathChooser:
         return self._arena
 
     @property
-    def data_channel(self) -> DataChannel | None:
+    def data_channel(self) -> DataChannelPath | None:
         """The data channel in use now (None: none yet, or streams)."""
         return self._data
 
-    def _data_channel(self, deadline: float) -> tuple[DataChannel | None, bool]:
+    def _data_channel(self, deadline: float) -> tuple[DataChannelPath | None, bool]:
         """The server's data channel (None: stream over gRPC), and whether the server named it just now. A server
         that named none, or one that could not be reached, is asked again after DATA_CHANNEL_RETRY_S."""
-        if self._use_data_channel is False or time.monotonic() < self._data_retry_at:
+        if self._use_data_channel is False or self.clock() < self._data_retry_at:
             return None, False
         with self._lock:
             if self._data is not None:
@@ -159,10 +160,10 @@ class PathChooser:
             if self._data is not None:  # another thread opened it meanwhile
                 return self._data, False
             if address is None:
-                self._data_retry_at = time.monotonic() + DATA_CHANNEL_RETRY_S
+                self._data_retry_at = self.clock() + DATA_CHANNEL_RETRY_S
                 return None, False
             # The server's own limit where it is larger than ours: reads of its largest chunks must not be refused.
-            self._data = DataChannel(address, token=settings.token, tls=tls, server_name=settings.tls_server_name,
+            self._data = DataChannelPath(address, token=settings.token, tls=tls, server_name=settings.tls_server_name,
                                      max_chunk_bytes=max(self._max_chunk_bytes, reply.max_chunk_bytes))
             return self._data, True
 
@@ -171,7 +172,7 @@ class PathChooser:
             return reply.data_unix_socket or None
         return (self._settings.host, reply.data_port) if reply.data_port else None
 
-    def _forget(self, channel: DataChannel) -> None:
+    def _forget(self, channel: DataChannelPath) -> None:
         """A data channel that failed to connect: ask Attach again next time (a restart moves the port)."""
         with self._lock:
             if self._data is channel:

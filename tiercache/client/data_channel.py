@@ -1,6 +1,6 @@
-"""The data channel's client half, a payload path (client.payload): remote puts and gets over pooled sockets to the
-server's data port (wire format: tiercache.protocol.data), payloads sent from and received into the caller's buffers
-with no copy in Python.
+"""The data channel's client end, a payload path (client.payload): remote puts and gets over pooled sockets to the
+server's data port (its end: tiercache.server.data_channel; wire format: tiercache.protocol.data_channel), payloads
+sent from and received into the caller's buffers with no copy in Python.
 
 A connection opens with the client's bearer token and, when the gRPC channel uses TLS, the same TLS (CA, client
 certificate, server name). One request at a time per connection; the client keeps up to `pool_size` idle ones.
@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 from tiercache.client.payload import Chunk, Fetched
 from tiercache.config import DEFAULT_MAX_CHUNK_BYTES
 from tiercache.errors import ConnectFailed, ConnectionBroken, InvalidArgument, TierCacheError, TimedOut
-from tiercache.protocol import data
+from tiercache.protocol import data_channel
 
 IDLE_CLOSE_S = 240.0  # a pooled connection idle this long is closed before the server's keepalive (300 s) does
 # One TCP stream tops out below what the cores can move (loopback, 2-vCPU machine: ~4.3 GB/s for one, ~6 for two):
@@ -30,14 +30,16 @@ DEFAULT_STREAMS = 4
 STRIPE_MIN_BYTES = 4 << 20
 
 
-class DataChannel:
+class DataChannelPath:
+    """The client end of the data channel (the server's is DataChannelListener): a PayloadPath."""
+
     def __init__(self, address: str | tuple[str, int], *, token: str | None,
                  tls: ssl.SSLContext | None = None, server_name: str | None = None,
                  streams: int = DEFAULT_STREAMS, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
         """`address`: (host, port), or a unix socket path. `streams`: connections one batch may use at once."""
         self.address = address
         self.max_chunk_bytes = max_chunk_bytes
-        self._hello = data.hello(token)
+        self._hello = data_channel.hello(token)
         self._tls = tls
         self._server_name = server_name
         self._streams = max(streams, 1)
@@ -85,49 +87,50 @@ class DataChannel:
 
     def _put_stripe(self, namespace: str, chunks, deadline: float) -> list[str]:
         """One stripe: one request per MAX_BATCH chunks."""
-        if len(chunks) > data.MAX_BATCH:
-            return [tier for start in range(0, len(chunks), data.MAX_BATCH)
-                    for tier in self._put_stripe(namespace, chunks[start:start + data.MAX_BATCH], deadline)]
-        request = data.put_request(namespace, [data.PutEntry(key, len(payload), meta) for key, payload, meta in chunks])
+        if len(chunks) > data_channel.MAX_BATCH:
+            return [tier for start in range(0, len(chunks), data_channel.MAX_BATCH)
+                    for tier in self._put_stripe(namespace, chunks[start:start + data_channel.MAX_BATCH], deadline)]
+        entries = [data_channel.PutEntry(key, len(payload), meta) for key, payload, meta in chunks]
+        request = data_channel.put_request(namespace, entries)
 
         def exchange(sock: socket.socket) -> list[str]:
             try:
-                data.send_all(sock, request, *(payload for _, payload, _ in chunks))
+                data_channel.send_all(sock, request, *(payload for _, payload, _ in chunks))
             except ConnectionBroken:
                 _raise_answer(sock)  # a server that refused and closed may have said why
                 raise
-            data.read_status(sock)
-            return data.read_tiers(sock, len(chunks))
+            data_channel.read_status(sock)
+            return data_channel.read_tiers(sock, len(chunks))
         return self._exchange(exchange, deadline)
 
     def _get_stripe(self, namespace: str, keys: Sequence[bytes], outs: Sequence[memoryview | None],
                     deadline: float) -> list[Fetched | None]:
-        if len(keys) > data.MAX_BATCH:
-            return [item for start in range(0, len(keys), data.MAX_BATCH)
-                    for item in self._get_stripe(namespace, keys[start:start + data.MAX_BATCH],
-                                                 outs[start:start + data.MAX_BATCH], deadline)]
-        request = data.get_request(namespace, keys)
+        if len(keys) > data_channel.MAX_BATCH:
+            return [item for start in range(0, len(keys), data_channel.MAX_BATCH)
+                    for item in self._get_stripe(namespace, keys[start:start + data_channel.MAX_BATCH],
+                                                 outs[start:start + data_channel.MAX_BATCH], deadline)]
+        request = data_channel.get_request(namespace, keys)
 
         def exchange(sock: socket.socket) -> list[Fetched | None]:
-            data.send_all(sock, request)
-            data.read_status(sock)
+            data_channel.send_all(sock, request)
+            data_channel.read_status(sock)
             results: list[Fetched | None] = []
             too_small = None
             for out in outs:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                found, size, tier = data.read_item(sock, self.max_chunk_bytes)
+                found, size, tier = data_channel.read_item(sock, self.max_chunk_bytes)
                 if not found:
                     results.append(None)
                 elif out is not None and len(out) < size:
-                    data.drain(sock, size, memoryview(bytearray(min(size, 1 << 20))))
+                    data_channel.drain(sock, size, memoryview(bytearray(min(size, 1 << 20))))
                     too_small = InvalidArgument(f"a {len(out)}-byte buffer cannot hold a {size}-byte chunk")
                     results.append(None)
                 elif out is not None:
-                    data.recv_exactly_into(sock, out[:size])
+                    data_channel.recv_exactly_into(sock, out[:size])
                     results.append(Fetched(out[:size], tier))
                 else:
                     chunk, view = _new_bytes(size)
-                    data.recv_exactly_into(sock, view)
+                    data_channel.recv_exactly_into(sock, view)
                     view.release()
                     results.append(Fetched(chunk, tier))
             if too_small is not None:
@@ -214,8 +217,8 @@ class DataChannel:
         except (OSError, ssl.SSLError) as exc:
             raise ConnectFailed(f"cannot open the data channel to {self._where()}: {exc}") from None
         try:
-            data.send_all(sock, self._hello)
-            data.read_status(sock)  # Unauthenticated, or a connection limit: the server's own words
+            data_channel.send_all(sock, self._hello)
+            data_channel.read_status(sock)  # Unauthenticated, or a connection limit: the server's own words
         except BaseException:
             sock.close()
             raise
@@ -229,7 +232,7 @@ def _raise_answer(sock: socket.socket) -> None:
     """After a failed send: raise the error status the server sent before closing, if it sent one."""
     try:
         sock.settimeout(0.5)
-        data.read_status(sock)
+        data_channel.read_status(sock)
     except ConnectionBroken:
         return
     except TierCacheError:

@@ -31,7 +31,7 @@ from tiercache.record.encoding import ChunkMeta
 MAX_GROUPS = 255  # a group is one byte of an object's key
 
 
-class ChainIndex(Protocol):
+class ChainView(Protocol):
     """What the search needs of a store, in one namespace (or all of a tensor-parallel engine's)."""
 
     def locate(self, keys: Sequence[bytes]) -> list[str | None]:
@@ -84,7 +84,7 @@ class Query:
 
 
 @dataclass(frozen=True)
-class Found:
+class LookupHit:
     """The search's answer: resume at `tokens`, loading the objects prefix.hit.required_objects names for it, described
     in that order as (kind, group, tokens of KV held, tier)."""
 
@@ -102,44 +102,44 @@ class Found:
         return tokens_by_tier(self.tokens, self.objects)
 
 
-def find_hit(query: Query, index: ChainIndex) -> Found:
+def find_hit(query: Query, view: ChainView) -> LookupHit:
     shape = query.shape
     n = shape.chunk_tokens
     last = query.prompt_tokens - 1
     if last < 1:
-        return Found(0)
-    chains = _KvChains(query, index)
+        return LookupHit(0)
+    chains = _KvChains(query, view)
     unverified: list[int] = []
     for k in range(chains.top, -1, -1):
-        for p in _candidates(query, index, k):
+        for p in _candidates(query, view, k):
             if not chains.complete_for(p):
                 continue
             if p % n == 0 and not shape.recurrent:
-                return Found(p, chains.objects_at(p, {}), chains.reach, tuple(unverified))
+                return LookupHit(p, chains.objects_at(p, {}), chains.reach, tuple(unverified))
             try:
                 refs = checkpoint_objects(shape, query, p)
             except KeyError:
                 unverified.append(p)
                 continue
-            where = index.locate([r.key for r in refs])
+            where = view.locate([r.key for r in refs])
             if all(where):
                 checkpoints = {r.group: tier for r, tier in zip(refs, where)}
-                return Found(p, chains.objects_at(p, checkpoints), chains.reach, tuple(unverified),
+                return LookupHit(p, chains.objects_at(p, checkpoints), chains.reach, tuple(unverified),
                              tuple(r.key for r in refs))
-    return Found(0, (), chains.reach, tuple(unverified))
+    return LookupHit(0, (), chains.reach, tuple(unverified))
 
 
 class _KvChains:
     """Where each attention group's kv chunks of the prompt lie, and how far each reaches without a gap."""
 
-    def __init__(self, query: Query, index: ChainIndex) -> None:
+    def __init__(self, query: Query, view: ChainView) -> None:
         shape = query.shape
         deepest = len(query.boundaries) - 1
         self.n = shape.chunk_tokens
         self.shape = shape
         keys = [object_key(query.boundaries[k], ObjectKind.KV, g)
                 for g in shape.attention for k in range(1, deepest + 1)]
-        where = index.locate(keys) if keys else []
+        where = view.locate(keys) if keys else []
         self._where: dict[int, list[str | None]] = {}  # group -> tier of chunk k at index k - 1
         self._missing_before: dict[int, list[int]] = {}  # group -> prefix counts of missing chunks
         runs = []
@@ -178,7 +178,7 @@ class _KvChains:
         return tuple(objects)
 
 
-def _candidates(query: Query, index: ChainIndex, k: int) -> list[int]:
+def _candidates(query: Query, view: ChainView, k: int) -> list[int]:
     """Positions in [kN, (k+1)N) that may hold a checkpoint, deepest first: what the directory holds under chunk k's
     anchor kv object, the positions the client sent, and the boundary kN itself."""
     shape = query.shape
@@ -186,7 +186,7 @@ def _candidates(query: Query, index: ChainIndex, k: int) -> list[int]:
     low, high = k * n, min((k + 1) * n, query.prompt_tokens)  # high: exclusive; p <= L-1
     found = {low} if k else set()
     parent = object_key(query.boundaries[k], ObjectKind.KV, shape.anchor)
-    for key, meta in index.children(parent):
+    for key, meta in view.children(parent):
         kind = key[-2] if len(key) >= 2 else 0
         if kind == ObjectKind.STATE:
             found.add(meta.prefix_tokens)

@@ -17,7 +17,7 @@ from tiercache.config import Config, SecurityConfig, read_file
 from tiercache.errors import ConfigError
 from tiercache.protocol.wire import SERVICE_NAME, max_message_bytes
 from tiercache.server.auth import OPEN, TenantTable
-from tiercache.server.data_plane import DataPlane
+from tiercache.server.data_channel import DataChannelListener
 from tiercache.server.intake import Intake
 from tiercache.server.leases import LeaseTable
 from tiercache.server.limits import StreamLimits
@@ -137,7 +137,7 @@ class CacheServer:
         self._health_server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._stopped = threading.Event()
-        self.data_plane: DataPlane | None = None
+        self.data_listener: DataChannelListener | None = None
         self.port = 0
         self.health_port: int | None = None
         self.metrics_port: int | None = None
@@ -157,11 +157,12 @@ class CacheServer:
     def _start_serving(self) -> "CacheServer":
         cfg = self.config.server
         if cfg.data_channel:  # before gRPC: an Attach answered during start must already name its port
-            self.data_plane = DataPlane(self.config, self.intake, self.metrics, data_tls_context(self.config.security))
+            self.data_listener = DataChannelListener(self.config, self.intake, self.metrics,
+                                                     data_tls_context(self.config.security))
             try:
-                self.data_plane.start(cfg.host, cfg.data_port, cfg.unix_socket)
+                self.data_listener.start(cfg.host, cfg.data_port, cfg.unix_socket)
             except OSError as exc:
-                self.data_plane.stop(grace_s=0)
+                self.data_listener.stop(grace_s=0)
                 self.store.close()
                 raise ConfigError(f"cannot serve the data channel on {cfg.host}:{cfg.data_port}: "
                                   f"{exc.strerror or exc}") from None
@@ -172,8 +173,8 @@ class CacheServer:
             self._on_loop(self._start())
         except BaseException:
             self._stop_loop()
-            if self.data_plane is not None:
-                self.data_plane.stop(grace_s=0)
+            if self.data_listener is not None:
+                self.data_listener.stop(grace_s=0)
             raise
         if cfg.metrics_port is not None:
             try:
@@ -210,8 +211,8 @@ class CacheServer:
 
     def _data_channel(self) -> tuple[int, str]:
         """(port, unix socket path) of the data channel for Attach; (0, "") when there is none."""
-        plane = self.data_plane
-        return (plane.port, plane.unix_socket or "") if plane is not None else (0, "")
+        listener = self.data_listener
+        return (listener.port, listener.unix_socket or "") if listener is not None else (0, "")
 
     @property
     def data_port(self) -> int:
@@ -233,8 +234,8 @@ class CacheServer:
         if self._loop_thread is not None and self._loop_thread.is_alive():
             self._on_loop(self._stop(grace_s))
             self._stop_loop()
-        if self.data_plane is not None:
-            self.data_plane.stop(grace_s)
+        if self.data_listener is not None:
+            self.data_listener.stop(grace_s)
         self._blocking.shutdown(wait=True)
         self.metrics.close()
         self.leases.close()  # takes back every reservation and read pin before the arena goes away

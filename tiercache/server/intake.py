@@ -1,14 +1,15 @@
 """The server's one intake: what every transport asks before it moves a chunk's payload in or out of the store.
 
 Three transports carry payloads — gRPC streams (Put / Get), the same-host path's leases (Reserve / Commit, Acquire /
-Release) and the data channel (server.data_plane) — and they only frame bytes. The rules are written here, once:
+Release) and the data channel (server.data_channel) — and they only frame bytes. The rules are written here, once:
 - who is calling: `tenant(token)`, the one lookup of a bearer token;
 - how many at once: `in_flight(peer, tenant)`, one count of requests in flight per peer host and per tenant whatever
   carries them (issue 26: the data channel kept counters of its own, so a host could have 64 + 64 in flight);
 - a put: `admit` applies the one size / meta / namespace / quota rule to a whole request (one quota point per
   request: the quota is a store call), then `receive` (or `reserve`, for a same-host writer) gives each chunk its
   room and `Incoming.store` places it;
-- a get: `checked_keys` once per request, then `serve(key)` for each key: where the payload lies and how to let it go.
+- a get: `checked_keys` once per request, then `serve(keys)` for each batch of at most SERVE_BATCH keys (`batches`):
+  where each payload lies and how to let it go.
 
 `serve` is the one read path: a chunk any tier holds is served to every transport alike, pinned in the arena when it
 is there (or promoted there), else from the store's copy, whatever room the arena has. (Issue 26 saw a chunk read
@@ -25,7 +26,7 @@ from typing import Callable, Iterable, Sequence
 
 from tiercache.config import format_size
 from tiercache.errors import CapacityExceeded, InvalidArgument
-from tiercache.protocol.data import PutEntry
+from tiercache.protocol.data_channel import PutEntry
 from tiercache.protocol.wire import checked_meta
 from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey
@@ -43,6 +44,17 @@ FIRST_STEP_BYTES = 1 << 20
 # here (4.5 against 12.8 GB/s, memcpy standing in for the socket; bytearray(n) of the whole size: 8.4 GB/s). The
 # unwritten bytes are never read: a record is stored only once its payload is complete.
 _resize = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_ssize_t)(("PyByteArray_Resize", ctypes.pythonapi))
+
+
+# Keys a read asks the store for at once: what lies below the arena comes in one call per tier (one round trip to Redis
+# for the batch, not one per key), and the store's copies of a batch are held together until sent.
+SERVE_BATCH = 16
+
+
+def batches(keys: Sequence[ChunkKey]) -> Iterable[Sequence[ChunkKey]]:
+    """A get request's keys, SERVE_BATCH at a time (what `Intake.serve` takes)."""
+    for start in range(0, len(keys), SERVE_BATCH):
+        yield keys[start:start + SERVE_BATCH]
 
 
 def check_chunk_size(size_bytes: int, max_chunk_bytes: int) -> None:
@@ -180,6 +192,7 @@ class Served:
         self._grant = grant
         self._same_host = same_host
         self._views: list[memoryview] = []
+        self._released = False
 
     @property
     def pinned(self) -> bool:
@@ -200,16 +213,24 @@ class Served:
         return self._views
 
     def release(self) -> None:
+        """Let the chunk go; idempotent (a reader releases what it sent, and a whole batch when it stops)."""
         for view in self._views:  # see InArena._let_go
             view.release()
         self._views = []
-        if self.pinned:
+        if self.pinned and not self._released:
             self._same_host.unpin(self._grant)
+        self._released = True
+
+    @staticmethod
+    def release_all(served: Sequence["Served | None"]) -> None:
+        for item in served:
+            if item is not None:
+                item.release()
 
 
 class Intake:
     """The rules every transport applies (see the module docstring). Thread-safe: gRPC handlers call it from the
-    event loop and its worker pool, the data plane from its connection threads."""
+    event loop and its worker pool, the data channel's listener from its connection threads."""
 
     def __init__(self, store: TieredStore, tenants: TenantTable, limits: StreamLimits, max_chunk_bytes: int) -> None:
         self.store = store
@@ -266,13 +287,13 @@ class Intake:
         """The keys of one get request: the namespace valid and the tenant's (checked once), every key valid."""
         return tenant.checked_keys(namespace, keys)
 
-    def serve(self, key: ChunkKey) -> Served | None:
-        """A chunk for any reader, from whichever tier holds it (promoted on the way, as every hit is): pinned in the
-        arena when it is there, else the store's copy. None for a miss."""
+    def serve(self, keys: Sequence[ChunkKey]) -> list[Served | None]:
+        """Chunks for any reader, from whichever tier holds each (promoted on the way, as every hit is): pinned in the
+        arena when it is there, else the store's copy; None for a miss. One batch of at most SERVE_BATCH keys
+        (`batches`); the reader releases each."""
         same_host = self.store.same_host
         if same_host is None:
-            found = self.store.get(key)
-            return None if found is None else Served(ReadGrant(found.tier, (), len(found.payload), None,
-                                                               found.payload), None)
-        read = same_host.pin(key)
-        return None if read is None else Served(read, same_host)
+            return [None if found is None else Served(ReadGrant(found.tier, (), len(found.payload), None,
+                                                                found.payload), None)
+                    for found in self.store.get_many(keys)]
+        return [None if read is None else Served(read, same_host) for read in same_host.pin(keys)]

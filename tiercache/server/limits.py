@@ -32,7 +32,7 @@ def peer_host(peer: str) -> str:
 
 class Counts:
     """How many things each name holds open, at most `limit` per name. Thread-safe: the gRPC handlers count from the
-    event loop, the data plane (server.data_plane) from its connection threads."""
+    event loop, the data channel's listener (server.data_channel) from its connection threads."""
 
     def __init__(self, limit: int, what: str, refusal: type[CapacityExceeded] = CapacityExceeded) -> None:
         self.limit = limit

@@ -17,11 +17,11 @@ from tiercache import __version__
 from tiercache.config import Config
 from tiercache.errors import InvalidArgument, Unavailable
 from tiercache.prefix.lookup import find_hit
-from tiercache.protocol.data import PutEntry
+from tiercache.protocol.data_channel import PutEntry
 from tiercache.protocol.wire import chunk_meta, frames, lookup_query, pb, pb_grpc
 from tiercache.record.keys import ChunkKey
 from tiercache.server.auth import Tenant
-from tiercache.server.intake import InArena, Incoming, Intake, Served
+from tiercache.server.intake import InArena, Incoming, Intake, Served, batches
 from tiercache.server.leases import LeaseTable
 from tiercache.server.metrics import Metrics
 from tiercache.server.rpc import rpc
@@ -33,7 +33,7 @@ T = TypeVar("T")
 
 
 class _StoreChain:
-    """The store seen by the Lookup search (tiercache.prefix.lookup.ChainIndex), in one namespace or in every
+    """The store seen by the Lookup search (tiercache.prefix.lookup.ChainView), in one namespace or in every
     tensor-parallel rank's: an object counts only when each rank holds its shard; the directory is the first's."""
 
     def __init__(self, store: TieredStore, namespaces: list[str]) -> None:
@@ -151,20 +151,29 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
     @rpc(stream=True)
     async def Get(self, request: pb.GetRequest, context, tenant: Tenant) -> None:
         keys = self.intake.checked_keys(tenant, request.namespace, request.keys)
-        for index, key in enumerate(keys):
-            served = await self._run_holding(functools.partial(self.intake.serve, key), Served.release)
-            if served is None:
-                await self._send(context, pb.GetFrame(header=pb.GetHeader(index=index, found=False)))
-                continue
-            try:  # sent from the arena's pages while pinned: a reader that stops holds the pin until its idle timeout
-                await self._send(context, pb.GetFrame(header=pb.GetHeader(index=index, found=True,
-                                                                          size_bytes=served.size_bytes,
-                                                                          tier=served.tier)))
-                for view in served.views():
-                    for data in frames(view, self._frame_bytes):
-                        await self._send(context, pb.GetFrame(data=data))
+        index = 0
+        for batch in batches(keys):
+            served = await self._run_holding(functools.partial(self.intake.serve, batch), Served.release_all)
+            try:  # sent from the arena's pages while pinned: a reader that stops holds the pins until its idle timeout
+                for item in served:
+                    await self._send_item(context, index, item)
+                    index += 1
             finally:
-                served.release()
+                Served.release_all(served)
+
+    async def _send_item(self, context, index: int, served: Served | None) -> None:
+        if served is None:
+            await self._send(context, pb.GetFrame(header=pb.GetHeader(index=index, found=False)))
+            return
+        try:
+            await self._send(context, pb.GetFrame(header=pb.GetHeader(index=index, found=True,
+                                                                      size_bytes=served.size_bytes,
+                                                                      tier=served.tier)))
+            for view in served.views():
+                for data in frames(view, self._frame_bytes):
+                    await self._send(context, pb.GetFrame(data=data))
+        finally:
+            served.release()
 
     @rpc
     async def Exists(self, request: pb.KeysRequest, context, tenant: Tenant) -> pb.ExistsResponse:
@@ -269,18 +278,25 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     def _acquire(self, keys: list[ChunkKey]) -> list[pb.Lease]:
         leases = []
-        for key in keys:
-            served = self.intake.serve(key)
-            if served is None:
-                leases.append(pb.Lease(found=False))
-            elif not served.pinned:  # not in the arena (too large for it, or no room now): the client reads it remotely
-                served.release()
-                leases.append(pb.Lease(found=True, leased=False, tier=served.tier))
-            else:
-                lease_id = self.leases.grant(served, Served.release, writable=False)
-                leases.append(pb.Lease(found=True, leased=True, lease_id=lease_id, tier=served.tier,
-                                       size_bytes=served.size_bytes, payload=_pb_ranges(served.ranges)))
+        for batch in batches(keys):
+            served = self.intake.serve(batch)
+            for n, item in enumerate(served):
+                try:
+                    leases.append(self._lease(item))
+                except BaseException:
+                    Served.release_all(served[n:])  # what no lease holds yet
+                    raise
         return leases
+
+    def _lease(self, served: Served | None) -> pb.Lease:
+        if served is None:
+            return pb.Lease(found=False)
+        if not served.pinned:  # not in the arena (too large for it, or no room now): the client reads it remotely
+            served.release()
+            return pb.Lease(found=True, leased=False, tier=served.tier)
+        lease_id = self.leases.grant(served, Served.release, writable=False)
+        return pb.Lease(found=True, leased=True, lease_id=lease_id, tier=served.tier, size_bytes=served.size_bytes,
+                        payload=_pb_ranges(served.ranges))
 
     @rpc
     async def Release(self, request: pb.LeaseIds, context, tenant: Tenant) -> pb.LeaseAck:

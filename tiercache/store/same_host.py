@@ -1,26 +1,52 @@
 """The same-host data path, store side: records written and read in place in the arena clients can map.
 
 gRPC carries control only (Attach, Reserve/Commit/Abort, Acquire/Release); the payload never crosses a socket. The
-arena is a tier's (the host tier's, in /dev/shm: `Tier.arena_file()`); this object is the store's view of it:
+arena is a tier's (the host tier's, in /dev/shm: a tiers.base.MappableArena); this object is the store's view of it:
 - a write is *reserved* (room in the arena, invisible until committed, what it evicts demoted as usual), written by
   the client at the `WriteGrant`'s payload ranges, then *committed* (the store places it like any put) or *aborted*;
 - a read is *pinned* (`ReadGrant`): promoted into the arena first when it lives below, held in place until unpinned.
 The server wraps every grant in a lease that expires (tiercache.server.leases), so a client that crashes cannot hold
 memory; the client half is tiercache.client.shared_arena.
+
+The path and the store call each other: the store builds the path over its MappableArena, and the path asks the
+store for four things only, `Placement` below (what a reservation evicts, what a commit changes below, a hit counted,
+reads from the tiers below). Nothing else of the store is in reach here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Callable, Protocol, Sequence
 
 from tiercache.errors import CapacityExceeded, TierFull
 from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey
-from tiercache.tiers.base import ArenaFile, Ranges
+from tiercache.tiers.base import ArenaFile, Evicted, MappableArena, Ranges, Tier
 
-if TYPE_CHECKING:
-    from tiercache.store.tiered import TieredStore
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """A chunk's payload as the store read it, and the tier it was read from."""
+
+    payload: memoryview
+    tier: str
+
+
+class Placement(Protocol):
+    """What the same-host path asks of the store (tiercache.store.tiered.TieredStore), and nothing more."""
+
+    def demote(self, evicted: list[Evicted], level: int) -> None:
+        """Place what the arena at `level` evicted in the tiers below."""
+
+    def after_placement(self, key: ChunkKey, meta: encoding.ChunkMeta, placed: int,
+                        record: Callable[[], bytes | bytearray | None]) -> None:
+        """A record committed at `placed`: drop older copies below, write through."""
+
+    def count_hit(self, tier: Tier) -> None:
+        """A read served from the arena."""
+
+    def get_many(self, keys: Sequence[ChunkKey]) -> list[StoredChunk | None]:
+        """Reads from every tier (promoted to the top on the way)."""
 
 
 @dataclass(frozen=True)
@@ -48,19 +74,19 @@ class ReadGrant:
 
 
 class SameHostPath:
-    """The store's same-host path over the one tier whose arena clients can map (see the module docstring)."""
+    """The store's same-host path over the first tier whose arena clients can map (see the module docstring)."""
 
-    def __init__(self, store: "TieredStore", level: int) -> None:
+    def __init__(self, store: Placement, tier: MappableArena, level: int, *, more_below: bool) -> None:
         self._store = store
+        self._tier = tier
         self._level = level
-        self._tier = store.tiers[level]
-        self.arena: ArenaFile = self._tier.arena_file()
+        self._more_below = more_below
+        self.arena: ArenaFile = tier.arena
 
     def reserve(self, key: ChunkKey, payload_bytes: int, meta: encoding.ChunkMeta) -> WriteGrant:
         size = encoding.header_bytes(key, meta) + payload_bytes
-        more_below = self._level + 1 < len(self._store.tiers)
         try:
-            reservation, evicted = self._tier.reserve(key, size, meta, return_evicted=more_below)
+            reservation, evicted = self._tier.reserve(key, size, meta, return_evicted=self._more_below)
         except TierFull as full:
             self._store.demote(full.evicted, self._level)
             raise CapacityExceeded(f"the shared arena has no room for {size} bytes") from None
@@ -78,19 +104,28 @@ class SameHostPath:
     def abort(self, grant: WriteGrant) -> None:
         self._tier.abort(grant.reservation)
 
-    def pin(self, key: ChunkKey) -> ReadGrant | None:
-        """Hold a chunk in the arena for a reader, promoting it there first when it lives below; None when absent."""
-        pin = self._tier.pin(key)
-        if pin is not None:
+    def pin(self, keys: Sequence[ChunkKey]) -> list[ReadGrant | None]:
+        """Hold each chunk in the arena for a reader, or None when no tier holds it. What lives below is read in one
+        store call for the batch (promoted into the arena on the way) and pinned there; what the arena cannot hold
+        comes with the store's copy."""
+        grants: list[ReadGrant | None] = [None] * len(keys)
+        below = []
+        for i, key in enumerate(keys):
+            pin = self._tier.pin(key)
+            if pin is None:
+                below.append(i)
+                continue
             self._store.count_hit(self._tier)
-            return _read_grant(self._tier.name, pin)
-        found = self._store.get(key)
-        if found is None:
-            return None
-        pin = self._tier.pin(key)
-        if pin is None:
-            return ReadGrant(found.tier, (), len(found.payload), None, found.payload)
-        return _read_grant(found.tier, pin)
+            grants[i] = _read_grant(self._tier.name, pin)
+        if not below:
+            return grants
+        for i, found in zip(below, self._store.get_many([keys[i] for i in below])):
+            if found is None:
+                continue
+            pin = self._tier.pin(keys[i])
+            grants[i] = (ReadGrant(found.tier, (), len(found.payload), None, found.payload) if pin is None
+                         else _read_grant(found.tier, pin))
+        return grants
 
     def unpin(self, grant: ReadGrant) -> None:
         self._tier.unpin(grant.pin)
@@ -99,7 +134,6 @@ class SameHostPath:
         """The arena's bytes at a grant's payload ranges, for a reader or writer inside the server (the transports
         behind tiercache.server.intake receive into and send from them in place)."""
         return self._tier.views(ranges)
-
 
 def _read_grant(tier: str, pin) -> ReadGrant:
     payload = tuple(pin.payload_ranges)

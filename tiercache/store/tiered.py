@@ -14,28 +14,18 @@ from __future__ import annotations
 import collections
 import functools
 import threading
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from tiercache.config import Config
 from tiercache.errors import CapacityExceeded, ChunkCorrupt, TierDown, TierFull, TierWriteFailed, Unavailable
 from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey
-from tiercache.store.same_host import SameHostPath
+from tiercache.store.same_host import SameHostPath, StoredChunk
 from tiercache.store.stats import LookupStats, NamespaceUsage, StoreStats, TierCounters, TierStats
 from tiercache.tiers import from_config as tiers_from_config
-from tiercache.tiers.arena import ArenaTier
-from tiercache.tiers.base import Evicted, IndexedTier, Tier
+from tiercache.tiers.base import ChainDirectory, Evicted, HandsDown, MappableArena, Tier
 
 LOST_KEYS_REMEMBERED = 1 << 16  # keys lost for good that the store remembers (see after_placement)
-
-
-@dataclass(frozen=True)
-class Found:
-    """A chunk's payload, and the tier it was read from."""
-
-    payload: memoryview
-    tier: str
 
 
 class TieredStore:
@@ -48,15 +38,18 @@ class TieredStore:
         self._lookups = LookupStats()
         self._lock = threading.Lock()
         self._gone: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()  # lost, not stored again
+        # The tiers with a directory of chains (tiers/index.py): the others (Redis) hold no children, orphan nothing.
+        self._directories = [tier for tier in self.tiers if isinstance(tier, ChainDirectory)]
         for level, tier in enumerate(self.tiers):  # a parent held below its children is no leaf (tiers/index.py)
-            above = [t for t in self.tiers[:level] if not t.shared_by_nodes]
-            if above and isinstance(tier, IndexedTier):
+            above = [t for t in self.tiers[:level] if isinstance(t, ChainDirectory) and not t.shared_by_nodes]
+            if above and isinstance(tier, ChainDirectory):
                 tier.needed_above = functools.partial(self._has_children, above)
-            if isinstance(tier, ArenaTier):  # its victims are placed below while still readable there (issue 26)
+            if isinstance(tier, HandsDown):  # its victims are placed below while still readable there (issue 26)
                 tier.hand_down = functools.partial(self.demote, level=level)
-        arena_levels = [level for level, tier in enumerate(self.tiers) if tier.arena_file() is not None]
+        arena_levels = [level for level, tier in enumerate(self.tiers) if isinstance(tier, MappableArena)]
         # The same-host path (writes and reads in place), over the first tier whose arena clients can map; or None.
-        self.same_host = SameHostPath(self, arena_levels[0]) if arena_levels else None
+        self.same_host = (SameHostPath(self, self.tiers[arena_levels[0]], arena_levels[0],
+                                       more_below=arena_levels[0] + 1 < len(self.tiers)) if arena_levels else None)
 
     @classmethod
     def from_config(cls, config: Config, cancelled: Callable[[], bool] | None = None) -> "TieredStore":
@@ -79,7 +72,7 @@ class TieredStore:
         return self.tiers[placed].name
 
     def count_hit(self, tier: Tier) -> None:
-        """For the same-host path, which reads the arena tier itself."""
+        """For the same-host path, which pins in the arena tier itself."""
         self._count(tier, hits=1)
 
     def after_placement(self, key: ChunkKey, meta: encoding.ChunkMeta, placed: int, record) -> None:
@@ -93,7 +86,7 @@ class TieredStore:
         with self._lock:
             self._gone.pop(key, None)
             parent_gone = parent in self._gone
-        if parent_gone:
+        if parent_gone and isinstance(self.tiers[placed], ChainDirectory):
             try:
                 self.tiers[placed].orphan(parent)
             except TierDown:
@@ -107,22 +100,36 @@ class TieredStore:
                 if tier.shared_by_nodes:
                     self._copy_to(tier, key, record())
 
-    def get(self, key: ChunkKey) -> Found | None:
+    def get(self, key: ChunkKey) -> StoredChunk | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[ChunkKey]) -> list[StoredChunk | None]:
+        """Each key's payload from the highest tier holding it (promoted to the top on the way), or None: one
+        get_many per tier for the keys still missing (one round trip to Redis for a batch)."""
+        found: list[StoredChunk | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
         for level, tier in enumerate(self.tiers):
-            record = self._read(tier, key)
-            if record is None:
-                continue
-            try:
-                payload = encoding.decode(record, key, verify=tier.checksum_on_read)
-            except ChunkCorrupt:
-                self._count(tier, checksum_failures=1, misses=1)
-                self._forget(tier, key)
-                continue
-            self._count(tier, hits=1)
-            if level:
-                self._promote(key, record, level)
-            return Found(payload, tier.name)
-        return None
+            if not pending:
+                break
+            records = self._read(tier, [keys[i] for i in pending])
+            missing = []
+            for i, record in zip(pending, records):
+                if record is None:
+                    missing.append(i)
+                    continue
+                try:
+                    payload = encoding.decode(record, keys[i], verify=tier.checksum_on_read)
+                except ChunkCorrupt:
+                    self._count(tier, checksum_failures=1, misses=1)
+                    self._forget(tier, keys[i])
+                    missing.append(i)
+                    continue
+                self._count(tier, hits=1)
+                if level:
+                    self._promote(keys[i], record, level)
+                found[i] = StoredChunk(payload, tier.name)
+            pending = missing
+        return found
 
     def locate(self, keys: Sequence[ChunkKey]) -> list[str | None]:
         """For each key, the name of the highest tier holding it, or None. No bytes move, recency is unchanged."""
@@ -153,7 +160,7 @@ class TieredStore:
     def children(self, parent: ChunkKey) -> list[tuple[ChunkKey, encoding.ChunkMeta]]:
         """The chunks any tier holds whose parent is `parent` (tiercache.prefix.lookup's directory)."""
         found: dict[ChunkKey, encoding.ChunkMeta] = {}
-        for tier in self.tiers:
+        for tier in self._directories:
             try:
                 found.update(tier.children(parent))
             except TierDown:
@@ -277,7 +284,7 @@ class TieredStore:
                 self._gone.move_to_end(key)
             while len(self._gone) > LOST_KEYS_REMEMBERED:
                 self._gone.popitem(last=False)
-        for tier in self.tiers:
+        for tier in self._directories:
             if tier.shared_by_nodes:
                 continue
             for key in keys:
@@ -296,7 +303,7 @@ class TieredStore:
         if not source.shared_by_nodes:
             self._forget(source, key)
 
-    def _has_children(self, tiers: Sequence[Tier], key: ChunkKey) -> bool:
+    def _has_children(self, tiers: Sequence[ChainDirectory], key: ChunkKey) -> bool:
         """Whether any of `tiers` holds an object whose parent is `key`."""
         for tier in tiers:
             try:
@@ -320,15 +327,17 @@ class TieredStore:
 
     # -- small helpers ----------------------------------------------------------------------------------------------
 
-    def _read(self, tier: Tier, key: ChunkKey):
+    def _read(self, tier: Tier, keys: Sequence[ChunkKey]) -> list:
+        """tier.get_many(keys), misses counted; a tier that is down misses them all."""
         try:
-            record = tier.get(key)
+            records = tier.get_many(keys)
         except TierDown:
-            self._count(tier, errors=1, misses=1)
-            return None
-        if record is None:
-            self._count(tier, misses=1)
-        return record
+            self._count(tier, errors=1, misses=len(keys))
+            return [None] * len(keys)
+        misses = sum(record is None for record in records)
+        if misses:
+            self._count(tier, misses=misses)
+        return records
 
     def _forget(self, tier: Tier, key: ChunkKey) -> None:
         try:

@@ -49,7 +49,9 @@ _HEADER_PROBE_BYTES = 4096  # covers the largest header (fixed part + 256-char n
 
 
 @dataclass(slots=True, frozen=True)
-class _Entry:
+class _File:
+    """A record held on disk (the index's entry): its file."""
+
     path: str
     record_bytes: int
     sequence: int
@@ -67,7 +69,7 @@ class DiskTier(IndexedTier):
         self.capacity_bytes = config.capacity_bytes
         self.state_budget_bytes = state_budget(config.capacity_bytes, config.state_budget_bytes)
         self._fsync = config.fsync
-        self._index: ChunkIndex[_Entry] = ChunkIndex(config.state_value_weight)
+        self._index: ChunkIndex[_File] = ChunkIndex(config.state_value_weight)
         self._reserved_bytes = 0
         self._releasing_bytes = 0
         self._headroom = min(config.capacity_bytes // 1000, _MAX_HEADROOM_BYTES)
@@ -75,7 +77,7 @@ class DiskTier(IndexedTier):
         self._room = threading.Condition(self._lock)  # notified as the unlinker frees bytes
         self._prepare_root()
         self._sequence = itertools.count(self._rebuild_index() + 1)
-        self._unlinks: queue.SimpleQueue[_Entry | None] = queue.SimpleQueue()
+        self._unlinks: queue.SimpleQueue[_File | None] = queue.SimpleQueue()
         self._unlinker = threading.Thread(target=self._unlink_loop, name="tiercache-disk-unlink", daemon=True)
         self._unlinker.start()
 
@@ -106,7 +108,7 @@ class DiskTier(IndexedTier):
                     continue
             evicted += self._discard(victims, read=return_evicted, background=True)
         sequence = next(self._sequence)
-        entry = _Entry(self._path_for(key, sequence), size, sequence, meta)
+        entry = _File(self._path_for(key, sequence), size, sequence, meta)
         try:
             self._write_file(entry.path, record)
         except OSError as exc:  # e.g. ENOSPC: the filesystem is fuller than our cap says (other writers share it)
@@ -146,9 +148,6 @@ class DiskTier(IndexedTier):
         self._discard(removed, read=False)
         return len(removed)
 
-    def arena_file(self) -> None:
-        return None  # no same-host path: records are read through the server
-
     def close(self) -> None:
         """Every file is complete on disk once put returns; evicted ones are unlinked before close returns. The
         directory is free for another server after."""
@@ -166,14 +165,14 @@ class DiskTier(IndexedTier):
     def _committed_bytes(self) -> int:
         return self._index.used_bytes + self._reserved_bytes + self._releasing_bytes
 
-    def _take_out(self, keys: Sequence[ChunkKey]) -> list[Victim[_Entry]]:
+    def _take_out(self, keys: Sequence[ChunkKey]) -> list[Victim[_File]]:
         """Under the lock: remove keys from the index; their bytes stay counted (releasing) until _discard."""
         taken = [Victim(k, e, True) for k, e in ((k, self._index.remove(k)) for k in keys) if e is not None]
         self._releasing_bytes += sum(v.entry.record_bytes for v in taken)
         return taken
 
     def _choose_victims(self, key: ChunkKey, meta: encoding.ChunkMeta, size: int,
-                        state_bytes: int) -> list[Victim[_Entry]]:
+                        state_bytes: int) -> list[Victim[_File]]:
         """Under the lock: take out what the index says goes first until the record for `key` fits within the cap
         less the headroom, counting what is already on its way out as gone; [] when that is so already."""
         headroom = self._headroom if self._headroom >= 4 * size else 0  # small records only: big ones go one by one
@@ -185,7 +184,7 @@ class DiskTier(IndexedTier):
         self._releasing_bytes += sum(v.entry.record_bytes for v in victims)
         return victims
 
-    def _discard(self, victims: list[Victim[_Entry]], read: bool, background: bool = False) -> list[Evicted]:
+    def _discard(self, victims: list[Victim[_File]], read: bool, background: bool = False) -> list[Evicted]:
         """Outside the lock: (read and) unlink taken-out files — now, or on the unlinker thread — and stop counting
         their bytes once unlinked. Unreachable objects are not read: nothing below wants them."""
         evicted = []
@@ -199,7 +198,7 @@ class DiskTier(IndexedTier):
                 evicted.append(Evicted(victim.key, record, victim.reachable))
         return evicted
 
-    def _release(self, entry: _Entry) -> None:
+    def _release(self, entry: _File) -> None:
         _unlink(entry.path)
         with self._lock:
             self._releasing_bytes -= entry.record_bytes
@@ -265,7 +264,7 @@ class DiskTier(IndexedTier):
 
         Returns the highest sequence number seen, so new files never reuse a name.
         """
-        found: dict[ChunkKey, _Entry] = {}
+        found: dict[ChunkKey, _File] = {}
         mtimes: dict[ChunkKey, float] = {}
         top_sequence = 0
         for path in self.root.glob("*/*"):
@@ -285,7 +284,7 @@ class DiskTier(IndexedTier):
                 _unlink(str(path))
                 continue
             top_sequence = max(top_sequence, sequence)
-            entry = _Entry(str(path), stat.st_size, sequence, header.meta)
+            entry = _File(str(path), stat.st_size, sequence, header.meta)
             older = found.get(header.key)
             if older is not None:
                 loser = older if older.sequence < sequence else entry

@@ -19,7 +19,8 @@ from typing import Callable, Sequence
 from tiercache.config import HostTierConfig
 from tiercache.errors import ConfigError
 from tiercache.tiers import memory
-from tiercache.tiers.arena import ArenaTier
+from tiercache.tiers.arena import ArenaTier, MappedArenaTier
+from tiercache.tiers.base import ArenaFile
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,8 @@ def check_room(config: HostTierConfig) -> None:
 
 def host_tier(config: HostTierConfig, cancelled: Callable[[], bool] | None = None) -> ArenaTier:
     """The host tier, committed (see check_room for the checks to make before)."""
-    arena = HostMemory(arena_bytes(config), config.shared_memory, cancelled)
-    return ArenaTier("host", arena, config.capacity_bytes, config.page_bytes, config.state_budget_bytes,
-                     config.state_value_weight)
+    memory = HostMemory(arena_bytes(config), config.shared_memory, cancelled)
+    budgets = (config.capacity_bytes, config.page_bytes, config.state_budget_bytes, config.state_value_weight)
+    if memory.path is None:  # private memory: no same-host path
+        return ArenaTier("host", memory, *budgets)
+    return MappedArenaTier("host", memory, ArenaFile(memory.path, memory.size, memory.inode), *budgets)

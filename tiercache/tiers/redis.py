@@ -27,7 +27,7 @@ from tiercache.config import RedisTierConfig
 from tiercache.errors import ConfigError, TierDown
 from tiercache.record.codec import codec_id
 from tiercache.record.keys import ChunkKey
-from tiercache.tiers.base import Evicted, TierUsage
+from tiercache.tiers.base import Evicted, Tier, TierUsage
 
 T = TypeVar("T")
 _FIRST_BACKOFF_S = 0.1
@@ -61,7 +61,10 @@ def _credentials(config: RedisTierConfig) -> dict:
     return options
 
 
-class RedisTier:
+class RedisTier(Tier):
+    """A Tier only: no ChainDirectory (checkpoints other servers saved are found at the positions clients send; Redis
+    evicts by its own policy), no arena."""
+
     name = "redis"
     checksum_on_read = True
     shared_by_nodes = True
@@ -89,6 +92,15 @@ class RedisTier:
     def get(self, key: ChunkKey) -> bytes | None:
         return self._call(lambda r: r.get(self._name(key)))
 
+    def get_many(self, keys: Sequence[ChunkKey]) -> list[bytes | None]:
+        """One round trip for the batch (MGET; a cluster client splits it per hash slot)."""
+        if not keys:
+            return []
+        names = [self._name(k) for k in keys]
+        if self._cluster:
+            return self._call(lambda r: r.mget_nonatomic(names))
+        return self._call(lambda r: r.mget(names))
+
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         def exists(r: redis.Redis) -> list[bool]:
             pipe = r.pipeline(transaction=False)
@@ -114,15 +126,6 @@ class RedisTier:
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         pass  # Redis keeps its own recency
-
-    def children(self, parent: ChunkKey) -> list:
-        return []  # no directory in Redis: checkpoints other servers saved are found at the positions clients send
-
-    def orphan(self, parent: ChunkKey) -> int:
-        return 0  # Redis evicts by its own policy
-
-    def arena_file(self) -> None:
-        return None  # no same-host path: records are read through the server
 
     def close(self) -> None:
         self._redis.close()

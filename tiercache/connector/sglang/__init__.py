@@ -7,10 +7,10 @@ backend class is resolved on first access, so `naming` loads without SGLang.
 
 
 def __getattr__(name: str):
-    if name in ("Settings", "TierCacheStorage"):
+    if name in ("SGLangSettings", "TierCacheStorage"):
         from tiercache.connector.sglang import storage
         return getattr(storage, name)
     raise AttributeError(name)
 
 
-__all__ = ["Settings", "TierCacheStorage"]
+__all__ = ["SGLangSettings", "TierCacheStorage"]

@@ -63,7 +63,7 @@ PER_RANK_POOLS = {str(PoolName.MAMBA)}  # sharded by TP rank even in a model who
 
 
 @dataclass(frozen=True)
-class Settings:
+class SGLangSettings:
     connection: ConnectionSettings = field(default_factory=ConnectionSettings)  # url, token, TLS files
     salt: str = ""
     model_name: str | None = None
@@ -72,7 +72,7 @@ class Settings:
     interface_v1: bool = False  # SGLang's key: KV pages go through batch_get_v1 / batch_set_v1
 
     @classmethod
-    def from_extra_config(cls, extra: dict | None) -> "Settings":
+    def from_extra_config(cls, extra: dict | None) -> "SGLangSettings":
         extra = dict(extra or {})
         interface_v1 = bool(extra.get("interface_v1"))
         for key in SGLANG_KEYS:
@@ -112,7 +112,7 @@ class TierCacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         self.storage_config = storage_config
-        self.settings = Settings.from_extra_config(storage_config.extra_config)
+        self.settings = SGLangSettings.from_extra_config(storage_config.extra_config)
         settings = self.settings
         self.client = Client(settings.connection, timeout_s=settings.timeout_s, retry=RetryPolicy(attempts=2),
                              breaker=BreakerPolicy.probing_at_most(settings.offline_backoff_s))

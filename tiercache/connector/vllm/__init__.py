@@ -7,10 +7,10 @@ the connector class is resolved on first access, so the other modules load witho
 
 
 def __getattr__(name: str):
-    if name in ("Settings", "TierCacheConnector"):
+    if name in ("VllmSettings", "TierCacheConnector"):
         from tiercache.connector.vllm import connector
         return getattr(connector, name)
     raise AttributeError(name)
 
 
-__all__ = ["Settings", "TierCacheConnector"]
+__all__ = ["VllmSettings", "TierCacheConnector"]

@@ -57,7 +57,7 @@ _SCHEDULERS: "weakref.WeakSet[TierCacheConnector]" = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
-class Settings:
+class VllmSettings:
     connection: ConnectionSettings = field(default_factory=ConnectionSettings)  # url, token, TLS files
     model_name: str | None = None
     revision: str | None = None
@@ -73,7 +73,7 @@ class Settings:
     max_boundary_states: int = 0  # block-boundary states saved per prompt, the deepest first; 0: every one offered
 
     @classmethod
-    def from_extra_config(cls, extra: dict | None) -> "Settings":
+    def from_extra_config(cls, extra: dict | None) -> "VllmSettings":
         ours = [f.name for f in fields(cls) if f.name != "connection"]
         refuse_unknown(extra or {}, [*ConnectionSettings.keys(), *ours],
                        "unknown kv_connector_extra_config keys for TierCacheConnector:", InvalidArgument)
@@ -113,7 +113,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         if kv_cache_config is None:
             raise InvalidArgument("TierCacheConnector needs vLLM's KVCacheConfig (vLLM 0.33 or newer)")
-        settings = Settings.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        settings = VllmSettings.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         self.settings = settings
         self.groups = engine_groups(kv_cache_config)
         parallel = vllm_config.parallel_config

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from tests.test_data_channel import _wait_served
+from tests.server.test_data_channel import _wait_served
 from tiercache.client import Client, RetryPolicy
 from tiercache.client.arena_path import ArenaPath
-from tiercache.client.data_channel import DataChannel
+from tiercache.client.data_channel import DataChannelPath
 from tiercache.config import MiB
 from tiercache.errors import InvalidArgument, TimedOut
 
@@ -32,7 +32,7 @@ def test_each_call_takes_the_path_the_chooser_picks(start_server, options, puts,
         assert client.put(NS, b"k", data) == "host"
         assert client.get(NS, b"k") == data
         assert isinstance(client.paths.arena(time.monotonic() + 5), ArenaPath) == ("same_host" not in options)
-        assert isinstance(client.paths.data_channel, DataChannel) == (options == {"same_host": False})
+        assert isinstance(client.paths.data_channel, DataChannelPath) == (options == {"same_host": False})
     others = {"Reserve", "Commit", "Acquire", "DataPut", "DataGet", "Put", "Get"} - {*puts, *gets}
     _wait_served(server, {**{(m, "OK"): 1 for m in (*puts, *gets)}, **{(m, "OK"): 0 for m in others}})
 

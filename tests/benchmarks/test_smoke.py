@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import python_env
+from tests.helpers import ROOT, python_env
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_throughput_quick(tmp_path):

@@ -1,5 +1,5 @@
-"""The data channel (tiercache.protocol.data): remote payloads over a plain socket beside gRPC. Real servers, real
-sockets, real certificates; raw sockets play the clients that misbehave."""
+"""The data channel (tiercache.protocol.data_channel): remote payloads over a plain socket beside gRPC. Real servers,
+real sockets, real certificates; raw sockets play the clients that misbehave."""
 
 from __future__ import annotations
 
@@ -19,17 +19,19 @@ import pytest
 
 from tests.certs import make_pki
 from tests.helpers import wait_for
-from tests.test_security import NS_A, NS_B, TOKEN_A, tenants_file  # noqa: F401 - a fixture, used by name
+from tests.server.test_security import NS_A, NS_B, TOKEN_A, tenants_file  # noqa: F401 - a fixture, used by name
 from tiercache.client import Backoff, Chunk, Client, RetryPolicy, chooser
 from tiercache.client.data_channel import DEFAULT_STREAMS, STRIPE_MIN_BYTES, _stripes
 from tiercache.config import MiB, SecurityConfig
 from tiercache.errors import Busy, CapacityExceeded, ConnectionBroken, PermissionDenied, TierCacheError, Unauthenticated
 from tiercache.process import ServerProcess, free_port
-from tiercache.protocol import data
+from tiercache.protocol import data_channel
+from tiercache.protocol.data_channel import PutEntry
 from tiercache.protocol.wire import pb, pb_grpc
 from tiercache.record.encoding import CLASS_STATE, ChunkMeta
 from tiercache.record.keys import ChunkKey
-from tiercache.server import data_plane
+import tiercache.server.data_channel
+from tiercache.server.intake import SERVE_BATCH
 
 NS = "model@main#fp"
 
@@ -69,8 +71,8 @@ def _raw(server, token: str | None = None) -> socket.socket:
 def _connect(port: int, token: str | None = None) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     if token is not None:
-        sock.sendall(data.hello(token))
-        data.read_status(sock)
+        sock.sendall(data_channel.hello(token))
+        data_channel.read_status(sock)
     return sock
 
 
@@ -170,9 +172,9 @@ def test_a_connection_without_a_known_token_is_refused(start_server, tenants_fil
     server = start_server(security=SecurityConfig(tenants_file=tenants_file))
     for token in ("", "not-a-token-of-anyone"):
         sock = _raw(server)
-        sock.sendall(data.hello(token))
+        sock.sendall(data_channel.hello(token))
         with pytest.raises(Unauthenticated):
-            data.read_status(sock)
+            data_channel.read_status(sock)
         assert _closed_by_server(sock)
     with _client(server, token=TOKEN_A) as a:
         a.put(NS_A, b"k", b"a's")
@@ -205,10 +207,10 @@ def test_a_refused_request_is_answered_and_the_connection_serves_the_next(start_
 
 def _answers_a_get(sock: socket.socket, namespace: str, key: bytes, expected: bytes) -> bool:
     """Whether a pooled connection is in step: a get sent on it is answered with the chunk's bytes."""
-    data.send_all(sock, data.get_request(namespace, [key]))
-    data.read_status(sock)
-    found, size, _ = data.read_item(sock, len(expected))
-    return found and bytes(data.recv_exactly(sock, size)) == expected
+    data_channel.send_all(sock, data_channel.get_request(namespace, [key]))
+    data_channel.read_status(sock)
+    found, size, _ = data_channel.read_item(sock, len(expected))
+    return found and bytes(data_channel.recv_exactly(sock, size)) == expected
 
 
 def test_tls_data_channel_with_the_grpc_ports_certificate_and_client_ca(start_server, tmp_path):
@@ -221,13 +223,13 @@ def test_tls_data_channel_with_the_grpc_ports_certificate_and_client_ca(start_se
     _wait_served(server, {("DataPut", "OK"): 1})
     # No side door: plaintext gets no answer but a closed connection, a client without a certificate no handshake.
     sock = _raw(server)
-    sock.sendall(data.hello("") + data.get_request(NS, [b"k"]))
+    sock.sendall(data_channel.hello("") + data_channel.get_request(NS, [b"k"]))
     assert _closed_by_server(sock)
     context = ssl.create_default_context(cafile=pki.ca)
     with pytest.raises((ssl.SSLError, OSError, ConnectionBroken)):
         anonymous = context.wrap_socket(_raw(server), server_hostname="localhost")
-        anonymous.sendall(data.hello(""))
-        data.read_status(anonymous)
+        anonymous.sendall(data_channel.hello(""))
+        data_channel.read_status(anonymous)
     assert _served(server, "DataGet") == 1  # the client's own
 
 
@@ -239,7 +241,8 @@ def test_stalled_connections_cost_their_own_and_are_ended(start_server):
     for i in range(20):  # half stall in their hello, half after announcing a put's chunk
         sock = _raw(server, token=None if i % 2 else "")
         if not i % 2:
-            sock.sendall(data.put_request(NS, [data.PutEntry(b"half-%d" % i, 4 * MiB, ChunkMeta())]) + bytes(1000))
+            entry = data_channel.PutEntry(b"half-%d" % i, 4 * MiB, ChunkMeta())
+            sock.sendall(data_channel.put_request(NS, [entry]) + bytes(1000))
         stalled.append(sock)
     with _client(server, timeout_s=5) as client:
         started = time.monotonic()
@@ -258,7 +261,7 @@ def test_a_reader_that_never_reads_is_ended_and_its_pin_released(start_server):
         client.put_many(NS, [(b"big-%d" % i, bytes(8 * MiB)) for i in range(4)])
         sock = _raw(server, token="")
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.sendall(data.get_request(NS, [b"big-%d" % i for i in range(4)]))
+        sock.sendall(data_channel.get_request(NS, [b"big-%d" % i for i in range(4)]))
         wait_for(lambda: _held(server) == 1, what="the unread get in flight")
         assert client.get(NS, b"big-0") == bytes(8 * MiB)  # others are served meanwhile
         wait_for(lambda: _served(server, "DataGet", "CANCELLED") == 1, timeout_s=10, what="the unread Get to end")
@@ -271,9 +274,9 @@ def test_connections_over_the_per_host_limit_are_refused_and_the_call_goes_over_
     server = start_server(max_data_connections_per_peer=3)
     held = [_raw(server, token="") for _ in range(3)]
     extra = _raw(server)
-    extra.sendall(data.hello(""))
+    extra.sendall(data_channel.hello(""))
     with pytest.raises(Busy, match="max_data_connections_per_peer"):
-        data.read_status(extra)
+        data_channel.read_status(extra)
     with _client(server) as client:  # refused at its hello: this call is streamed over gRPC instead
         client.put(NS, b"k", b"v")
         assert client.get(NS, b"k") == b"v"
@@ -287,7 +290,7 @@ def test_requests_in_flight_are_counted_once_for_both_transports(start_server):
     together (issue 26: each transport counted its own, so a host could have twice the limit)."""
     server = start_server(max_streams_per_peer=2, stream_idle_timeout_s=30)
     stalled = _raw(server, token="")  # a data-channel put in flight, stalled half-way through its payload
-    stalled.sendall(data.put_request(NS, [data.PutEntry(b"half", MiB, ChunkMeta())]) + bytes(1000))
+    stalled.sendall(data_channel.put_request(NS, [data_channel.PutEntry(b"half", MiB, ChunkMeta())]) + bytes(1000))
     wait_for(lambda: _held(server) == 1, what="the stalled data-channel put in flight")
     release = threading.Event()
 
@@ -325,7 +328,7 @@ def _held(server) -> int:
 def test_a_trickling_put_is_ended_before_it_completes(start_server):
     server = start_server(stream_idle_timeout_s=1)
     sock = _raw(server, token="")
-    sock.sendall(data.put_request(NS, [data.PutEntry(b"trickle", 2 * MiB, ChunkMeta())]))
+    sock.sendall(data_channel.put_request(NS, [data_channel.PutEntry(b"trickle", 2 * MiB, ChunkMeta())]))
     ended = time.monotonic() + 30
     with pytest.raises(OSError):  # 1 KiB every 0.2 s would take ten minutes; the server gives it ~2 s
         while time.monotonic() < ended:
@@ -404,11 +407,12 @@ def test_hostile_clients_are_cut_off_by_deadlines_and_hold_memory_only_for_what_
         tricklers = _Tricklers(port)
         try:
             for i in range(hostile):
-                tricklers.start(f"block-{i}", struct.pack("<BII", data.OP_GET, 1, data.MAX_BLOCK_BYTES) + b"\0")
-                tricklers.start(f"put-{i}", data.put_request(NS, [data.PutEntry(b"big-%d" % i, 64 * MiB,
+                tricklers.start(f"block-{i}",
+                                struct.pack("<BII", data_channel.OP_GET, 1, data_channel.MAX_BLOCK_BYTES) + b"\0")
+                tricklers.start(f"put-{i}", data_channel.put_request(NS, [data_channel.PutEntry(b"big-%d" % i, 64 * MiB,
                                                                                 ChunkMeta())]) + b"\0")
             for i in range(hostile // 2):  # an unknown object class: refused, its 4 MiB drained
-                tricklers.start(f"drain-{i}", data.put_request(NS, [data.PutEntry(b"bad", 4 * MiB,
+                tricklers.start(f"drain-{i}", data_channel.put_request(NS, [data_channel.PutEntry(b"bad", 4 * MiB,
                                                                                   ChunkMeta(9))]) + b"\0")
             peak = baseline
             give_up = time.monotonic() + 60
@@ -467,8 +471,8 @@ def test_a_stored_chunk_is_served_by_every_path_while_stalled_puts_take_the_aren
             if stop.is_set():
                 return
             with _connect(port, token="") as sock:
-                entry = data.PutEntry(b"stalled-%d-%d" % (n, attempt), 64 * MiB - 200, ChunkMeta())
-                sock.sendall(data.put_request(NS, [entry]) + bytes(1000))
+                entry = data_channel.PutEntry(b"stalled-%d-%d" % (n, attempt), 64 * MiB - 200, ChunkMeta())
+                sock.sendall(data_channel.put_request(NS, [entry]) + bytes(1000))
                 stop.wait(0.3)
 
     # --disk-fsync: a demotion takes a while, as on a loaded disk, so a read that falls between tiers is likely.
@@ -501,18 +505,19 @@ def test_a_stored_chunk_is_served_by_every_path_while_stalled_puts_take_the_aren
 def test_a_get_that_fails_half_way_closes_the_connection_and_the_client_retries(start_server, monkeypatch):
     server = start_server()
     with _client(server, retry=RetryPolicy(attempts=3, backoff=Backoff(0.01, 1.0))) as client:
-        client.put_many(NS, [(b"a", b"first"), (b"b", b"second")])
+        items = [(b"k%d" % i, b"value %d" % i) for i in range(SERVE_BATCH + 1)]  # two batches
+        client.put_many(NS, items)
         pin = server.store.same_host.pin
         failures = []
 
-        def failing_once(key):
-            if key.key == b"b" and not failures:
-                failures.append(key)
+        def failing_once(keys):
+            if keys[-1].key == items[-1][0] and not failures:  # the second batch, after the first was sent
+                failures.append(keys)
                 raise OSError("a tier failed")
-            return pin(key)
+            return pin(keys)
         monkeypatch.setattr(server.store.same_host, "pin", failing_once)
-        got = client.get_many(NS, [b"a", b"b"])
-        assert [f.data for f in got] == [b"first", b"second"]  # the retry, on a new connection
+        got = client.get_many(NS, [k for k, _ in items])
+        assert [f.data for f in got] == [v for _, v in items]  # the retry, on a new connection
         assert failures
 
 
@@ -532,26 +537,26 @@ def test_stopping_the_server_ends_idle_tls_connections(start_server, tmp_path):
     server = start_server(security=SecurityConfig(tls_cert_file=pki.server_cert, tls_key_file=pki.server_key))
     client = _client(server, tls_ca_file=pki.ca)
     client.put(NS, b"k", b"v")  # leaves an idle TLS connection in the pool, its server thread in recv
-    assert server.data_plane._connections
+    assert server.data_listener._connections
     server.stop(grace_s=5)
-    assert not server.data_plane._threads  # every connection's thread ended
+    assert not server.data_listener._threads  # every connection's thread ended
     client.close()
 
 
 @pytest.mark.parametrize("garbage", [
     b"GET / HTTP/1.1\r\n\r\n",  # not a data-channel client
-    data.hello("") + struct.pack("<BII", 9, 1, 0),  # an unknown op
-    data.hello("") + struct.pack("<BII", data.OP_GET, 1, 3) + b"abc",  # a block that does not parse
-    data.hello("") + data.put_request(NS, [data.PutEntry(b"k", 1 << 40, ChunkMeta())]),  # past max_chunk_bytes
-    data.hello("") + data.put_request(NS, [data.PutEntry(b"k", 1, ChunkMeta(9))]) + b"x",  # an unknown class
+    data_channel.hello("") + struct.pack("<BII", 9, 1, 0),  # an unknown op
+    data_channel.hello("") + struct.pack("<BII", data_channel.OP_GET, 1, 3) + b"abc",  # a block that does not parse
+    data_channel.hello("") + data_channel.put_request(NS, [PutEntry(b"k", 1 << 40, ChunkMeta())]),  # too large
+    data_channel.hello("") + data_channel.put_request(NS, [PutEntry(b"k", 1, ChunkMeta(9))]) + b"x",  # an unknown class
 ])
 def test_malformed_input_is_answered_and_the_server_serves_on(start_server, garbage):
     server = start_server()
     sock = _raw(server)
     sock.sendall(garbage)
     with pytest.raises(TierCacheError):
-        data.read_status(sock)
-        data.read_status(sock)
+        data_channel.read_status(sock)
+        data_channel.read_status(sock)
     with _client(server) as client:
         client.put(NS, b"after", b"fine")
         assert client.get(NS, b"after") == b"fine"
@@ -560,11 +565,11 @@ def test_malformed_input_is_answered_and_the_server_serves_on(start_server, garb
 # -- connections that come and go -----------------------------------------------------------------------------------
 
 def test_a_pooled_connection_the_server_closed_is_replaced_transparently(start_server, monkeypatch):
-    monkeypatch.setattr(data_plane, "DATA_KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(tiercache.server.data_channel, "DATA_KEEPALIVE_S", 0.2)
     server = start_server()
     with _client(server) as client:  # one try: a retry would hide a failure
         client.put(NS, b"k", b"first")
-        wait_for(lambda: not server.data_plane._connections, what="the server to close the idle connection")
+        wait_for(lambda: not server.data_listener._connections, what="the server to close the idle connection")
         assert client.get(NS, b"k") == b"first"
 
 
@@ -583,20 +588,24 @@ def test_a_restarted_server_on_another_data_port_is_found_again(tmp_path):
         proc.kill()
 
 
-def test_an_unreachable_data_port_falls_back_to_grpc_and_is_tried_again_later(start_server, caplog, monkeypatch):
-    monkeypatch.setattr(chooser, "DATA_CHANNEL_RETRY_S", 0.3)
+def test_an_unreachable_data_port_falls_back_to_grpc_and_is_tried_again_later(start_server, caplog):
     server = start_server()
-    server.data_plane.stop()  # the port the server announces now refuses connections: a firewall, a Service
+    server.data_listener.stop()  # the port the server announces now refuses connections: a firewall, a Service
+    now = [1000.0]
     with _client(server) as client, caplog.at_level(logging.WARNING, logger="tiercache.client.chooser"):
+        client.paths.clock = lambda: now[0]
         client.put(NS, b"k", b"streamed instead")
         assert client.get(NS, b"k") == b"streamed instead"
         def warnings() -> int:
             return len([r for r in caplog.records if "streaming payloads over gRPC for" in r.getMessage()])
         assert warnings() == 1  # once, not per call
-        time.sleep(0.4)
+        now[0] += chooser.DATA_CHANNEL_RETRY_S - 1
+        client.put(NS, b"k1", b"still streamed")
+        assert warnings() == 1
+        now[0] += 1
         client.put(NS, b"k2", b"again")  # the wait is over: the data channel is asked for (and refused) again
         assert warnings() == 2
-    _wait_served(server, {("Put", "OK"): 2, ("Get", "OK"): 1})
+    _wait_served(server, {("Put", "OK"): 3, ("Get", "OK"): 1})
 
 
 def test_data_port_is_configurable(start_server):

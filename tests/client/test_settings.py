@@ -24,7 +24,7 @@ from tiercache.errors import (
     TimedOut,
     Unavailable,
 )
-from tiercache.protocol import data, wire
+from tiercache.protocol import data_channel, wire
 
 NS = "model@main#fp"
 VARIABLES = ("TIERCACHE_URL", "TIERCACHE_TOKEN", "TIERCACHE_TOKEN_FILE", "TIERCACHE_TLS_CA_FILE",
@@ -100,16 +100,17 @@ def test_mutual_tls_from_the_environment_alone(start_server, clean_env, tmp_path
 def test_every_error_names_one_status_on_each_wire_and_comes_back_from_it():
     for row in WIRE_CODES:
         error = row.error("x")
-        assert wire.status_for(error).name == row.grpc_status and data.code_for(error) == row.data_code
+        assert wire.status_for(error).name == row.grpc_status and data_channel.code_for(error) == row.data_code
         # A code names the first error listed with it, a base class before its subclasses.
         assert issubclass(row.error, type(wire.error_for(wire.status_for(error), "x")))
-        assert issubclass(row.error, type(data.error_for(data.code_for(error), "x")))
-    assert type(data.error_for(8, "x")) is Busy and type(wire.error_for(grpc.StatusCode.RESOURCE_EXHAUSTED, "x")) is \
-        CapacityExceeded
+        assert issubclass(row.error, type(data_channel.error_for(data_channel.code_for(error), "x")))
+    assert type(data_channel.error_for(8, "x")) is Busy
+    assert type(wire.error_for(grpc.StatusCode.RESOURCE_EXHAUSTED, "x")) is CapacityExceeded
     for local in (ConnectionBroken("x"), ConnectFailed("x")):  # never sent: named as what they are kinds of
-        assert wire.status_for(local) == grpc.StatusCode.UNAVAILABLE and data.code_for(local) == 4
-    assert wire.status_for(ValueError()) == grpc.StatusCode.INTERNAL and data.code_for(ValueError()) == data.INTERNAL
-    assert type(data.error_for(99, "x")) is TierCacheError
+        assert wire.status_for(local) == grpc.StatusCode.UNAVAILABLE and data_channel.code_for(local) == 4
+    assert wire.status_for(ValueError()) == grpc.StatusCode.INTERNAL
+    assert data_channel.code_for(ValueError()) == data_channel.INTERNAL
+    assert type(data_channel.error_for(99, "x")) is TierCacheError
 
 
 def test_a_call_that_reaches_no_server_is_connection_broken_and_a_passed_deadline_timed_out(hung_port):

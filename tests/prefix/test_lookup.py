@@ -1,4 +1,5 @@
-"""The hit rule and admission on hand-built cases (pure functions; the 'server' is a set of keys)."""
+"""The Lookup search (tiercache.prefix.lookup) and the hit rule (tiercache.prefix.hit) on hand-built cases (pure
+functions; the 'server' is a set of keys). Admission: tests/prefix/test_admission.py."""
 
 from __future__ import annotations
 
@@ -7,86 +8,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tiercache.prefix.admission import plan_finish_admission, plan_prompt_admission, plan_step_admission
-from tiercache.prefix.hashes import InsideChunk
-from tiercache.prefix.hit import Hit, Located, required_objects
-from tiercache.prefix.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
-from tiercache.prefix.lookup import Query, find_hit
-from tiercache.prefix.objects import CacheSpec, ObjectKind, object_meta
+from tiercache.prefix.admission import plan_prompt_admission
+from tiercache.prefix.objects import CacheSpec, ObjectKind
 
-N, U = 32, 8
-STATE = (StateTensor("ssm", (2, 4, 4), "float32"),)
-
-
-def layout(*groups) -> ModelLayout:
-    return ModelLayout("tiny", tuple(groups))
-
-
-HYBRID = layout(LayerGroup(GroupKind.FULL_ATTENTION, (0,), kv_heads=1, head_dim=4),
-                LayerGroup(GroupKind.RECURRENT, (1, 2), state=STATE))
-ATTENTION = layout(LayerGroup(GroupKind.FULL_ATTENTION, (0, 1), kv_heads=1, head_dim=4))
-SLIDING = layout(LayerGroup(GroupKind.SLIDING_WINDOW, (0,), kv_heads=1, head_dim=4, window=20),
-                 LayerGroup(GroupKind.FULL_ATTENTION, (1,), kv_heads=1, head_dim=4),
-                 LayerGroup(GroupKind.SLIDING_WINDOW, (2,), kv_heads=1, head_dim=4, window=40))
-
-
-class FakeCache:
-    """A dict of keys standing in for the server's store: the same search (find_hit) over it, with the directory
-    of children by parent, and the same two-call protocol as PrefixCache.lookup."""
-
-    def __init__(self, spec: CacheSpec) -> None:
-        self.spec = spec
-        self.keys: dict[bytes, object] = {}
-        self.calls = 0
-
-    # the ChainIndex protocol
-    def locate(self, keys):
-        return ["host" if k in self.keys else None for k in keys]
-
-    def children(self, parent):
-        return [(ref.key, object_meta(ref)) for ref in self.keys.values() if ref.parent == parent]
-
-    def lookup(self, tokens):
-        hashes = self.spec.hashes(tokens)
-        positions: dict[int, bytes] = {}
-        found = self._find(hashes, positions)
-        if found.unverified:
-            positions.update((p, hashes.at(p)) for p in found.unverified)
-            found = self._find(hashes, positions)
-            assert not found.unverified
-        refs = required_objects(self.spec, hashes, found.tokens) if found.tokens else []
-        assert len(refs) == len(found.tiers)
-        hit = Hit(found.tokens, hashes.length, tuple(Located(r, t) for r, t in zip(refs, found.tiers)))
-        return hashes, hit, {r.key: "host" for r in refs}
-
-    def _find(self, hashes, positions):
-        self.calls += 1
-        n = self.spec.chunk_tokens
-        last = max(hashes.length - 1, 0)
-        deepest = last // n
-        boundaries = [hashes.at(k * n) for k in range(deepest + 1)]
-        last_chunk = InsideChunk(boundaries[-1], hashes.chunk_tokens_bytes(deepest, last), self.spec.match_unit)
-        return find_hit(Query(self.spec.shape, hashes.length, boundaries, positions, last_chunk), self)
-
-    def prefill(self, tokens) -> int:
-        """Look up, then save what admission plans, as an engine would; returns the hit."""
-        hashes, hit, present = self.lookup(tokens)
-        for ref in plan_prompt_admission(self.spec, hashes, hit.tokens, present).objects:
-            self.keys[ref.key] = ref
-        return hit.tokens
-
-    def finish(self, tokens, prompt_tokens: int) -> None:
-        for ref in plan_finish_admission(self.spec, self.spec.hashes(tokens), prompt_tokens).objects:
-            self.keys[ref.key] = ref
-
-    def drop(self, kind: ObjectKind, position: int) -> None:
-        for key, ref in list(self.keys.items()):
-            if ref.kind is kind and ref.position == position:
-                del self.keys[key]
-
-
-def tokens(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 50_000, n)
+from tests.prefix.chains import ATTENTION, HYBRID, N, SLIDING, U, FakeCache, tokens
 
 
 @pytest.fixture
@@ -248,26 +173,6 @@ def test_sliding_window_gap_inside_the_window_limits_the_hit():
     assert fake.lookup(prompt)[1].tokens == 128
 
 
-def test_admission_saves_nothing_twice(cache):
-    prompt = tokens(100)
-    cache.prefill(prompt)
-    hashes, hit, present = cache.lookup(prompt)
-    assert plan_prompt_admission(cache.spec, hashes, hit.tokens, present).objects == ()
-
-
-def test_admission_plan_for_a_cold_prompt(cache):
-    hashes = cache.spec.hashes(tokens(300))
-    plan = plan_prompt_admission(cache.spec, hashes, 0)
-    kinds = {(r.kind, r.position) for r in plan.objects}
-    assert {(ObjectKind.KV, k * N) for k in range(1, 10)} <= kinds  # every full chunk, 288 = 9 * 32
-    boundary_states = sorted(p for k, p in kinds if k is ObjectKind.STATE and p % N == 0)
-    assert boundary_states == [k * N for k in range(1, 10)]  # one at every boundary
-    assert (ObjectKind.TAIL, 299) in kinds and (ObjectKind.STATE, 299) in kinds
-    assert plan.state_positions == tuple(k * N for k in range(1, 10)) + (299,)
-    capped = plan_prompt_admission(dataclasses.replace(cache.spec, max_boundary_states=2), hashes, 0)
-    assert capped.state_positions == (256, 288, 299)  # the deepest ones
-
-
 def test_tokens_by_tier_attributes_kv_tokens(cache):
     prompt = tokens(100)
     cache.prefill(prompt)
@@ -277,31 +182,3 @@ def test_tokens_by_tier_attributes_kv_tokens(cache):
                for o in by_kind.values()]
     assert hit.tokens == 99
     assert dataclasses.replace(hit, objects=tuple(located)).tokens_by_tier() == {"disk": 32, "host": 67}
-
-
-def _planned(plan) -> list[tuple[str, int]]:
-    return sorted({(ref.kind.name, ref.position) for ref in plan.objects})
-
-
-def test_step_admission_keeps_the_states_the_prompt_admission_wants():
-    """An engine that keeps states where it chose (vLLM) offers them step by step; the shared rule admits the same
-    boundary states as plan_prompt_admission (the deepest two here) and the prompt's end."""
-    spec = CacheSpec(HYBRID, N, U, max_boundary_states=2)
-    tokens = np.arange(300)
-    hashes = spec.hashes(tokens)
-    whole = plan_prompt_admission(spec, spec.hashes(tokens), 0)
-    wanted_states = {ref.position for ref in whole.objects if ref.kind is ObjectKind.STATE} - {299}
-    assert wanted_states == {288, 256}
-    # Step 1 computes [0, 200) and vLLM commits a state at every block boundary it passed.
-    first = plan_step_admission(spec, hashes, 300, 0, (0, 200), offered_states=[32, 64, 96, 128, 160, 192])
-    assert _planned(first) == [("KV", p) for p in range(32, 193, 32)]
-    # Step 2 computes [200, 300); vLLM keeps the prompt's last hash boundary below L-1 (296), not 299.
-    second = plan_step_admission(spec, hashes, 300, 0, (200, 300), offered_states=[224, 256, 288, 296])
-    assert _planned(second) == [("KV", 224), ("KV", 256), ("KV", 288), ("STATE", 256), ("STATE", 288),
-                                ("STATE", 296), ("TAIL", 296)]
-    # Nothing already present is planned again, and an attention-only model keeps no states.
-    assert plan_step_admission(spec, hashes, 300, 0, (200, 300), [224, 256, 296],
-                               present={ref.key for ref in second.objects}).objects == ()
-    attention = CacheSpec(ATTENTION, N, U)
-    assert _planned(plan_step_admission(attention, attention.hashes(tokens), 300, 0, (0, 64), [32, 64])) == \
-        [("KV", 32), ("KV", 64)]

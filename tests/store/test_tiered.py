@@ -196,6 +196,19 @@ def test_redis_hit_is_copied_up_and_stays_shared(tmp_path, redis_url):
     assert other.tiers[2].contains([key(0)]) == [True]
 
 
+def test_a_batch_read_from_redis_is_one_round_trip(tmp_path, shared_redis, redis_url):
+    writer = make_store(tmp_path, redis_url=redis_url, write_through=True)
+    for i in range(5):
+        writer.put(key(i), payload(i, 1000))
+    reader = make_store(tmp_path / "other", redis_url=redis_url)  # a second node: all five are in Redis only
+    r = shared_redis.client()
+    r.config_resetstat()
+    found = reader.get_many([key(i) for i in range(6)])
+    assert [f and (f.tier, bytes(f.payload)) for f in found] == [("redis", payload(i, 1000)) for i in range(5)] + [None]
+    calls = {name: stats["calls"] for name, stats in r.info("commandstats").items()}
+    assert calls.get("cmdstat_mget") == 1 and "cmdstat_get" not in calls
+
+
 def test_demotion_reaches_redis_without_write_through(tmp_path, redis_url):
     store = make_store(tmp_path, host=1 * MiB, disk=1 * MiB, redis_url=redis_url)
     for i in range(10):

@@ -7,13 +7,12 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
-from tests.helpers import ServerProcess, python_env
+from tests.helpers import ROOT, ServerProcess, python_env
 from tiercache.client import Client
 from tiercache.config import DEFAULT_MAX_CHUNK_BYTES, GiB, KiB, MiB, parse_size
 from tiercache.connector.limits import largest_object
@@ -21,7 +20,6 @@ from tiercache.prefix.layout import unified_block_size
 from tiercache.prefix.objects import CacheSpec
 from tiercache.prefix.presets import DOCUMENTED_TP, PRESETS, preset
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("name,options,n", [

@@ -1,5 +1,6 @@
-"""The data channel's server side: remote clients' chunk payloads over a plain TCP (or unix) socket, received into
-and sent from the arena's pages in place (wire format and the reasons for it: tiercache.protocol.data).
+"""The data channel's server end (the client's: tiercache.client.data_channel): remote clients' chunk payloads over
+a plain TCP (or unix) socket, received into and sent from the arena's pages in place (wire format and the reasons for
+it: tiercache.protocol.data_channel).
 
 One thread per connection, blocking I/O: a thread waits in `recv_into` / `sendall` with the GIL released, which is
 what moves bytes fastest from Python. A client that stalls or trickles holds only its own connection's thread, and
@@ -30,10 +31,10 @@ from typing import NoReturn, Sequence
 
 from tiercache.config import Config
 from tiercache.errors import Busy, TierCacheError
-from tiercache.protocol import data
+from tiercache.protocol import data_channel
 from tiercache.protocol.wire import status_for
 from tiercache.server.auth import Tenant
-from tiercache.server.intake import Intake, Served
+from tiercache.server.intake import Intake, Served, batches
 from tiercache.server.limits import Counts
 from tiercache.server.metrics import Metrics
 
@@ -45,7 +46,10 @@ _DRAIN_BYTES = 256 << 10
 _ACCEPT_BACKLOG = 128
 
 
-class DataPlane:
+class DataChannelListener:
+    """The server end of the data channel (the client's is tiercache.client.data_channel.DataChannelPath): accepts
+    connections and frames bytes around the intake's calls."""
+
     def __init__(self, config: Config, intake: Intake, metrics: Metrics, tls: ssl.SSLContext | None) -> None:
         cfg = config.server
         self.intake = intake
@@ -67,7 +71,7 @@ class DataPlane:
 
     # -- listening --------------------------------------------------------------------------------------------------
 
-    def start(self, host: str, port: int, unix_socket: str | None) -> "DataPlane":
+    def start(self, host: str, port: int, unix_socket: str | None) -> "DataChannelListener":
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = socket.create_server((host, port), family=family, backlog=_ACCEPT_BACKLOG)
         self.port = listener.getsockname()[1]
@@ -156,25 +160,25 @@ class DataPlane:
                 sock.settimeout(self._idle_s)
                 if tls and self._tls is not None:
                     # The whole handshake within the idle time: CPython's ssl takes a socket's timeout as the
-                    # handshake's deadline, not each read's (tests/test_data_channel.py trickles a ClientHello).
+                    # handshake's deadline, not each read's (tests/server/test_data_channel.py trickles a ClientHello).
                     sock = self._tls.wrap_socket(conn, server_side=True)
                     self._track(conn, sock)
-                token = data.read_hello(sock, deadline=time.monotonic() + self._idle_s)
+                token = data_channel.read_hello(sock, deadline=time.monotonic() + self._idle_s)
                 tenant = self.intake.tenant(token)
-                data.send_all(sock, data.status(data.OK))
+                data_channel.send_all(sock, data_channel.status(data_channel.OK))
                 self._requests(sock, tenant, peer)
         except _OutOfStep as exc:  # failed after answering OK: nothing more can be said on this connection
             log.log(logging.WARNING if isinstance(exc.__cause__, TierCacheError) else logging.ERROR,
                     "data connection from %s: a get failed half-way", peer, exc_info=exc.__cause__)
-        except data.ConnectionBroken as exc:
+        except data_channel.ConnectionBroken as exc:
             log.debug("data connection from %s ended: %s", peer, exc)
         except (ssl.SSLError, OSError) as exc:
             log.debug("data connection from %s failed: %s", peer, exc)
         except TierCacheError as exc:  # refused before any request (token, limits) or malformed: answer, then close
-            self._answer_and_close(sock, data.code_for(exc), str(exc))
+            self._answer_and_close(sock, data_channel.code_for(exc), str(exc))
         except Exception:  # noqa: BLE001 - one connection's bug must not take the server's others down
             log.exception("data connection from %s failed", peer)
-            self._answer_and_close(sock, data.INTERNAL, "internal error")
+            self._answer_and_close(sock, data_channel.INTERNAL, "internal error")
         finally:
             sock.close()
             self._forget(sock)
@@ -191,35 +195,35 @@ class DataPlane:
 
     def _answer_and_close(self, sock: socket.socket, code: int, message: str) -> None:
         try:
-            data.send_all(sock, data.status(code, message))
-        except data.ConnectionBroken:
+            data_channel.send_all(sock, data_channel.status(code, message))
+        except data_channel.ConnectionBroken:
             pass
 
     def _requests(self, sock: socket.socket, tenant: Tenant, peer: str) -> None:
         while not self._stopping.is_set():
             sock.settimeout(DATA_KEEPALIVE_S)
-            request = data.read_request(sock, idle_s=self._idle_s)
+            request = data_channel.read_request(sock, idle_s=self._idle_s)
             if request is None:
                 return
             started = time.perf_counter()
-            name = "DataPut" if request.op == data.OP_PUT else "DataGet"
+            name = "DataPut" if request.op == data_channel.OP_PUT else "DataGet"
             code = "OK"
             try:
                 with self._in_flight(sock, request, peer, tenant):
-                    if request.op == data.OP_PUT:
+                    if request.op == data_channel.OP_PUT:
                         self._put(sock, tenant, request)
                     else:
                         self._get(sock, tenant, request)
             except _Refused as refused:
                 code = status_for(refused.error).name
             except BaseException as exc:
-                code = "CANCELLED" if isinstance(exc, data.ConnectionBroken) else status_for(exc).name
+                code = "CANCELLED" if isinstance(exc, data_channel.ConnectionBroken) else status_for(exc).name
                 raise
             finally:
                 self.metrics.rpc_seconds.labels(name, code).observe(time.perf_counter() - started)
 
     @contextlib.contextmanager
-    def _in_flight(self, sock: socket.socket, request: data.Request, peer: str, tenant: Tenant):
+    def _in_flight(self, sock: socket.socket, request: data_channel.Request, peer: str, tenant: Tenant):
         """Count the request as one in flight of its peer host and tenant (with their gRPC streams) while it runs;
         over a limit, refuse it."""
         with contextlib.ExitStack() as held:
@@ -229,19 +233,20 @@ class DataPlane:
                 self._refuse(sock, refused, request.entries)
             yield
 
-    def _refuse(self, sock: socket.socket, error: TierCacheError, unread: Sequence[data.PutEntry] = ()) -> NoReturn:
+    def _refuse(self, sock: socket.socket, error: TierCacheError,
+                unread: Sequence[data_channel.PutEntry] = ()) -> NoReturn:
         """Answer a request with its error, after draining the payloads of `unread` chunks (already on their way),
         so the connection stays in step for the next request."""
         size = sum(entry.size for entry in unread)
         if size:
-            data.drain(sock, size, memoryview(bytearray(min(size, _DRAIN_BYTES))),
-                       data.payload_deadline(size, self._idle_s))
-        data.send_all(sock, data.status(data.code_for(error), str(error)))
+            data_channel.drain(sock, size, memoryview(bytearray(min(size, _DRAIN_BYTES))),
+                       data_channel.payload_deadline(size, self._idle_s))
+        data_channel.send_all(sock, data_channel.status(data_channel.code_for(error), str(error)))
         raise _Refused(error)
 
     # -- PUT --------------------------------------------------------------------------------------------------------
 
-    def _put(self, sock: socket.socket, tenant: Tenant, request: data.Request) -> None:
+    def _put(self, sock: socket.socket, tenant: Tenant, request: data_channel.Request) -> None:
         entries = request.entries
         try:
             chunks = self.intake.admit(tenant, request.namespace, entries)
@@ -255,9 +260,9 @@ class DataPlane:
                 incoming = self.intake.receive(chunk)
             except TierCacheError as refused:  # nothing of this chunk read yet
                 self._refuse(sock, refused, entries[index:])
-            deadline = data.payload_deadline(chunk.size_bytes, self._idle_s)
+            deadline = data_channel.payload_deadline(chunk.size_bytes, self._idle_s)
             try:
-                incoming.fill(lambda view: data.recv_exactly_into(sock, view, deadline))
+                incoming.fill(lambda view: data_channel.recv_exactly_into(sock, view, deadline))
             except BaseException:
                 incoming.abort()
                 raise
@@ -265,20 +270,25 @@ class DataPlane:
                 tiers.append(incoming.store())
             except TierCacheError as refused:  # this chunk was read whole
                 self._refuse(sock, refused, entries[index + 1:])
-        data.send_all(sock, data.status(data.OK), data.tiers_answer(tiers))
+        data_channel.send_all(sock, data_channel.status(data_channel.OK), data_channel.tiers_answer(tiers))
 
     # -- GET --------------------------------------------------------------------------------------------------------
 
-    def _get(self, sock: socket.socket, tenant: Tenant, request: data.Request) -> None:
+    def _get(self, sock: socket.socket, tenant: Tenant, request: data_channel.Request) -> None:
         try:
             keys = self.intake.checked_keys(tenant, request.namespace, request.keys)
         except TierCacheError as refused:
             self._refuse(sock, refused)
-        data.send_all(sock, data.status(data.OK))
+        data_channel.send_all(sock, data_channel.status(data_channel.OK))
         try:
-            for key in keys:
-                _send_item(sock, self.intake.serve(key))
-        except data.ConnectionBroken:
+            for batch in batches(keys):
+                served = self.intake.serve(batch)
+                try:
+                    for item in served:
+                        _send_item(sock, item)
+                finally:
+                    Served.release_all(served)
+        except data_channel.ConnectionBroken:
             raise
         except Exception as exc:  # a tier failed half-way: the client expects an item, so only closing is left
             raise _OutOfStep() from exc
@@ -287,10 +297,10 @@ class DataPlane:
 def _send_item(sock: socket.socket, served: Served | None) -> None:
     """One ITEM, its payload sent from where it lies (the arena's pages in place, or the store's copy)."""
     if served is None:
-        data.send_all(sock, data.item(False))
+        data_channel.send_all(sock, data_channel.item(False))
         return
     try:
-        data.send_all(sock, data.item(True, served.size_bytes, served.tier), *served.views())
+        data_channel.send_all(sock, data_channel.item(True, served.size_bytes, served.tier), *served.views())
     finally:
         served.release()
 

@@ -1,6 +1,6 @@
-"""The container image, checked offline (no container engine here; hadolint runs in tests/test_deploy.py): one tag
-scheme everywhere, a default command that serves with the embedded defaults from inside a container, and `docker run`
-lines in the docs that give the host tier room in /dev/shm and publish the ports the server announces."""
+"""The container image, checked offline (no container engine here; hadolint runs in tests/deploy/test_deploy.py):
+one tag scheme everywhere, a default command that serves with the embedded defaults from inside a container, and
+`docker run` lines in the docs that give the host tier room in /dev/shm and publish the ports the server announces."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import yaml
 
 import tiercache
+from tests.helpers import ROOT
 from tiercache.cli import build_parser, config_from_args
 from tiercache.config import Config
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 VERSION = tiercache.__version__
 TAGS = {VERSION, f"{VERSION}-gpu"}

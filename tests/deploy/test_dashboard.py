@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import re
 import urllib.request
-from pathlib import Path
 
+from tests.helpers import ROOT
 from tiercache.client import Client
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "base" / "grafana-dashboard.json"
+DASHBOARD = ROOT / "deploy" / "base" / "grafana-dashboard.json"
 
 
 def test_dashboard_metrics_exist(start_server):

@@ -16,11 +16,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.helpers import ROOT
 from tiercache.cli import build_parser, config_from_args
 from tiercache.config import Config, GiB, parse_size
 from tiercache.protocol.wire import SERVICE_NAME
 
-ROOT = Path(__file__).resolve().parent.parent
 OVERLAYS = ("cpu", "gpu", "redis-cluster")
 KUBERNETES_VERSION = "1.30"  # the oldest release the manifests promise to work on (native gRPC probes are GA in 1.27)
 NO_SCHEMA = {"ServiceMonitor"}  # CRD of the Prometheus Operator: checked by the consistency tests below instead
@@ -304,6 +304,7 @@ def test_dockerfile_lints_clean_and_matches_the_manifests(tmp_path):
     assert exposed == {p["containerPort"] for p in _server_container(objects)["ports"]}
     pod = _one(objects, "DaemonSet", "tiercache")["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsUser"] == 10001
-    # The image's CMD serves the embedded defaults (tests/test_image.py); the DaemonSet replaces it with its config.
+    # The image's CMD serves the embedded defaults (tests/deploy/test_image.py); the DaemonSet replaces it with its
+    # config.
     assert _server_container(objects)["args"][:2] == ["--config", "/etc/tiercache/tiercache.yaml"]
     assert _mounted(pod["containers"][0], "/etc/tiercache/tiercache.yaml")

@@ -1,4 +1,5 @@
-"""The tier contract (tiercache/tiers/base.py), run against every tier."""
+"""The tier contract (tiercache/tiers/base.py), run against every tier, and every tier checked against the protocols
+it claims (and none it does not)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey
 from tiercache.tiers.disk import DiskTier
 from tiercache.tiers.host import host_tier
+from tiercache.tiers.base import ChainDirectory, HandsDown, MappableArena, Tier
 from tiercache.tiers.redis import RedisTier
 
 ALL_TIERS = ["host", "disk", "redis", pytest.param("gpu", marks=pytest.mark.gpu)]
@@ -48,6 +50,12 @@ def make_tier(tmp_path, request):
         tier.close()
 
 
+# What each tier is: the contract's protocols it implements, and so what the store may ask of it.
+CLAIMS = {"host": {Tier, ChainDirectory, HandsDown, MappableArena}, "disk": {Tier, ChainDirectory},
+          "redis": {Tier}, "gpu": {Tier, ChainDirectory, HandsDown}}
+PROTOCOLS = (Tier, ChainDirectory, HandsDown, MappableArena)
+
+
 def key(i: int, namespace: str = "ns") -> ChunkKey:
     return ChunkKey(namespace, b"key-%d" % i)
 
@@ -58,6 +66,19 @@ def record(i: int, size: int = 10 * KiB, namespace: str = "ns") -> bytearray:
 
 @pytest.mark.parametrize("kind", ALL_TIERS)
 class TestEveryTier:
+    def test_implements_the_protocols_it_claims_and_no_other(self, make_tier, kind):
+        tier = make_tier(kind)
+        assert {p for p in PROTOCOLS if isinstance(tier, p)} == CLAIMS[kind]
+
+    def test_get_many_answers_in_order_as_get_does(self, make_tier, kind):
+        tier = make_tier(kind)
+        recs = {i: record(i) for i in (1, 3)}
+        for i, rec in recs.items():
+            tier.put(key(i), rec, return_evicted=False)
+        got = tier.get_many([key(3), key(2), key(1)])
+        assert [None if g is None else bytes(g) for g in got] == [bytes(recs[3]), None, bytes(recs[1])]
+        assert tier.get_many([]) == []
+
     def test_put_then_get_returns_identical_bytes(self, make_tier, kind):
         tier = make_tier(kind)
         rec = record(1, 300 * KiB + 7)
@@ -188,7 +209,16 @@ class TestBoundedTiers:
         assert [(e.key, e.reachable) for e in evicted] == [(key(1), False)]
 
 
-def test_a_tier_without_an_index_has_no_directory(make_tier):
-    tier = make_tier("redis")
-    tier.put(key(1), encoding.encode(key(1), b"x", encoding.ChunkMeta(parent=key(0).key)), return_evicted=False)
-    assert tier.children(key(0)) == [] and tier.orphan(key(0)) == 0
+def test_a_host_tier_in_private_memory_is_no_mappable_arena(make_tier, tmp_path):
+    tier = host_tier(HostTierConfig(capacity_bytes=1 * MiB, page_bytes=64 * KiB, shared_memory=False))
+    try:
+        assert isinstance(tier, ChainDirectory) and isinstance(tier, HandsDown)
+        assert not isinstance(tier, MappableArena)  # no file to map: the store builds no same-host path over it
+    finally:
+        tier.close()
+
+
+def test_a_mappable_arena_names_the_file_clients_map(make_tier):
+    tier = make_tier("host")
+    assert os.stat(tier.arena.path).st_ino == tier.arena.inode
+    assert tier.arena.size_bytes >= tier.capacity_bytes
