@@ -217,6 +217,28 @@ def test_demotion_reaches_redis_without_write_through(tmp_path, redis_url):
     assert bytes(store.get(key(0)).payload) == payload(0)
 
 
+def test_a_chunk_moving_from_disk_to_redis_is_found_at_every_moment(tmp_path, redis_url, monkeypatch):
+    """Issue 26's gap one tier down: a disk victim used to leave the disk's index before the store had written it
+    to Redis, so a read in between missed it everywhere. Here every read made while Redis receives a victim must find
+    the victim's bytes."""
+    store = make_store(tmp_path, host=1 * MiB, disk=1 * MiB, redis_url=redis_url)
+    redis = store.tiers[2]
+    put = redis.put
+    seen = []
+
+    def put_and_read_meanwhile(key, record, **kwargs):  # the store writes a victim to Redis: read it right now
+        found = store.locate([key])[0], store.tiers[1].get(key)
+        seen.append((key, found[0], found[1] is not None))
+        return put(key, record, **kwargs)
+    monkeypatch.setattr(redis, "put", put_and_read_meanwhile)
+    for i in range(10):
+        store.put(key(i), payload(i))
+    assert [k for k, _, _ in seen] == [key(0), key(1)]
+    assert all(tier == "disk" and readable for _, tier, readable in seen), seen
+    assert where(store, 10) == ["redis"] * 2 + ["disk"] * 4 + ["host"] * 4
+    assert bytes(store.get(key(0)).payload) == payload(0)
+
+
 def test_redis_outage_is_invisible_for_local_chunks(tmp_path, redis_proc):
     store = make_store(tmp_path, redis_url=redis_proc.url, write_through=True)
     for i in range(6):

@@ -51,7 +51,7 @@ def make_tier(tmp_path, request):
 
 
 # What each tier is: the contract's protocols it implements, and so what the store may ask of it.
-CLAIMS = {"host": {Tier, ChainDirectory, HandsDown, MappableArena}, "disk": {Tier, ChainDirectory},
+CLAIMS = {"host": {Tier, ChainDirectory, HandsDown, MappableArena}, "disk": {Tier, ChainDirectory, HandsDown},
           "redis": {Tier}, "gpu": {Tier, ChainDirectory, HandsDown}}
 PROTOCOLS = (Tier, ChainDirectory, HandsDown, MappableArena)
 

@@ -9,7 +9,8 @@ concrete class, never a probe method):
   attributes that say how the store treats it.
 - `ChainDirectory` — a tier that keeps an index (tiercache.tiers.index: GPU, host, disk): the children of a parent
   (what the Lookup call searches for checkpoints), orphans of a lost parent, and `needed_above`. Redis has none.
-- `HandsDown` — a tier whose victims stay readable until the store has placed them below (the arenas: GPU, host).
+- `HandsDown` — a tier whose victims stay readable until the store has placed them below (the arenas: GPU, host;
+  the disk tier).
 - `MappableArena` — the arena same-host clients map (the host tier's in /dev/shm): reservations and pins in place.
   The store's same-host path (tiercache.store.same_host) is what uses it.
 tests/tiers/test_contract.py runs the contract against every tier and checks each against the protocols it claims.
@@ -145,7 +146,7 @@ class ChainDirectory(Protocol):
 
 @runtime_checkable
 class HandsDown(Protocol):
-    """A tier that frees its victims' room only after they are placed below (the arenas).
+    """A tier that frees its victims' room only after they are placed below (the arenas, the disk tier).
 
     hand_down (set by the store): hand_down(evicted) places what a put or reservation evicts in the tiers below while
     the victims are still readable in this tier, before their pages are reused; put and reserve then return no

@@ -17,6 +17,9 @@ it is unlinked, so eviction frees a little ahead — down to the cap less a head
 and only for records of at most a quarter of that) — and puts do not wait for the unlinker while it keeps up; when
 it does not, a put waits for room rather than exceed the cap. Explicit deletes and replaced records are unlinked
 before the call returns.
+
+A victim on its way to the tier below (Redis) stays readable here until it has been placed there (HandsDown, set by
+the store): a chunk moving down is in one tier or the other at every moment, as it is out of the host arena.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tiercache.config import DiskTierConfig, state_budget
 from tiercache.errors import ChunkCorrupt, ConfigError, TierDown, TierFull, TierWriteFailed
@@ -62,6 +65,7 @@ class DiskTier(IndexedTier):
     name = "disk"
     checksum_on_read = True
     shared_by_nodes = False
+    hand_down: Callable[[list[Evicted]], None] | None = None  # (HandsDown)
 
     def __init__(self, config: DiskTierConfig) -> None:
         self.root = Path(config.path).expanduser()
@@ -72,6 +76,7 @@ class DiskTier(IndexedTier):
         self._index: ChunkIndex[_File] = ChunkIndex(config.state_value_weight)
         self._reserved_bytes = 0
         self._releasing_bytes = 0
+        self._leaving: dict[ChunkKey, _File] = {}  # victims being read and handed down: still readable
         self._headroom = min(config.capacity_bytes // 1000, _MAX_HEADROOM_BYTES)
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # notified as the unlinker frees bytes
@@ -91,7 +96,7 @@ class DiskTier(IndexedTier):
             raise TierFull(f"{size} bytes exceed what the disk tier may hold")
         with self._lock:
             stale = self._take_out([key])
-        self._discard(stale, read=False)
+        self._discard(stale)
         evicted: list[Evicted] = []
         while True:
             with self._lock:
@@ -106,7 +111,7 @@ class DiskTier(IndexedTier):
                         raise TierFull(f"disk tier has no room for {size} bytes right now", evicted)
                     self._room.wait(_ROOM_WAIT_S)  # room is on its way out: wait for the unlinker
                     continue
-            evicted += self._discard(victims, read=return_evicted, background=True)
+            evicted += self._let_go(victims, read=return_evicted)
         sequence = next(self._sequence)
         entry = _File(self._path_for(key, sequence), size, sequence, meta)
         try:
@@ -120,12 +125,12 @@ class DiskTier(IndexedTier):
         with self._lock:
             replaced = self._take_out([key])  # a concurrent put of the same key: last one wins
             self._index.add(key, entry)
-        self._discard(replaced, read=False)
+        self._discard(replaced)
         return evicted
 
     def get(self, key: ChunkKey) -> bytearray | None:
         with self._lock:
-            entry = self._index.touch(key)
+            entry = self._index.touch(key) or self._leaving.get(key)
         if entry is None:
             return None
         try:
@@ -140,12 +145,12 @@ class DiskTier(IndexedTier):
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         with self._lock:
-            return [k in self._index for k in keys]
+            return [k in self._index or k in self._leaving for k in keys]
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         with self._lock:
             removed = self._take_out(keys)
-        self._discard(removed, read=False)
+        self._discard(removed)
         return len(removed)
 
     def close(self) -> None:
@@ -182,21 +187,41 @@ class DiskTier(IndexedTier):
             return []
         victims = self._index.victims(over, state_over, keep=parent_of(key, meta), needed_above=self.needed_above)
         self._releasing_bytes += sum(v.entry.record_bytes for v in victims)
+        for victim in victims:
+            self._leaving[victim.key] = victim.entry
         return victims
 
-    def _discard(self, victims: list[Victim[_File]], read: bool, background: bool = False) -> list[Evicted]:
-        """Outside the lock: (read and) unlink taken-out files — now, or on the unlinker thread — and stop counting
-        their bytes once unlinked. Unreachable objects are not read: nothing below wants them."""
+    def _let_go(self, victims: list[Victim[_File]], read: bool) -> list[Evicted]:
+        """Outside the lock: read the victims and hand them down (with `hand_down` set; else return them), then stop
+        serving them and unlink their files on the unlinker thread. Until handed down they stay readable (_leaving)."""
+        try:
+            batch = self._read_out(victims, read)
+            if self.hand_down is None:
+                return batch
+            self.hand_down(batch)
+            return []
+        finally:
+            with self._lock:
+                for victim in victims:
+                    if self._leaving.get(victim.key) is victim.entry:
+                        del self._leaving[victim.key]
+            for victim in victims:
+                self._unlinks.put(victim.entry)
+
+    def _read_out(self, victims: list[Victim[_File]], read: bool) -> list[Evicted]:
+        """Outside the lock: the victims as evicted records (read from their files when `read`; unreachable objects
+        are not read: nothing below wants them). A file that could not be read is left out."""
         evicted = []
         for victim in victims:
             record = self._read_file(victim.entry.path) if read and victim.reachable else None
-            if background:
-                self._unlinks.put(victim.entry)
-            else:
-                self._release(victim.entry)
             if not read or not victim.reachable or record is not None:
                 evicted.append(Evicted(victim.key, record, victim.reachable))
         return evicted
+
+    def _discard(self, victims: list[Victim[_File]]) -> None:
+        """Outside the lock: unlink taken-out files now and stop counting their bytes."""
+        for victim in victims:
+            self._release(victim.entry)
 
     def _release(self, entry: _File) -> None:
         _unlink(entry.path)
