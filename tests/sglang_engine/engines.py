@@ -165,17 +165,23 @@ def wait_until(condition, what: str, timeout_s: float = 60.0):
         time.sleep(0.05)
 
 
-def server_pages(url: str, model_name: str) -> int:
-    """Objects a tiercache server holds for SGLang's pages (and states) of the model whose folder is `model_name`
-    (TierCacheStorage's namespaces are `sglang/<model path>@<layout digest>`)."""
+def server_namespaces(url: str, model_name: str, token: str | None = None) -> dict[str, int]:
+    """{namespace: objects} a tiercache server holds for SGLang's pages (and states) of the model whose folder is
+    `model_name` (TierCacheStorage's namespaces are `sglang/<model path>@<layout digest>[~<salt digest>]`); `token`:
+    on a server with tenants, an admin's (it sees every tenant's namespaces)."""
     from tiercache.client import Client
 
-    client = Client.from_url(url)
+    client = Client.from_url(url, token=token)
     try:
-        return sum(n["chunks"] for n in client.stats()["namespaces"]
-                   if n["namespace"].startswith("sglang/") and f"/{model_name}@" in n["namespace"])
+        return {n["namespace"]: n["chunks"] for n in client.stats()["namespaces"]
+                if n["namespace"].startswith("sglang/") and f"/{model_name}@" in n["namespace"]}
     finally:
         client.close()
+
+
+def server_pages(url: str, model_name: str, token: str | None = None) -> int:
+    """Objects a tiercache server holds for SGLang's pages (and states) of the model whose folder is `model_name`."""
+    return sum(server_namespaces(url, model_name, token).values())
 
 
 def file_pages(directory: Path, kind: str = "") -> int:
