@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.sglang_engine.conftest import prompt
-from tests.sglang_engine.engines import Completion, EngineProcess, engine_settings, server_namespaces, wait_until
+from tests.sglang_engine.engines import (Completion, EngineProcess, engine_settings, server_namespaces,
+                                         start_together, wait_until)
 from tests.sglang_engine.models import DENSE
 from tiercache.client import Client
 from tiercache.process import ServerProcess
@@ -85,26 +86,32 @@ def model(models_dir):
     return DENSE.write(models_dir)
 
 
-def start(model: str, logs: Path, server: Server, tenant: str, extra: dict, **overrides) -> EngineProcess:
+def settings(model: str, server: Server, tenant: str, extra: dict, **overrides) -> dict:
     token, salt = TENANTS[tenant]
     # offline_backoff_s: how far apart the backend probes a server it lost (the dead-server test waits for it).
-    settings = engine_settings(model, page_size=PAGE, storage="tiercache", url=server.url,
-                               extra={"token": token, "salt": salt, "offline_backoff_s": 0.5, **extra}, **overrides)
-    return EngineProcess(settings, logs / f"faults-{tenant}.log")
+    return engine_settings(model, page_size=PAGE, storage="tiercache", url=server.url,
+                           extra={"token": token, "salt": salt, "offline_backoff_s": 0.5, **extra}, **overrides)
 
 
 @pytest.fixture(scope="module")
-def engine_a(model, logs, server):
-    engine = start(model, logs, server, "a", {"interface_v1": 1})
-    yield engine
-    engine.close()
+def engines(model, logs, server):
+    """Engines A and B, started together."""
+    started = start_together(
+        (settings(model, server, "a", {"interface_v1": 1}), logs / "faults-a.log"),
+        (settings(model, server, "b", {}, hicache_mem_layout="layer_first"), logs / "faults-b.log"))
+    yield started
+    for engine in started:
+        engine.close()
 
 
 @pytest.fixture(scope="module")
-def engine_b(model, logs, server):
-    engine = start(model, logs, server, "b", {}, hicache_mem_layout="layer_first")
-    yield engine
-    engine.close()
+def engine_a(engines):
+    return engines[0]
+
+
+@pytest.fixture(scope="module")
+def engine_b(engines):
+    return engines[1]
 
 
 def generate(engine: EngineProcess, tokens: list[int]) -> Completion:
@@ -179,24 +186,31 @@ def test_a_damaged_page_is_a_miss_and_the_engine_recomputes_from_there(server, m
 
 
 def test_the_server_killed_and_restarted_under_a_running_engine(server, model, engine_a):
-    """The server SIGKILLed right after a request (its backups may be in flight): the engine stays up, a request is
-    a miss computed as a cold run; a server started again on the same port and disk: the backend's probe finds it
-    (at most offline_backoff_s after), and hits resume from the pages on its disk."""
+    """The server SIGKILLed right after a request, while the engine backs its pages up: the engine stays up (the
+    backups are dropped), a request is a miss computed as a cold run; a server started again on the same port and
+    disk directory has the pages backed up before the kill, the backend's probe finds it (at most offline_backoff_s
+    after), and hits resume from them."""
     cold = generate(engine_a, LATER)
     assert cold.cached == 0
-    server.kill()
-    engine_a.flush()  # backups to a dead server end (dropped); the engine's caches are emptied
+    engine_a.flush()  # LATER's pages are on the server's disk
+    stored = server.namespaces(model)
+
+    generate(engine_a, prompt(23, LENGTH))
+    server.kill()  # while the engine backs that prompt up (SGLang logs "12 pages failed" when the kill wins)
+    engine_a.flush()  # backups to a dead server end; the engine's caches are emptied
 
     dead = generate(engine_a, LATER)
     assert dead.cached == 0 and dead.storage == 0, dead.details
     assert dead.same_computation() == cold.same_computation()
 
     server.restart()
+    after = server.namespaces(model)  # the disk tier's index, rebuilt from its files
+    assert all(after.get(namespace, 0) >= pages for namespace, pages in stored.items()), (stored, after)
 
     def storage_hit():
         # flush_cache first: the hit must come from the server, not from the engine's own caches. A request made
-        # before the backend found the server again is a miss, computed cold (and then backed up): every answer
-        # must still be the cold run's.
+        # before the backend's probe found the server again is a miss, computed cold: every answer must still be
+        # the cold run's.
         engine_a.flush()
         got = generate(engine_a, LATER)
         assert got.same_computation() == cold.same_computation(), got.details
