@@ -21,7 +21,10 @@ Scenarios:
   evicted part of it, while the storage arms read it back. Turns 2.. are the samples.
 
 Ratios are TTFT (p50 and mean) of an arm over SGLang alone's in the same run. The model is tiny (`--layers`,
-`--hidden`): a hit saves less compute than on a real model, and moving its pages costs relatively more.
+`--hidden`): a hit saves less compute than on a real model, and moving its pages costs relatively more. On a CPU
+without AMX SGLang runs its `torch_native` attention backend, whose extend attends a query padded to the whole
+sequence (prefix included): a hit saves the projections and MLP of the cached tokens but not their attention, so
+a hit's TTFT here keeps a cost that grows with the prompt, and the ratios understate what a hit saves.
 
     make install-sglang-engine
     .venv-sglang/bin/python benchmarks/sglang_backend.py [--json out.json] [--smoke]
@@ -63,7 +66,8 @@ def summary(samples: list[tuple[int, Timed]]) -> dict:
             "ttft_mean_ms": ms(statistics.fmean(ttft)), "prompt_tokens": sum(n for n, _ in samples),
             "cached_tokens": sum(s.cached for s in timed),
             **{f"{tier}_tokens": sum(s.tier(tier) for s in timed) for tier in ("device", "host", "storage")},
-            "ttft_ms": [ms(t) for t in ttft]}
+            "ttft_ms": [ms(t) for t in ttft], "cached": [t.cached for t in timed],
+            "storage": [t.tier("storage") for t in timed], "prompts": [n for n, _ in samples]}
 
 
 class Workload:
