@@ -19,6 +19,8 @@ Scenarios:
   conversation so far + the engine's reply (`--reply` tokens) + a new message; the conversations outgrow the device
   and host pools (`--device-tokens`, twice that in the host pool), so by a conversation's next turn SGLang alone has
   evicted part of it, while the storage arms read it back. Turns 2.. are the samples.
+The writers run one after the other; then the arms' fresh engines (three processes) are alive at once and take
+turns, one request at a time, so each arm's samples see the same background load.
 
 Ratios are TTFT (p50 and mean) of an arm over SGLang alone's in the same run. The model is tiny (`--layers`,
 `--hidden`): a hit saves less compute than on a real model, and moving its pages costs relatively more. On a CPU
@@ -40,13 +42,12 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from tests.sglang_engine.conftest import prompt  # noqa: E402
-from tests.sglang_engine.engines import EngineProcess, Timed, engine_settings  # noqa: E402
+from tests.sglang_engine.engines import EngineProcess, Timed, engine_settings, start_together  # noqa: E402
 from tests.sglang_engine.models import TinyModel  # noqa: E402
 from tiercache.process import ServerProcess  # noqa: E402
 
@@ -71,7 +72,9 @@ def summary(samples: list[tuple[int, Timed]]) -> dict:
 
 
 class Workload:
-    """The prompts, the same for every arm (seeded)."""
+    """The prompts, the same for every arm (seeded). The arms' fresh engines are alive together and take turns, one
+    request at a time (alone, file, tiercache, alone, ...): each arm's samples see the same background load, which on
+    a shared machine drifts more over a minute than the arms differ."""
 
     def __init__(self, args) -> None:
         self.args = args
@@ -85,21 +88,27 @@ class Workload:
         engine.flush(timeout_s=300)
         return samples
 
-    def shared_prefix(self, engine: EngineProcess) -> list[tuple[int, Timed]]:
-        return [timed(engine, doc + q) for doc, q in zip(self.documents, self.reader_questions)]
+    def shared_prefix(self, readers: dict[str, EngineProcess]) -> dict[str, list[tuple[int, Timed]]]:
+        samples: dict[str, list] = {arm: [] for arm in readers}
+        for doc, question in zip(self.documents, self.reader_questions):
+            for arm, reader in readers.items():
+                samples[arm].append(timed(reader, doc + question))
+        return samples
 
-    def chat(self, engine: EngineProcess) -> list[tuple[int, Timed]]:
+    def chat(self, readers: dict[str, EngineProcess]) -> dict[str, list[tuple[int, Timed]]]:
         """Round-robin turns of `--chats` conversations; the samples are turns 2.. (turn 1 is cold everywhere)."""
         args = self.args
-        engine.flush(timeout_s=300)  # the chat starts with empty device and host pools in every arm
-        history = [prompt(4000 + c, args.first_message) for c in range(args.chats)]
-        samples = []
+        for reader in readers.values():
+            reader.flush(timeout_s=300)  # the chat starts with empty device and host pools in every arm
+        history = {arm: [prompt(4000 + c, args.first_message) for c in range(args.chats)] for arm in readers}
+        samples: dict[str, list] = {arm: [] for arm in readers}
         for turn in range(args.turns):
             for c in range(args.chats):
-                length, reply = timed(engine, history[c], args.reply)
-                if turn:
-                    samples.append((length, reply))
-                history[c] = history[c] + reply.tokens + prompt(5000 + 100 * c + turn, args.message)
+                for arm, reader in readers.items():
+                    length, reply = timed(reader, history[arm][c], args.reply)
+                    if turn:
+                        samples[arm].append((length, reply))
+                    history[arm][c] = history[arm][c] + reply.tokens + prompt(5000 + 100 * c + turn, args.message)
         return samples
 
 
@@ -107,33 +116,46 @@ def timed(engine: EngineProcess, tokens: list[int], max_new_tokens: int = 1) -> 
     return len(tokens), engine.timed(tokens, max_new_tokens=max_new_tokens)
 
 
-@contextmanager
-def engine(settings: dict, log: Path):
-    process = EngineProcess(settings, log)
-    try:
-        process.timed(prompt(9, 40))  # the engine's first request pays for lazy initialisation: not a sample
-        yield process
-    finally:
-        process.close()
-
-
-def run_arm(arm: str, model: str, workload: Workload, args, scratch: Path, server_url: str | None) -> dict:
+def arm_settings(arm: str, model: str, args, scratch: Path, server_url: str | None) -> dict:
     common = dict(page_size=args.page_size, max_total_tokens=args.device_tokens,
                   chunked_prefill_size=args.device_tokens, max_running_requests=1)
     if arm == "alone":
-        settings = engine_settings(model, storage="host", **common)
-    elif arm == "file":
-        settings = engine_settings(model, storage="file", file_dir=str(scratch / "hicache-file"), **common)
-    else:
-        settings = engine_settings(model, storage="tiercache", url=server_url, extra={"interface_v1": 1}, **common)
-    result = {}
-    if arm != "alone":
-        with engine(settings, scratch / f"{arm}-writer.log") as writer:
-            result["writer"] = summary(workload.write(writer))
-    with engine(settings, scratch / f"{arm}-reader.log") as reader:
-        result["shared_prefix"] = summary(workload.shared_prefix(reader))
-        result["chat"] = summary(workload.chat(reader))
-    return result
+        return engine_settings(model, storage="host", **common)
+    if arm == "file":
+        return engine_settings(model, storage="file", file_dir=str(scratch / "hicache-file"), **common)
+    return engine_settings(model, storage="tiercache", url=server_url, extra={"interface_v1": 1}, **common)
+
+
+def run(arms: list[str], model: str, workload: Workload, args, scratch: Path, server_url: str | None) -> dict:
+    """Writers one after the other (their TTFT: a cold computation plus its backups), then every arm's fresh reader
+    at once, taking turns."""
+    settings = {arm: arm_settings(arm, model, args, scratch, server_url) for arm in arms}
+    results: dict[str, dict] = {arm: {} for arm in arms}
+    for arm in arms:
+        if arm != "alone":
+            writer = EngineProcess(settings[arm], scratch / f"{arm}-writer.log")
+            try:
+                warm_up(writer)
+                results[arm]["writer"] = summary(workload.write(writer))
+            finally:
+                writer.close()
+    readers = dict(zip(arms, start_together(*[(settings[arm], scratch / f"{arm}-reader.log") for arm in arms])))
+    try:
+        for reader in readers.values():
+            warm_up(reader)
+        for scenario, samples in (("shared_prefix", workload.shared_prefix(readers)),
+                                  ("chat", workload.chat(readers))):
+            for arm in arms:
+                results[arm][scenario] = summary(samples[arm])
+    finally:
+        for reader in readers.values():
+            reader.close()
+    return results
+
+
+def warm_up(engine: EngineProcess) -> None:
+    """An engine's first request pays for lazy initialisation: not a sample."""
+    engine.timed(prompt(9, 40))
 
 
 def ratios(report: dict) -> dict:
@@ -211,8 +233,7 @@ def main() -> None:
                   "arms": {}}
         server = ServerProcess("--host-mem", "2GiB", "--disk-size", "0").start() if "tiercache" in arms else None
         try:
-            for arm in arms:
-                report["arms"][arm] = run_arm(arm, model, workload, args, scratch, server.url if server else None)
+            report["arms"] = run(arms, model, workload, args, scratch, server.url if server else None)
         finally:
             if server is not None:
                 server.kill()

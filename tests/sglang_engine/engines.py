@@ -71,7 +71,11 @@ def engine_settings(model_dir: str, *, page_size: int, storage: str | None = Non
                     # (1 - mem_fraction_static) of what was free before: other processes' allocations meanwhile count
                     # against it. The pools are sized by max_total_tokens (and max_mamba_cache_size), not by this.
                     mem_fraction_static=0.5,
-                    max_running_requests=2, disable_cuda_graph=True, watchdog_timeout=600)
+                    max_running_requests=2, disable_cuda_graph=True, watchdog_timeout=600,
+                    # An idle scheduler otherwise polls its sockets in a busy loop, a core each: with two or three
+                    # engines alive on 2 cores they starved the one working. Asleep, it waits on the sockets
+                    # (a request wakes it at once); not while a request waits for a prefetch (not idle then).
+                    sleep_on_idle=True)
     if hybrid:
         # SGLang refuses the extra_buffer strategy on the CPU: states are cached at a request's end (no_buffer),
         # which SGLang runs without its overlap scheduler only; 16 state slots are plenty here (default: thousands).
