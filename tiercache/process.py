@@ -26,10 +26,12 @@ def free_port() -> int:
 class ServerProcess:
     """`tiercache serve *args` on a free port. Without --disk-dir (or a --config naming one) its disk tier lives in
     a scratch folder of its own, removed when the process is killed or terminated: benchmarks and tests leave no
-    gigabytes behind, and never share the default ~/.cache/tiercache (`scratch_disk=False`: the server's default)."""
+    gigabytes behind, and never share the default ~/.cache/tiercache (`scratch_disk=False`: the server's default).
+    `port`: a given gRPC port instead of a free one (a server restarted where its clients already point)."""
 
-    def __init__(self, *args: str, env: dict | None = None, scratch_disk: bool = True) -> None:
-        self.port = free_port()
+    def __init__(self, *args: str, env: dict | None = None, scratch_disk: bool = True,
+                 port: int | None = None) -> None:
+        self.port = port if port is not None else free_port()
         self.args = ["--port", str(self.port), *args]
         self._scratch: str | None = None
         named = any(a == flag or a.startswith(flag + "=") for a in args for flag in ("--disk-dir", "--config"))

@@ -6,6 +6,9 @@ Protocol: one JSON object per line on stdin, one answer per line on stdout ({"re
   {"op": "generate", "prompt": [ids], "max_new_tokens": n, "logprob_start_len": k (-1: output logprobs only)}
       -> {"cached": n, "details": {...} | null, "tokens": [..], "output": [[logprob, id], ..],
           "top": [{id: logprob}, ..], "input": [[logprob, id], ..], "seconds": s}
+  {"op": "timed", "prompt": [ids], "max_new_tokens": n}
+      -> {"cached": n, "details": {...} | null, "tokens": [..], "ttft": s, "seconds": s}: the request streamed,
+         "ttft" the time until its first chunk (the first token), "seconds" until its last, both measured here
   {"op": "flush", "timeout_s": t}
       -> {"success": bool}: SGLang's flush_cache with a timeout: it waits until the scheduler is fully idle (no
          write-through, load-back, prefetch or storage backup in flight), then drops the device and host caches.
@@ -41,6 +44,22 @@ def generate(engine, command: dict) -> dict:
             "seconds": seconds}
 
 
+def timed(engine, command: dict) -> dict:
+    """A greedy request streamed: the time to its first token (TTFT) and to its end, in the engine's process."""
+    started = time.perf_counter()
+    first = None
+    chunk = None
+    for chunk in engine.generate(input_ids=command["prompt"], stream=True,
+                                 sampling_params={"max_new_tokens": command.get("max_new_tokens", 1),
+                                                  "temperature": 0, "ignore_eos": True}):
+        if first is None:
+            first = time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    meta = chunk["meta_info"]
+    return {"cached": meta["cached_tokens"], "details": meta.get("cached_tokens_details"),
+            "tokens": list(chunk["output_ids"]), "ttft": first, "seconds": seconds}
+
+
 def main() -> None:
     settings = json.loads(sys.argv[1])
     reply = os.fdopen(os.dup(1), "w")
@@ -58,6 +77,8 @@ def main() -> None:
                 break
             if command["op"] == "generate":
                 answer = generate(engine, command)
+            elif command["op"] == "timed":
+                answer = timed(engine, command)
             elif command["op"] == "flush":
                 result = engine.loop.run_until_complete(
                     engine.tokenizer_manager.flush_cache(timeout_s=command.get("timeout_s", 60)))

@@ -47,24 +47,44 @@ class Completion:
         return self.tokens, self.output, self.top, self.input
 
 
+@dataclass(frozen=True)
+class Timed:
+    cached: int
+    details: dict | None  # SGLang's cached_tokens_details: {"device", "host", "storage", "storage_backend"}
+    tokens: list[int]
+    ttft: float  # seconds to the first streamed token, measured in the engine's process
+    seconds: float  # to the request's end
+
+    def tier(self, name: str) -> int:
+        return int((self.details or {}).get(name) or 0)
+
+
 def engine_settings(model_dir: str, *, page_size: int, storage: str | None = None, url: str | None = None,
                     file_dir: str | None = None, hybrid: bool = False, extra: dict | None = None,
                     **overrides) -> dict:
     """sglang.Engine arguments for SGLang's CPU engine on a tiny model; `storage`: None (no HiCache), "tiercache"
-    (TierCacheStorage on the server at `url`) or "file" (SGLang's HiCacheFile in `file_dir`)."""
+    (TierCacheStorage on the server at `url`), "file" (SGLang's HiCacheFile in `file_dir`) or "host" (HiCache's
+    host pool, L2, and no storage backend: SGLang alone)."""
     settings = dict(model_path=model_dir, device="cpu", dtype="bfloat16", log_level="warning", random_seed=0,
                     page_size=page_size, max_total_tokens=4096, chunked_prefill_size=1024,
                     # On the CPU SGLang checks that the memory free after loading the weights is above
                     # (1 - mem_fraction_static) of what was free before: other processes' allocations meanwhile count
                     # against it. The pools are sized by max_total_tokens (and max_mamba_cache_size), not by this.
                     mem_fraction_static=0.5,
-                    max_running_requests=2, disable_cuda_graph=True, watchdog_timeout=600)
+                    max_running_requests=2, disable_cuda_graph=True, watchdog_timeout=600,
+                    # An idle scheduler otherwise polls its sockets in a busy loop, a core each: with two or three
+                    # engines alive on 2 cores they starved the one working. Asleep, it waits on the sockets
+                    # (a request wakes it at once); not while a request waits for a prefetch (not idle then).
+                    sleep_on_idle=True)
     if hybrid:
         # SGLang refuses the extra_buffer strategy on the CPU: states are cached at a request's end (no_buffer),
         # which SGLang runs without its overlap scheduler only; 16 state slots are plenty here (default: thousands).
         settings.update(mamba_radix_cache_strategy="no_buffer", disable_overlap_schedule=True,
                         max_mamba_cache_size=16)
     if storage is not None:
+        settings.update(enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_io_backend="direct",
+                        hicache_mem_layout="page_first_direct", hicache_write_policy="write_through")
+    if storage is not None and storage != "host":
         if storage == "tiercache":
             config = {**TIERCACHE_BACKEND, "url": url, "timeout_s": 30}
             backend = "dynamic"
@@ -74,9 +94,7 @@ def engine_settings(model_dir: str, *, page_size: int, storage: str | None = Non
         else:
             raise ValueError(storage)
         config = {**config, "prefetch_threshold": PREFETCH_THRESHOLD, **(extra or {})}
-        settings.update(enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_io_backend="direct",
-                        hicache_mem_layout="page_first_direct", hicache_write_policy="write_through",
-                        hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend=backend,
+        settings.update(hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend=backend,
                         hicache_storage_backend_extra_config=json.dumps(config))
     settings.update(overrides)
     return settings
@@ -86,7 +104,8 @@ class EngineProcess:
     """One SGLang engine (sglang.Engine) in a process of its own, with the CPU harness loaded at every interpreter
     start (PYTHONPATH), SGLang's spawned scheduler included."""
 
-    def __init__(self, settings: dict, log_path: Path, start_timeout_s: float = 300.0) -> None:
+    def __init__(self, settings: dict, log_path: Path, start_timeout_s: float = 300.0, wait: bool = True) -> None:
+        """`wait=False`: return once the process is started; `ready()` waits for the engine (start_together)."""
         self.log_path = log_path
         pythonpath = os.pathsep.join([str(HARNESS), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, "SGLANG_USE_CPU_ENGINE": "1"}
@@ -95,13 +114,24 @@ class EngineProcess:
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
                                         start_new_session=True)
         self._lock = threading.Lock()
-        self._read(start_timeout_s)
+        self._start_timeout_s = start_timeout_s
+        if wait:
+            self.ready()
+
+    def ready(self) -> "EngineProcess":
+        """Wait for the engine's {"ready": true} (it has loaded the model and started its scheduler)."""
+        self._read(self._start_timeout_s)
+        return self
 
     def generate(self, prompt: list[int], max_new_tokens: int = 4, logprob_start_len: int = -1,
                  timeout_s: float = 300) -> Completion:
         answer = self._call({"op": "generate", "prompt": prompt, "max_new_tokens": max_new_tokens,
                              "logprob_start_len": logprob_start_len}, timeout_s)
         return Completion(**answer)
+
+    def timed(self, prompt: list[int], max_new_tokens: int = 1, timeout_s: float = 300) -> "Timed":
+        """A greedy request streamed: its time to first token and its cached tokens (benchmarks)."""
+        return Timed(**self._call({"op": "timed", "prompt": prompt, "max_new_tokens": max_new_tokens}, timeout_s))
 
     def flush(self, timeout_s: float = 60) -> None:
         """SGLang's flush_cache once the engine is idle: every backup it started is in storage when this returns,
@@ -153,6 +183,18 @@ class EngineProcess:
         return answer
 
 
+def start_together(*engines: tuple[dict, Path]) -> list[EngineProcess]:
+    """Engines (settings, log path) started at once: most of a start is importing SGLang in two processes, which
+    overlaps well with another engine's."""
+    started = [EngineProcess(settings, log, wait=False) for settings, log in engines]
+    try:
+        return [engine.ready() for engine in started]
+    except BaseException:
+        for engine in started:
+            engine.close()
+        raise
+
+
 def wait_until(condition, what: str, timeout_s: float = 60.0):
     """Poll `condition()` until it returns a true value (returned), or fail naming `what`."""
     deadline = time.monotonic() + timeout_s
@@ -165,17 +207,23 @@ def wait_until(condition, what: str, timeout_s: float = 60.0):
         time.sleep(0.05)
 
 
-def server_pages(url: str, model_name: str) -> int:
-    """Objects a tiercache server holds for SGLang's pages (and states) of the model whose folder is `model_name`
-    (TierCacheStorage's namespaces are `sglang/<model path>@<layout digest>`)."""
+def server_namespaces(url: str, model_name: str, token: str | None = None) -> dict[str, int]:
+    """{namespace: objects} a tiercache server holds for SGLang's pages (and states) of the model whose folder is
+    `model_name` (TierCacheStorage's namespaces are `sglang/<model path>@<layout digest>[~<salt digest>]`); `token`:
+    on a server with tenants, an admin's (it sees every tenant's namespaces)."""
     from tiercache.client import Client
 
-    client = Client.from_url(url)
+    client = Client.from_url(url, token=token)
     try:
-        return sum(n["chunks"] for n in client.stats()["namespaces"]
-                   if n["namespace"].startswith("sglang/") and f"/{model_name}@" in n["namespace"])
+        return {n["namespace"]: n["chunks"] for n in client.stats()["namespaces"]
+                if n["namespace"].startswith("sglang/") and f"/{model_name}@" in n["namespace"]}
     finally:
         client.close()
+
+
+def server_pages(url: str, model_name: str, token: str | None = None) -> int:
+    """Objects a tiercache server holds for SGLang's pages (and states) of the model whose folder is `model_name`."""
+    return sum(server_namespaces(url, model_name, token).values())
 
 
 def file_pages(directory: Path, kind: str = "") -> int:

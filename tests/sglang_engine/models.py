@@ -24,6 +24,7 @@ class TinyModel:
     kind: str  # "dense" (Qwen3ForCausalLM) or "hybrid" (Qwen3NextForCausalLM)
     layers: int
     seed: int = 0
+    hidden: int = 256  # attention heads of 64, MLP twice as wide
 
     def write(self, directory: Path) -> str:
         """The model's folder under `directory`, written on first use (weights, config, tokenizer)."""
@@ -44,8 +45,9 @@ class TinyModel:
         return str(path)
 
     def _model(self):
-        common = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=self.layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+        common = dict(vocab_size=VOCAB, hidden_size=self.hidden, intermediate_size=2 * self.hidden,
+                      num_hidden_layers=self.layers, num_attention_heads=self.hidden // 64, num_key_value_heads=2,
+                      head_dim=64, max_position_embeddings=4096,
                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="bfloat16")
         if self.kind == "dense":
             from transformers import Qwen3Config, Qwen3ForCausalLM
