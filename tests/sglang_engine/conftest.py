@@ -13,6 +13,8 @@ import importlib.util
 import numpy as np
 import pytest
 
+from tiercache.process import ServerProcess
+
 _ENGINE = all(importlib.util.find_spec(name) is not None for name in ("sglang", "uvloop", "fastapi", "xgrammar"))
 
 if not _ENGINE:
@@ -34,3 +36,12 @@ def models_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory):
     return tmp_path_factory.mktemp("engine-logs")
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A cache server for one module's engines: host memory only (a module that needs a disk or tenants starts its
+    own under this name)."""
+    proc = ServerProcess("--host-mem", "256MiB", "--disk-size", "0").start()
+    yield proc
+    proc.kill()

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.engine_lines import ask
+
 HERE = Path(__file__).parent
 HARNESS = HERE / "harness"  # sitecustomize.py + the sgl_kernel stand-in: on PYTHONPATH of every engine process
 ENGINE_SCRIPT = HERE / "engine_process.py"
@@ -120,7 +122,7 @@ class EngineProcess:
 
     def ready(self) -> "EngineProcess":
         """Wait for the engine's {"ready": true} (it has loaded the model and started its scheduler)."""
-        self._read(self._start_timeout_s)
+        self._call(None, self._start_timeout_s)
         return self
 
     def generate(self, prompt: list[int], max_new_tokens: int = 4, logprob_start_len: int = -1,
@@ -160,24 +162,9 @@ class EngineProcess:
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def _call(self, command: dict, timeout_s: float) -> dict:
-        with self._lock:
-            self.process.stdin.write(json.dumps(command) + "\n")
-            self.process.stdin.flush()
-            return self._read(timeout_s)
-
-    def _read(self, timeout_s: float) -> dict:
-        result: list[str] = []
-        reader = threading.Thread(target=lambda: result.append(self.process.stdout.readline()), daemon=True)
-        reader.start()
-        deadline = time.monotonic() + timeout_s
-        while reader.is_alive() and time.monotonic() < deadline and self.process.poll() is None:
-            reader.join(0.2)
-        if not result or not result[0]:
-            self._kill_group()
-            raise RuntimeError(f"the SGLang engine did not answer in {timeout_s}s (exit {self.process.poll()}):\n"
-                               f"{self.log_tail()}")
-        answer = json.loads(result[0])
+    def _call(self, command: dict | None, timeout_s: float) -> dict:
+        answer = ask(self.process, self._lock, command, timeout_s, engine="SGLang", kill=self._kill_group,
+                     log_tail=self.log_tail)
         if "error" in answer:
             raise RuntimeError(answer["error"])
         return answer

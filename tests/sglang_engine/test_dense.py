@@ -18,20 +18,12 @@ import pytest
 from tests.sglang_engine.conftest import prompt
 from tests.sglang_engine.engines import EngineProcess, engine_settings, file_pages, server_pages
 from tests.sglang_engine.models import DENSE, transformers_greedy
-from tiercache.process import ServerProcess
 
 PAGE = 16
 LENGTH = 200  # 12 full pages and 8 tokens: a hit is at most 192 tokens, the engine computes the rest
 FULL_PAGES = LENGTH // PAGE
 HIT = FULL_PAGES * PAGE
 TOKENS = prompt(7, LENGTH)
-
-
-@pytest.fixture(scope="module")
-def server():
-    proc = ServerProcess("--host-mem", "256MiB", "--disk-size", "0").start()
-    yield proc
-    proc.kill()
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import pytest
 
 from tests.sglang_engine.conftest import prompt
 from tests.sglang_engine.engines import HARNESS, ROOT, engine_settings, server_pages, wait_until
 from tests.sglang_engine.models import DENSE
-from tiercache.process import ServerProcess, free_port
+from tiercache.process import free_port
 
 PAGE = 16
 LENGTH = 200
@@ -99,13 +98,6 @@ class HttpServer:
 def computation(meta: dict) -> tuple:
     """What a hit must reproduce bit for bit: every logprob and token returned."""
     return (meta["output_token_logprobs"], meta["output_top_logprobs"], meta["input_token_logprobs"])
-
-
-@pytest.fixture(scope="module")
-def server():
-    proc = ServerProcess("--host-mem", "256MiB", "--disk-size", "0").start()
-    yield proc
-    proc.kill()
 
 
 def test_launch_server_reads_a_prompt_back_from_tiercache_after_flush_cache(server, models_dir, logs):

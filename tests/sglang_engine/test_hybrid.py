@@ -21,19 +21,11 @@ import pytest
 from tests.sglang_engine.conftest import prompt
 from tests.sglang_engine.engines import Completion, EngineProcess, engine_settings, file_pages, server_pages
 from tests.sglang_engine.models import HYBRID, transformers_greedy
-from tiercache.process import ServerProcess
 
 FIRST = prompt(11, 100)
 OUTPUT = 4
 NEW = prompt(12, 10)  # the user's next message
 HIT = len(FIRST) + OUTPUT - 1  # the previous turn without its last token: the state SGLang cached at its end
-
-
-@pytest.fixture(scope="module")
-def server():
-    proc = ServerProcess("--host-mem", "256MiB", "--disk-size", "0").start()
-    yield proc
-    proc.kill()
 
 
 @pytest.fixture(scope="module")

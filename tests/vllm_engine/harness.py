@@ -8,9 +8,10 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.engine_lines import ask
 
 ENGINE_SCRIPT = Path(__file__).with_name("engine_process.py")
 ROOT = ENGINE_SCRIPT.parents[2]
@@ -57,7 +58,7 @@ class EngineProcess:
         self.process = subprocess.Popen([sys.executable, str(ENGINE_SCRIPT), json.dumps(settings)], env=env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
         self._lock = threading.Lock()
-        self.tiercache_modules: dict[str, str | None] = self._read(timeout_s=180)["tiercache_modules"]
+        self.tiercache_modules: dict[str, str | None] = self._call(None, timeout_s=180)["tiercache_modules"]
         if WHEEL_SITE and url is not None:
             elsewhere = {name: file for name, file in self.tiercache_modules.items()
                          if not (file or "").startswith(WHEEL_SITE + os.sep)}
@@ -102,24 +103,9 @@ class EngineProcess:
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def _call(self, command: dict, timeout_s: float) -> dict:
-        with self._lock:
-            self.process.stdin.write(json.dumps(command) + "\n")
-            self.process.stdin.flush()
-            return self._read(timeout_s)
-
-    def _read(self, timeout_s: float) -> dict:
-        result: list[str] = []
-        reader = threading.Thread(target=lambda: result.append(self.process.stdout.readline()), daemon=True)
-        reader.start()
-        deadline = time.monotonic() + timeout_s
-        while reader.is_alive() and time.monotonic() < deadline and self.process.poll() is None:
-            reader.join(0.2)
-        if not result or not result[0]:
-            self.process.kill()
-            raise RuntimeError(f"the vLLM engine did not answer in {timeout_s}s (exit {self.process.poll()}):\n"
-                               f"{self.log_tail()}")
-        return json.loads(result[0])
+    def _call(self, command: dict | None, timeout_s: float) -> dict:
+        return ask(self.process, self._lock, command, timeout_s, engine="vLLM", kill=self.process.kill,
+                   log_tail=self.log_tail)
 
 
 def assert_same_computation(got: Completion, reference: Completion, what: str) -> None:
