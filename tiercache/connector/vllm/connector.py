@@ -11,7 +11,7 @@
 `tls_ca_file`, `tls_cert_file`, `tls_key_file`, `tls_server_name`, each defaulting to its environment variable), and
 vLLM's own: `model_name` (default: the served model), `revision`, `match_unit` (u, default 16 when it divides the
 block size, else the block size), `salt`, `weights_id`, `timeout_s`, `lookup_timeout_s`, `offline_backoff_s`,
-`max_pending_save_bytes`, `max_boundary_states`. Prefix caching (on by default) puts the Mamba
+`max_pending_save_bytes`, `save_batch_s`, `max_boundary_states`. Prefix caching (on by default) puts the Mamba
 groups in the 'align' mode the connector needs; `--mamba-cache-mode` decides nothing (deprecated in 0.33; 0.32 derives
 the mode from prefix caching). At startup the scheduler's connector checks that its largest object fits the server's
 chunk limit (tiercache.connector.limits). The rules (what is loaded, what is saved,
@@ -22,6 +22,7 @@ tiercache.connector.vllm.identity.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -48,6 +49,7 @@ from tiercache.errors import InvalidArgument
 from tiercache.prefix.objects import CacheSpec
 
 log = logging.getLogger(__name__)
+STATS_INTERVAL_S = 1.0  # how often a connector reports its counters' changes to vLLM
 
 # Scheduler-role connectors of this process. With vLLM's engine core in the process that computes (the `uni`
 # executor and VLLM_ENABLE_V1_MULTIPROCESSING=0, e.g. an offline `LLM`), a request's end-of-request save reaches the
@@ -70,6 +72,7 @@ class VllmSettings:
     # and a health check probes it in the background, at most this far apart (tiercache.client.breaker).
     offline_backoff_s: float = 2.0
     max_pending_save_bytes: int = 1 << 30
+    save_batch_s: float = 0.05  # saves wait this long to be sent together (tiercache.connector.vllm.put_queue)
     max_boundary_states: int = 0  # block-boundary states saved per prompt, the deepest first; 0: every one offered
 
     @classmethod
@@ -135,6 +138,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._planner: Planner | None = None
         self._transfers: Transfers | None = None
         self._reported: dict[str, int] = {}
+        self._reported_at = float("-inf")
         if role == KVConnectorRole.SCHEDULER:
             # One try within a short deadline: a lookup that cannot be answered quickly is a miss, not a stall, and
             # the breaker makes every later one an instant miss until the server answers again. The server counts
@@ -147,7 +151,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._planner = Planner(cache, self.groups)
             _SCHEDULERS.add(self)
         else:
-            self._transfers = Transfers(self.client, self.groups, self.spec, settings.max_pending_save_bytes)
+            self._transfers = Transfers(self.client, self.groups, self.spec, settings.max_pending_save_bytes,
+                                         settings.save_batch_s)
         log.info("TierCacheConnector (%s) on %s: namespace %s, N=%d, u=%d", role.name, settings.connection.url,
                  self.spec.namespace, block, unit)
         vllm_unit = vllm_config.cache_config.prefix_match_unit
@@ -220,7 +225,13 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return set()
 
     def get_kv_connector_stats(self) -> TierCacheStats | None:
-        """What changed since the last report (the counters themselves stay cumulative, for logs and tests)."""
+        """What changed since the last report (the counters themselves stay cumulative, for logs and tests), at most
+        every STATS_INTERVAL_S: vLLM asks every step, and a worker's report travels to the engine core with the step's
+        output (pickled, every step), while vLLM only logs the sums every few seconds."""
+        now = time.monotonic()
+        if now - self._reported_at < STATS_INTERVAL_S:
+            return None
+        self._reported_at = now
         source = self._planner.stats if self._planner is not None else self._transfers.stats
         totals = vars(source).copy()  # (plain int counters: no deep copy each step)
         changed = {name: value - self._reported.get(name, 0) for name, value in totals.items()}

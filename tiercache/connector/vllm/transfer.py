@@ -35,9 +35,9 @@ import torch
 
 from tiercache import kernels
 from tiercache.client import Client
-from tiercache.connector.prefix_cache import save_objects
 from tiercache.connector.vllm.layout import EngineGroups, PagedViews
 from tiercache.connector.vllm.plan import Job, Transfer
+from tiercache.connector.vllm.put_queue import Put, PutQueue
 from tiercache.connector.vllm.staging import StagingPool
 from tiercache.errors import CircuitOpen, TierCacheError
 from tiercache.prefix.objects import CacheSpec, ObjectKind
@@ -62,15 +62,16 @@ class WorkerStats:
 
 class Transfers:
     def __init__(self, client: Client, groups: EngineGroups, spec: CacheSpec,
-                 max_pending_save_bytes: int = 1 << 30) -> None:
+                 max_pending_save_bytes: int = 1 << 30, save_batch_s: float = 0.05) -> None:
         self.client = client
+        self.save_batch_s = save_batch_s
         self.groups = groups
         self.spec = spec  # this rank's: its namespace names this rank's shard of every object
         self.max_pending_save_bytes = max_pending_save_bytes
         self.stats = WorkerStats()
         self.views: PagedViews | None = None
         self._loader: ThreadPoolExecutor | None = None  # made by register(), on cores vLLM does not compute on
-        self._saver: ThreadPoolExecutor | None = None
+        self._puts: PutQueue | None = None
         self._gatherer: ThreadPoolExecutor | None = None  # CPU step saves' copies, between the engine's steps
         self._gathers: list[Future] = []  # gathers the next step must wait for (vLLM's thread only)
         self._steps_fenced = False  # the engine calls before_step each step: gathers may run beside it
@@ -86,7 +87,6 @@ class Transfers:
         self._object_bytes: dict[tuple, int] = {}  # by pool key: every object of one kind is the same size
         self._fetches: list[_PendingLoad] = []  # loads started, not reported yet (vLLM's thread only)
         self._gathering: list[tuple[set[str], object]] = []  # end-of-request saves whose copies are in flight (CUDA)
-        self._last_put: Future | None = None  # the saver runs puts in order: this one ends after all others
 
     def register(self, views: PagedViews) -> None:
         self.views = views
@@ -95,13 +95,14 @@ class Transfers:
         # of the machine when there are any (with nothing bound, as on GPU workers, nothing changes).
         elsewhere = _off_compute_cores()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tiercache-load", initializer=elsewhere)
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="tiercache-save", initializer=elsewhere)
         self._gatherer = ThreadPoolExecutor(1, thread_name_prefix="tiercache-gather", initializer=elsewhere)
         cuda = views.device.type == "cuda"
         if cuda:
             self._load_stream = torch.cuda.Stream(views.device)
             self._save_stream = torch.cuda.Stream(views.device)
         self._save_staging = StagingPool(self.max_pending_save_bytes, pinned=cuda)
+        self._puts = PutQueue(self.client, self._save_staging, self._saved, batch_s=self.save_batch_s,
+                              on_start=elsewhere)
         self._load_staging = StagingPool(self.max_pending_save_bytes, pinned=cuda)
 
     # -- loads ---------------------------------------------------------------------------------------------------
@@ -287,14 +288,11 @@ class Transfers:
             self._save_staging.give_back(staged)
             raise
         self._finished_saving(finished, gathered)
-        if inline:  # at exit: the interpreter's shutdown refuses new work for the saver thread
-            self._put(by_namespace, gathered, staged, rows.total)
+        put = Put(by_namespace, gathered, staged, rows.total)
+        if inline:  # at exit: no other thread may run any more
+            self._puts.send_now(put)
         else:
-            self._submit_put(by_namespace, gathered, rows)
-
-    def _submit_put(self, by_namespace: dict, gathered, rows: "_ObjectRows") -> None:
-        with self._lock:  # (two threads submit puts: the last one submitted is the one drain waits for)
-            self._last_put = self._saver.submit(self._put, by_namespace, gathered, rows.buffer, rows.total)
+            self._puts.add(put)
 
     def _gather_in_inference_mode(self, transfers: list[Transfer], rows: "_ObjectRows"):
         # Inference mode as in vLLM's steps (the staging buffers are inference tensors once a step made them); a
@@ -311,7 +309,7 @@ class Transfers:
             log.exception("tiercache: gathering %d objects to save failed; they are not saved", len(transfers))
             self._save_staging.give_back(rows.buffer)
             return
-        self._submit_put(by_namespace, gathered, rows)
+        self._puts.add(Put(by_namespace, gathered, rows.buffer, rows.total))
 
     def _gather_step(self, transfers: list[Transfer], rows: "_ObjectRows"):
         """Copy the objects' bytes into their rows; what marks the end of the copies (a CUDA event, or _COPIED)."""
@@ -351,19 +349,10 @@ class Transfers:
             else:
                 self._gathering.append((req_ids, gathered))
 
-    def _put(self, by_namespace: dict[str, dict], gathered, staged: torch.Tensor, size: int) -> None:
-        try:
-            gathered.synchronize()  # CUDA: the side stream's copies (a wait that releases the GIL)
-            results = [save_objects(self.client, namespace, payloads) for namespace, payloads in by_namespace.items()]
-        except Exception:  # a save must never take the engine down
-            log.exception("tiercache save of %d bytes failed", size)
-            results = []
-        finally:
-            self._save_staging.give_back(staged)
+    def _saved(self, objects: int, size: int) -> None:
         with self._lock:
-            for result in results:
-                self.stats.objects_saved += result.objects
-                self.stats.bytes_saved += sum(result.bytes_by_tier.values())
+            self.stats.objects_saved += objects
+            self.stats.bytes_saved += size
 
     # -- results -------------------------------------------------------------------------------------------------
 
@@ -388,14 +377,16 @@ class Transfers:
         """Wait for every started load (fetched and copied) and put (shutdown, tests); False when `timeout_s`
         passed first."""
         # (Waits on the futures already there: at interpreter exit the executors take no new work. A gather hands
-        # its put to the saver before it ends, so the last put is known once the gathers are done.)
+        # its put to the put queue before it ends, so every put is queued once the gathers are done.)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if futures_wait(self._gathers, timeout=timeout_s).not_done:
             return False
         self._gathers = []
-        running = [p.fetch for p in self._fetches] + ([self._last_put] if self._last_put is not None else [])
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if futures_wait(running, timeout=left).not_done:
+        if not self._puts.flush(left):
+            return False
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if futures_wait([p.fetch for p in self._fetches], timeout=left).not_done:
             return False
         self._complete_loads(wait=True)
         return True
@@ -406,7 +397,8 @@ class Transfers:
             return
         if not self.drain(flush_s):
             log.warning("tiercache: saves still pending after %.0f s at shutdown are dropped", flush_s)
-        for executor in (self._loader, self._gatherer, self._saver):
+        self._puts.stop()
+        for executor in (self._loader, self._gatherer):
             executor.shutdown(wait=False, cancel_futures=True)
 
     def namespace(self, salt: str) -> str:
