@@ -185,7 +185,7 @@ def test_a_refused_request_is_answered_and_the_connection_serves_the_next(start_
     server = start_server(security=SecurityConfig(tenants_file=tenants_file))
     with _client(server, token=TOKEN_A) as a:
         a.put(NS_A, b"k0", bytes(300_000))
-        connection = a.paths.data_channel._idle[0][0]
+        connection = a.paths.data_channel.pooled()[0]
         for refused in (lambda: a.put(NS_B, b"k", bytes(200_000)), lambda: a.get(NS_B, b"k")):
             with pytest.raises(PermissionDenied):
                 refused()
@@ -193,14 +193,14 @@ def test_a_refused_request_is_answered_and_the_connection_serves_the_next(start_
             a.put_many(NS_B, [(b"s%d" % i, bytes(3 * MiB)) for i in range(4)])
         # The stripes run on a thread pool: one refused quickly hands its connection back before the next stripe
         # takes one, so the batch used anywhere from one connection to one per stripe. Each must still be in step.
-        pooled = {sock for sock, _ in a.paths.data_channel._idle}
+        pooled = set(a.paths.data_channel.pooled())
         assert connection in pooled and 1 <= len(pooled) <= _requests_for([3 * MiB] * 4)
         assert all(_answers_a_get(sock, NS_A, b"k0", bytes(300_000)) for sock in pooled)
         a.put_many(NS_A, [(b"k1", bytes(300_000)), (b"k2", bytes(300_000))])
         with pytest.raises(CapacityExceeded, match="quota"):  # team a's quota is 1 MiB
             a.put(NS_A, b"k3", bytes(300_000))
         assert a.get(NS_A, b"k2") == bytes(300_000) and a.get(NS_A, b"k3") is None
-        assert {sock for sock, _ in a.paths.data_channel._idle} == pooled  # every answer kept them in step
+        assert set(a.paths.data_channel.pooled()) == pooled  # every answer kept them in step
     _wait_served(server, {("DataPut", "PERMISSION_DENIED"): 1 + _requests_for([3 * MiB] * 4),
                           ("DataGet", "PERMISSION_DENIED"): 1})
 
@@ -537,9 +537,9 @@ def test_stopping_the_server_ends_idle_tls_connections(start_server, tmp_path):
     server = start_server(security=SecurityConfig(tls_cert_file=pki.server_cert, tls_key_file=pki.server_key))
     client = _client(server, tls_ca_file=pki.ca)
     client.put(NS, b"k", b"v")  # leaves an idle TLS connection in the pool, its server thread in recv
-    assert server.data_listener._connections
+    assert server.data_listener.open_connections()
     server.stop(grace_s=5)
-    assert not server.data_listener._threads  # every connection's thread ended
+    assert not server.data_listener.serving_threads()  # every connection's thread ended
     client.close()
 
 
@@ -569,7 +569,7 @@ def test_a_pooled_connection_the_server_closed_is_replaced_transparently(start_s
     server = start_server()
     with _client(server) as client:  # one try: a retry would hide a failure
         client.put(NS, b"k", b"first")
-        wait_for(lambda: not server.data_listener._connections, what="the server to close the idle connection")
+        wait_for(lambda: not server.data_listener.open_connections(), what="the server to close the idle connection")
         assert client.get(NS, b"k") == b"first"
 
 

@@ -236,8 +236,8 @@ def test_mamba_states_are_state_objects_whose_parent_is_their_page(server):
     stats = Client.from_url(server.url).stats()
     host = next(t for t in stats["tiers"] if t["name"] == "host")
     assert host["state_chunks"] >= 1
-    side = backend._side(str(PoolName.MAMBA))
-    assert side.namespace == backend._kv("flat").namespace and side.shares_kv
+    side = backend.pools.side(str(PoolName.MAMBA))
+    assert side.namespace == backend.pools.kv("flat").namespace and side.shares_kv
     backend.close()
 
 
@@ -280,7 +280,7 @@ def test_pages_are_kept_apart_by_model_rank_layout_and_salt_and_found_again_afte
     assert layout.batch_exists(keys) == 0
     again = tiercache_backend(server.url, "names/model")  # a restarted engine, same configuration
     assert again.batch_exists(keys) == 2
-    assert others[2]._kv("flat").namespace.endswith(salt_suffix("a-tenant-salt"))
+    assert others[2].pools.kv("flat").namespace.endswith(salt_suffix("a-tenant-salt"))
     for backend in (first, *others, layout, again):
         backend.close()
 
@@ -301,10 +301,10 @@ def test_with_a_replicated_kv_only_mamba_states_are_kept_per_rank(server):
         return TierCacheStorage(storage_config("mla/model", {**FACTORY, "url": server.url}, is_mla_model=True,
                                                tp_rank=r, tp_size=2))
     rank0, rank1 = rank(0), rank(1)
-    kv = rank0._kv("flat").namespace
-    assert rank1._kv("flat").namespace == kv  # written by one rank, read by all (SGLang's writer rank)
-    assert rank0._side(str(PoolName.SWA)).namespace == rank1._side(str(PoolName.SWA)).namespace == kv
-    assert rank0._side(str(PoolName.MAMBA)).namespace != rank1._side(str(PoolName.MAMBA)).namespace
+    kv = rank0.pools.kv("flat").namespace
+    assert rank1.pools.kv("flat").namespace == kv  # written by one rank, read by all (SGLang's writer rank)
+    assert rank0.pools.side(str(PoolName.SWA)).namespace == rank1.pools.side(str(PoolName.SWA)).namespace == kv
+    assert rank0.pools.side(str(PoolName.MAMBA)).namespace != rank1.pools.side(str(PoolName.MAMBA)).namespace
     for backend in (rank0, rank1):
         backend.close()
 

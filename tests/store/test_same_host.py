@@ -180,9 +180,7 @@ def test_a_reservation_that_lapsed_cannot_be_committed(start_server, monkeypatch
 
         def stalled_write(self, ranges, payload):  # fault injection: the writer stalls past its lease
             real_write(self, ranges, payload)
-            wait_for(lambda: server.leases._leases and all(lease.quarantined for lease in
-                                                           server.leases._leases.values()),
-                     timeout_s=5, what="the reservation to lapse")
+            wait_for(server.leases.all_quarantined, timeout_s=5, what="the reservation to lapse")
         monkeypatch.setattr(SharedArena, "write", stalled_write)
         data = os.urandom(MiB)
         client.put(NS, b"late", data)  # Commit fails (NOT_FOUND), the client puts it again over gRPC

@@ -110,7 +110,7 @@ def test_a_preempted_request_resumes_from_what_it_saved(engines):
     assert any(computed > 0 for _, computed in engine.resumed), engine.resumed
     # Every resumption asked tiercache again (its saved prefix may outlive vLLM's own evicted blocks); here vLLM's
     # prefix cache still held the blocks, so the connector rightly claimed nothing beyond them.
-    assert engine.connector._planner.stats.lookups == len(prompts) + len(engine.resumed)
+    assert engine.connector.planner.stats.lookups == len(prompts) + len(engine.resumed)
     for req_id, tokens in prompts.items():
         assert engine.outputs[req_id] == reference.generate(req_id, tokens, 60)
 

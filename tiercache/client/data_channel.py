@@ -138,6 +138,11 @@ class DataChannelPath:
             return results
         return self._exchange(exchange, deadline)
 
+    def pooled(self) -> list[socket.socket]:
+        """The idle connections kept for the next request, most recent last (operators, tests)."""
+        with self._lock:
+            return [sock for sock, _ in self._idle]
+
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []

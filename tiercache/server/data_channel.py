@@ -129,6 +129,16 @@ class DataChannelListener:
                 self._forget(conn)
                 conn.close()
 
+    def open_connections(self) -> int:
+        """Connections open now (operators, tests)."""
+        with self._lock:
+            return len(self._connections)
+
+    def serving_threads(self) -> int:
+        """Threads accepting or serving connections now."""
+        with self._lock:
+            return len(self._threads)
+
     def stop(self, grace_s: float = 5.0) -> None:
         """Close the listeners and every connection (a request in progress ends: its reservation is aborted)."""
         self._stopping.set()

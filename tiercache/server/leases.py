@@ -69,6 +69,11 @@ class LeaseTable:
         with self._lock:
             return len(self._leases)
 
+    def all_quarantined(self) -> bool:
+        """Leases are held and every one is a lapsed reservation held one more TTL (operators, tests)."""
+        with self._lock:
+            return bool(self._leases) and all(lease.quarantined for lease in self._leases.values())
+
     def expire(self, now: float | None = None, quarantine: bool = True) -> int:
         now = time.monotonic() if now is None else now
         with self._lock:

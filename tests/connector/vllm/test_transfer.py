@@ -120,7 +120,7 @@ def test_a_load_with_an_object_missing_fails_whole_and_writes_nothing(server, de
 
 def test_saves_beyond_the_pending_bound_are_dropped_and_finished_requests_still_released(server):
     saver = _transfers(server, "cpu", seed=5)
-    saver._save_staging.limit_bytes = 1  # no room at all
+    saver.save_staging.limit_bytes = 1  # no room at all
     jobs = _jobs(saver.spec, prompt_seed=50)
     saver.save(jobs)
     assert saver.results()[2] == {"r1"} and saver.stats.saves_dropped == 5
@@ -134,7 +134,7 @@ def test_staging_buffers_are_reused(server):
         saver.save(_jobs(saver.spec, prompt_seed=60 + 2 * step))
         assert saver.drain(30)
     assert saver.stats.objects_saved == 20
-    assert sum(len(kept) for kept in saver._save_staging._free.values()) == 1  # one buffer served every step
+    assert saver.save_staging.kept == 1  # one buffer served every step
     saver.shutdown()
 
 
@@ -176,5 +176,5 @@ def test_a_gather_that_fails_beside_the_engine_loses_its_save_not_the_engine(ser
     saver.before_step()
     assert saver.drain(30) and saver.stats.objects_saved == 0
     assert "injected gather fault" in caplog.text
-    assert saver._save_staging.out_bytes == 0  # its staging buffer went back
+    assert saver.save_staging.out_bytes == 0  # its staging buffer went back
     saver.shutdown()

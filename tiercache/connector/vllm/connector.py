@@ -162,6 +162,16 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                         "block boundaries. Start vLLM with --prefix-match-unit 16.", vllm_unit or block, block)
 
     @property
+    def planner(self) -> Planner | None:
+        """The scheduler half (None in a worker)."""
+        return self._planner
+
+    @property
+    def transfers(self) -> Transfers | None:
+        """The worker half (None in the scheduler)."""
+        return self._transfers
+
+    @property
     def requires_kv_delivery(self) -> bool:
         return False  # a dropped save is a later miss, never a wrong answer
 

@@ -51,6 +51,12 @@ class StagingPool:
             self._free.setdefault(buffer.numel(), []).append(buffer)
 
     @property
+    def kept(self) -> int:
+        """Buffers kept for reuse now."""
+        with self._lock:
+            return sum(len(buffers) for buffers in self._free.values())
+
+    @property
     def out_bytes(self) -> int:
         with self._lock:
             return self._out_bytes

@@ -88,6 +88,11 @@ class Transfers:
         self._fetches: list[_PendingLoad] = []  # loads started, not reported yet (vLLM's thread only)
         self._gathering: list[tuple[set[str], object]] = []  # end-of-request saves whose copies are in flight (CUDA)
 
+    @property
+    def save_staging(self) -> StagingPool | None:
+        """The saves' staging buffers (made by register)."""
+        return self._save_staging
+
     def register(self, views: PagedViews) -> None:
         self.views = views
         # vLLM's CPU backend binds the worker's compute threads to cores, and threads inherit the binding: the
