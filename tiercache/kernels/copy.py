@@ -135,7 +135,14 @@ def _reachable(buffer: torch.Tensor, device: torch.device) -> bool:
 def _check_slots(slots: torch.Tensor, limit: int, device) -> None:
     if slots.dtype != torch.int64 or slots.dim() != 1 or slots.device != device:
         raise InvalidArgument("slots must be a 1-D int64 tensor on the data's device")
-    if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= limit):
+    if not len(slots):
+        return
+    if slots.is_cuda:
+        low, high = (int(v) for v in torch.aminmax(slots))  # one reduction, one synchronisation
+    else:  # a copy's few slots: one conversion, then plain Python (two tensor reductions cost more than the copy)
+        values = slots.tolist()
+        low, high = min(values), max(values)
+    if low < 0 or high >= limit:
         raise InvalidArgument(f"slots must lie in [0, {limit})")
 
 
