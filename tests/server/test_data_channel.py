@@ -131,6 +131,21 @@ def test_metadata_travels_with_the_chunk(start_server):
     assert [(key.key, meta) for key, meta in children] == [(b"state", ChunkMeta(CLASS_STATE, 16, b"kv"))]
 
 
+@pytest.mark.parametrize("path", ["data channel", "grpc streams", "same host"])
+def test_tokens_and_engine_hashes_travel_with_the_chunk_on_every_path(start_server, path):
+    """Issue 27: the optional engine block (token ids, the engine's block hash) reaches the store by each path, and a
+    chunk without one beside it stays without one."""
+    server = start_server()
+    options = {"data channel": {}, "grpc streams": {"data_channel": False},
+               "same host": {"same_host": True}}[path]
+    engine = ChunkMeta(0, 544, b"parent", tokens=bytes(range(256)) * 8, engine_hash=2**64 - 1)
+    with _client(server, **options) as client:
+        client.put_many(NS, [Chunk(b"kv", b"k" * 100, engine), Chunk(b"tail", b"t" * 10, ChunkMeta(0, 3, b"parent"))])
+        assert client.same_host == (path == "same host")
+    children = sorted(server.store.children(ChunkKey(NS, b"parent")))
+    assert [(key.key, meta) for key, meta in children] == [(b"kv", engine), (b"tail", ChunkMeta(0, 3, b"parent"))]
+
+
 def test_chunks_the_arena_cannot_take_are_received_into_a_record_of_their_own(start_server):
     server = start_server(host_bytes=2 * MiB)
     payload = bytes(range(256)) * (12 * 4096)  # 12 MiB: larger than the host arena, so it lands on disk

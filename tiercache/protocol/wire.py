@@ -15,7 +15,7 @@ from tiercache.prefix.hashes import HASH_BYTES, InsideChunk
 from tiercache.prefix.layout import GroupKind
 from tiercache.prefix.lookup import Query
 from tiercache.prefix.objects import ChainShape
-from tiercache.record.encoding import CLASS_KV, CLASS_STATE, MAX_PARENT_BYTES, ChunkMeta
+from tiercache.record.encoding import CLASS_KV, CLASS_STATE, MAX_PARENT_BYTES, MAX_TOKEN_BYTES, ChunkMeta
 
 try:
     from tiercache._proto import tiercache_pb2 as pb
@@ -89,7 +89,14 @@ def stats_dict(message: pb.StatsResponse) -> dict:
 
 def chunk_meta(header: pb.ChunkHeader) -> ChunkMeta:
     """A chunk header's meta as the client sent it (the server's intake checks it with `checked_meta`)."""
-    return ChunkMeta(header.object_class, header.prefix_tokens, header.parent)
+    return ChunkMeta(header.object_class, header.prefix_tokens, header.parent, header.tokens, header.engine_hash)
+
+
+def chunk_header(namespace: str, key: bytes, size_bytes: int, meta: ChunkMeta) -> pb.ChunkHeader:
+    """The header a client sends for a chunk (Put streams, Reserve)."""
+    return pb.ChunkHeader(namespace=namespace, key=key, size_bytes=size_bytes, object_class=meta.object_class,
+                          prefix_tokens=meta.prefix_tokens, parent=meta.parent, tokens=meta.tokens,
+                          engine_hash=meta.engine_hash)
 
 
 def checked_meta(meta: ChunkMeta) -> ChunkMeta:
@@ -98,6 +105,11 @@ def checked_meta(meta: ChunkMeta) -> ChunkMeta:
         raise InvalidArgument(f"unknown object class {meta.object_class}")
     if len(meta.parent) > MAX_PARENT_BYTES:
         raise InvalidArgument(f"a parent key is at most {MAX_PARENT_BYTES} bytes, got {len(meta.parent)}")
+    if len(meta.tokens) % 4 or len(meta.tokens) > MAX_TOKEN_BYTES:
+        raise InvalidArgument(f"tokens are little-endian uint32, at most {MAX_TOKEN_BYTES} bytes, "
+                              f"got {len(meta.tokens)} bytes")
+    if not 0 <= meta.engine_hash < 1 << 64:
+        raise InvalidArgument("an engine hash is 64 bits")
     return meta
 
 
