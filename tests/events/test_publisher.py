@@ -162,3 +162,25 @@ def test_registering_needs_events_on_and_a_pod_is_its_tenants(served, tenants_fi
         with pytest.raises(PermissionDenied):  # nor take over a's pod
             b.register_pod("pod-a", "tiny", [NS_B], shape, [0, 1])
         b.register_pod("pod-b", "tiny", [NS_B], shape, [0, 1])
+
+
+def test_registering_again_starts_the_stream_over_and_unregistering_ends_it(served):
+    server = served()
+    spec = spec_of(HYBRID)
+    tokens = prompt(3, 100)
+    with Client.from_url(server.url, same_host=False) as client:
+        client.put_many(spec.namespace, chunks(spec, tokens, kv=3, states=[96]))
+        endpoints = register(client)
+        subscriber = Subscriber(endpoints.endpoint, endpoints.replay_endpoint).ready()
+        try:
+            assert register(client) == endpoints  # an engine that restarted: same sockets, the seq goes on
+            seen = subscriber.until(lambda batch: "AllBlocksCleared" in types(batch))
+            router = Router()
+            router.apply(seen[-1][1][1])
+            assert len(router.blocks(0)) == 3  # the whole inventory follows the clear
+            client.unregister_pod("pod-a")
+            seen = subscriber.until(lambda batch: types(batch) == ["AllBlocksCleared"])
+            with pytest.raises(TimeoutError):  # nothing after the last batch: the stream is closed
+                subscriber.next(2)
+        finally:
+            subscriber.close()
