@@ -12,7 +12,10 @@ from tests.events.saves import chunks, engine_hash, prompt, spec_of
 from tests.events.subscriber import Subscriber
 from tests.helpers import ServerProcess
 from tests.prefix.chains import ATTENTION, HYBRID
+from tests.vllm.engine import ATTENTION as ENGINE_ATTENTION
+from tests.vllm.engine import BLOCK, GDN, HASH_BLOCK, Engine
 from tiercache.client import Client
+from tiercache.config import EventsConfig
 
 decode = msgspec.msgpack.Decoder(KVEventBatch).decode
 
@@ -68,3 +71,36 @@ def test_every_event_decodes_with_vllms_classes(server, layout):
                 check(batch)
         finally:
             subscriber.close()
+
+
+def test_the_connector_registers_its_engine_and_its_blocks_carry_vllms_hashes(start_server):
+    """vLLM's real scheduler with `events_pod_id`: the scheduler registers the engine, and the blocks the server then
+    publishes are named as vLLM names them (its block hashes, its KV cache group indices)."""
+    server = start_server(events=EventsConfig(enabled=True))
+    engine = Engine(server.url, extra={"events_pod_id": "pod-v"})
+    try:
+        endpoints = server.events.endpoints()["pod-v"]
+        assert endpoints.topic.startswith("kv@pod-v@")
+        subscriber = Subscriber(endpoints.endpoint, endpoints.replay_endpoint, decode).ready()
+        try:
+            tokens = prompt(5, 100)
+            request = engine.add("a", tokens, 3)
+            engine.run("a")
+            groups = [set(g.layer_names) for g in engine.kv_config.kv_cache_groups]
+            attention, gdn = groups.index(set(ENGINE_ATTENTION)), groups.index(set(GDN))
+            expected = [int.from_bytes(request.block_hashes[k * BLOCK // HASH_BLOCK - 1], "big") & (2**64 - 1)
+                        for k in (1, 2, 3)]
+            stored: list[BlockStored] = []
+            while len([e for e in stored if e.kv_cache_spec_kind == "full_attention"]) < 3:
+                _, _, batch = subscriber.next()
+                check(batch)
+                stored += [e for e in batch.events if isinstance(e, BlockStored)]
+            blocks = [e for e in stored if e.kv_cache_spec_kind == "full_attention"]
+            assert [e.block_hashes for e in blocks] == [[h] for h in expected]
+            assert {e.group_idx for e in blocks} == {attention}
+            assert blocks[2].token_ids == tokens[64:96] and blocks[2].parent_block_hash == expected[1]
+            assert {e.group_idx for e in stored if e.kv_cache_spec_kind == "mamba"} <= {gdn}
+        finally:
+            subscriber.close()
+    finally:
+        engine.close()

@@ -75,6 +75,12 @@ class PrefixCache:
         self._other_ranks = [dataclasses.replace(spec, layout=dataclasses.replace(layout, tp_rank=rank)).namespace
                              for rank in range(layout.tp_size) if rank != layout.tp_rank] if all_ranks else []
 
+    def rank_namespaces(self) -> list[str]:
+        """Every tensor-parallel rank's namespace, rank 0 first (what a pod registers for KV events)."""
+        layout = self.spec.layout
+        return [dataclasses.replace(self.spec, layout=dataclasses.replace(layout, tp_rank=rank)).namespace
+                for rank in range(layout.tp_size)]
+
     def with_spec(self, spec: CacheSpec) -> "PrefixCache":
         """The same client and settings for another spec (a request's own salt)."""
         return PrefixCache(self.client, spec, report=self._report, all_ranks=self._all_ranks)
