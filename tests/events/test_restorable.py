@@ -12,6 +12,7 @@ from tests.events.saves import N, Router, chunks, engine_hash, prompt, refs, spe
 from tests.prefix.chains import ATTENTION, HYBRID, SLIDING
 from tiercache.config import Config, DiskTierConfig, HostTierConfig, KiB, MiB, RedisTierConfig
 from tiercache.events.restorable import AllBlocksCleared, BlockRemoved, Pod, RestorableIndex
+from tiercache.prefix.hashes import token_bytes
 from tiercache.prefix.layout import ModelLayout
 from tiercache.prefix.objects import ObjectKind, object_meta, object_ref
 from tiercache.record.keys import ChunkKey
@@ -202,3 +203,28 @@ def test_the_inventory_survives_a_restart_over_the_disk_tier(tmp_path):
     assert isinstance(before[0], AllBlocksCleared) and len(before) == 1 + 3 + 2
     assert sorted(map(repr, after)) == sorted(map(repr, before))
     assert {e.medium for e in after[1:]} == {"STORAGE"}
+
+
+def test_a_read_promotes_a_block_back_to_cpu(index_for):
+    store, saver, index, router = index_for(ATTENTION, host=64 * KiB)
+    saver.payload_bytes = 20 * KiB
+    tokens = prompt(11, 200)
+    saver.save(tokens, kv=5)
+    flush(index, router)
+    keys = {k: ChunkKey(saver.spec.namespace, ref.key) for k, ref in enumerate(saver.refs(tokens, kv=5), 1)}
+    k = next(k for k, key in keys.items() if store.locate([key]) == ["disk"])
+    assert router.blocks(0)[engine_hash(tokens, k * N)] == "STORAGE"
+    store.get(keys[k])  # promoted to the host tier
+    events = flush(index, router)
+    moved = [(type(e).__name__, e.medium) for e in events if e.block_hashes == (engine_hash(tokens, k * N),)]
+    assert moved == [("BlockRemoved", "STORAGE"), ("BlockStored", "CPU")]
+
+
+def test_without_an_engine_hash_the_chain_hash_names_the_block(index_for):
+    store, saver, index, router = index_for(ATTENTION)
+    tokens = prompt(12, 40)
+    (ref,) = saver.refs(tokens, kv=1)
+    meta = object_meta(ref)._replace(tokens=token_bytes(tokens[:32]))  # tokens, but no engine hash (SGLang, say)
+    store.put(ChunkKey(saver.spec.namespace, ref.key), b"x" * 100, meta)
+    (event,) = flush(index, router)
+    assert event.block_hashes == (int.from_bytes(ref.key[:8], "big"),) and event.parent_block_hash is None
