@@ -21,7 +21,7 @@ from tests.certs import make_pki
 from tests.helpers import wait_for
 from tests.server.test_security import NS_A, NS_B, TOKEN_A, tenants_file  # noqa: F401 - a fixture, used by name
 from tiercache.client import Backoff, Chunk, Client, RetryPolicy, chooser
-from tiercache.client.data_channel import DEFAULT_STREAMS, STRIPE_MIN_BYTES, _stripes
+from tiercache.client.data_channel import DEFAULT_STREAMS, STRIPE_MIN_BYTES, DataChannelPath, _stripes
 from tiercache.config import MiB, SecurityConfig
 from tiercache.errors import Busy, CapacityExceeded, ConnectionBroken, PermissionDenied, TierCacheError, Unauthenticated
 from tiercache.process import ServerProcess, free_port
@@ -144,6 +144,19 @@ def test_tokens_and_engine_hashes_travel_with_the_chunk_on_every_path(start_serv
         assert client.same_host == (path == "same host")
     children = sorted(server.store.children(ChunkKey(NS, b"parent")))
     assert [(key.key, meta) for key, meta in children] == [(b"kv", engine), (b"tail", ChunkMeta(0, 3, b"parent"))]
+
+
+def test_a_server_that_does_not_take_engine_blocks_gets_puts_without_them(start_server):
+    """A server older than the engine block (its Attach does not say engine_blocks) would refuse a data-channel put
+    that carries one: the client leaves tokens and hash out for such a server, and keeps the rest of the meta."""
+    server = start_server()
+    path = DataChannelPath(("127.0.0.1", server.data_port), token=None, engine_blocks=False)
+    try:
+        meta = ChunkMeta(0, 4, b"parent", tokens=bytes(16), engine_hash=7)
+        path.put(NS, [Chunk(b"kv", b"k" * 10, meta)], time.monotonic() + 10)
+    finally:
+        path.close()
+    assert server.store.children(ChunkKey(NS, b"parent")) == [(ChunkKey(NS, b"kv"), ChunkMeta(0, 4, b"parent"))]
 
 
 def test_chunks_the_arena_cannot_take_are_received_into_a_record_of_their_own(start_server):
