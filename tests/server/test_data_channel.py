@@ -22,7 +22,7 @@ from tests.helpers import wait_for
 from tests.server.test_security import NS_A, NS_B, TOKEN_A, tenants_file  # noqa: F401 - a fixture, used by name
 from tiercache.client import Backoff, Chunk, Client, RetryPolicy, chooser
 from tiercache.client.data_channel import DEFAULT_STREAMS, STRIPE_MIN_BYTES, DataChannelPath, _stripes
-from tiercache.config import MiB, SecurityConfig
+from tiercache.config import EventsConfig, MiB, SecurityConfig
 from tiercache.errors import Busy, CapacityExceeded, ConnectionBroken, PermissionDenied, TierCacheError, Unauthenticated
 from tiercache.process import ServerProcess, free_port
 from tiercache.protocol import data_channel
@@ -133,9 +133,9 @@ def test_metadata_travels_with_the_chunk(start_server):
 
 @pytest.mark.parametrize("path", ["data channel", "grpc streams", "same host"])
 def test_tokens_and_engine_hashes_travel_with_the_chunk_on_every_path(start_server, path):
-    """Issue 27: the optional engine block (token ids, the engine's block hash) reaches the store by each path, and a
-    chunk without one beside it stays without one."""
-    server = start_server()
+    """Issue 27: the optional engine block (token ids, the engine's block hash) reaches the store of a server that
+    publishes KV events by each path, and a chunk without one beside it stays without one."""
+    server = start_server(events=EventsConfig(enabled=True))
     options = {"data channel": {}, "grpc streams": {"data_channel": False},
                "same host": {"same_host": True}}[path]
     engine = ChunkMeta(0, 544, b"parent", tokens=bytes(range(256)) * 8, engine_hash=2**64 - 1)
@@ -144,6 +144,19 @@ def test_tokens_and_engine_hashes_travel_with_the_chunk_on_every_path(start_serv
         assert client.same_host == (path == "same host")
     children = sorted(server.store.children(ChunkKey(NS, b"parent")))
     assert [(key.key, meta) for key, meta in children] == [(b"kv", engine), (b"tail", ChunkMeta(0, 3, b"parent"))]
+
+
+@pytest.mark.parametrize("path", ["data channel", "grpc streams", "same host"])
+def test_a_server_without_kv_events_keeps_no_engine_blocks(start_server, path):
+    """Tokens cost 4 bytes per token in every tier's index and record: a server that publishes no KV events says so
+    in Attach (the data channel then leaves them out) and drops them from what other paths bring."""
+    server = start_server()
+    options = {"data channel": {}, "grpc streams": {"data_channel": False},
+               "same host": {"same_host": True}}[path]
+    with _client(server, **options) as client:
+        client.put_many(NS, [Chunk(b"kv", b"k" * 100, ChunkMeta(0, 544, b"parent", tokens=bytes(64), engine_hash=9))])
+        assert client.same_host == (path == "same host")
+    assert server.store.children(ChunkKey(NS, b"parent")) == [(ChunkKey(NS, b"kv"), ChunkMeta(0, 544, b"parent"))]
 
 
 def test_a_server_that_does_not_take_engine_blocks_gets_puts_without_them(start_server):

@@ -13,7 +13,7 @@ import torch
 from tests.certs import make_pki
 from tests.vllm.engine import ATTENTION, BLOCK, GDN, HASH_BLOCK, Engine, kv_value, next_token, prompt, state_value
 from tiercache.client import Client
-from tiercache.config import SecurityConfig
+from tiercache.config import EventsConfig, SecurityConfig
 from tiercache.connector.vllm.connector import VllmSettings
 from tiercache.errors import InvalidArgument
 from tiercache.prefix.hashes import token_bytes
@@ -23,7 +23,9 @@ from tiercache.record.keys import ChunkKey
 
 @pytest.fixture
 def server(start_server):
-    return start_server()
+    # KV events on: such a server keeps the token ids and vLLM hashes the connector sends with its kv chunks (one
+    # without events drops them at the door; tests/server/test_data_channel.py).
+    return start_server(events=EventsConfig(enabled=True))
 
 
 @pytest.fixture

@@ -127,7 +127,7 @@ class CacheServer:
         # in flight per host and tenant.
         self.intake = Intake(self.store, self.tenants, StreamLimits(config.server.max_streams_per_peer,
                                                                     config.server.max_streams_per_tenant),
-                             config.server.max_chunk_bytes)
+                             config.server.max_chunk_bytes, engine_blocks=config.events.enabled)
         self.metrics.watch_requests(self.intake.limits, [t.name for t in self.tenants.tenants] or [OPEN.name])
         self._blocking = futures.ThreadPoolExecutor(max_workers=config.server.workers,
                                                     thread_name_prefix="tiercache-rpc")

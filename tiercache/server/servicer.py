@@ -265,12 +265,13 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         same_host = self.store.same_host
         if same_host is None or not tenant.same_host:  # not an error: the client uses the data channel or Put/Get
             return pb.AttachResponse(available=False, data_port=data_port, data_unix_socket=data_unix_socket,
-                                     max_chunk_bytes=self._max_chunk_bytes, engine_blocks=True)
+                                     max_chunk_bytes=self._max_chunk_bytes,
+                                     engine_blocks=self.intake.engine_blocks)
         arena = same_host.arena
         return pb.AttachResponse(available=True, path=arena.path, size_bytes=arena.size_bytes, inode=arena.inode,
                                  lease_ttl_s=self.leases.ttl_s, data_port=data_port,
                                  data_unix_socket=data_unix_socket, max_chunk_bytes=self._max_chunk_bytes,
-                                 engine_blocks=True)
+                                 engine_blocks=self.intake.engine_blocks)
 
     def _same_host(self, tenant: Tenant, instead: str) -> None:
         """Whether this caller may use the same-host path: the server has an arena and the tenant the right."""
