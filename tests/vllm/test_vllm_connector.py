@@ -199,10 +199,23 @@ def test_async_scheduling_saves_the_end_of_a_request_that_stops_with_a_step_in_f
     assert second.forward.checked_states >= 1  # the state it resumed from is the state after those 43 tokens
 
 
+def test_without_kv_events_kv_chunks_carry_no_tokens(server, engines):
+    """An engine that has no events published (no `events_pod_id`) sends no tokens or hashes, even to a server that
+    would keep them: they would cost its scheduler and its step metadata for nothing."""
+    engine = engines()
+    tokens = prompt(4, 100)
+    engine.add("a", tokens, 3)
+    engine.run("a")
+    spec = engine.connector.spec
+    ref = object_ref(spec, spec.hashes(np.asarray(tokens)), ObjectKind.KV, BLOCK, 0)
+    metas = dict(server.store.children(ChunkKey(spec.namespace, ref.parent)))
+    assert not metas[ChunkKey(spec.namespace, ref.key)].tokens
+
+
 def test_kv_chunks_carry_their_tokens_and_vllms_own_block_hash(server, engines):
     """Issue 27: the anchor group's kv chunks (and tails) carry their token ids and vLLM's block hash (low 64 bits,
     as vLLM's KV events publish it), so the server's events name blocks as the engine does; states carry none."""
-    engine = engines()
+    engine = engines(extra={"events_pod_id": "pod-t"})
     tokens = prompt(3, 100)
     request = engine.add("a", tokens, 3)
     engine.run("a")

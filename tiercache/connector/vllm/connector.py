@@ -151,7 +151,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             # Every rank's objects are the same size: the scheduler checks them once, before the engine serves.
             check_spec(lookups, self.spec, "TierCacheConnector")
             cache = PrefixCache(lookups, self.spec, all_ranks=True)
-            self._planner = Planner(cache, self.groups)
+            # Token ids and vLLM's hashes go with the kv saves only for an engine that has the server publish its KV
+            # events: elsewhere they would cost the scheduler's step and the worker's metadata for nothing.
+            self._planner = Planner(cache, self.groups, engine_blocks=bool(settings.events_pod_id))
             _SCHEDULERS.add(self)
             if settings.events_pod_id:
                 self._register_pod(settings.events_pod_id, model.served_model_name or model.model,

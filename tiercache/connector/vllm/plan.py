@@ -88,11 +88,13 @@ class SchedulerStats:
 
 
 class Planner:
-    def __init__(self, cache: PrefixCache, groups: EngineGroups) -> None:
+    def __init__(self, cache: PrefixCache, groups: EngineGroups, engine_blocks: bool = False) -> None:
         """`cache` asks the server with a short deadline and a circuit breaker: vLLM's scheduler thread waits for
-        every lookup, so a dead or hung server costs one deadline, then nothing per request until it answers."""
+        every lookup, so a dead or hung server costs one deadline, then nothing per request until it answers.
+        `engine_blocks`: the anchor group's kv saves carry their tokens and vLLM's block hash (KV events)."""
         self.cache = cache
         self.groups = groups
+        self.engine_blocks = engine_blocks
         self.stats = SchedulerStats()
         self._caches: dict[str, PrefixCache] = {"": cache}  # by the request's own salt (LoRA, cache_salt)
         self._requests: dict[str, _Tracked] = {}
@@ -246,7 +248,7 @@ class Planner:
                 transfers.append(Transfer(ref, state_blocks[ref.position]))
             else:
                 transfer = self._transfer(ref, block_ids)
-                if ref.group == anchor and ref.kind is not ObjectKind.STATE:
+                if self.engine_blocks and ref.group == anchor and ref.kind is not ObjectKind.STATE:
                     transfer = dataclasses.replace(transfer, engine=_engine_block(tracked.request, ref))
                 transfers.append(dataclasses.replace(transfer, running=True)
                                  if running and ref.kind is ObjectKind.STATE else transfer)
