@@ -5,7 +5,8 @@ import socket
 import pytest
 
 from tests.redis_processes import RedisProcess
-from tiercache.config import Config, DiskTierConfig, HostTierConfig, MiB, RedisTierConfig, SecurityConfig, ServerConfig
+from tiercache.config import (Config, DiskTierConfig, EventsConfig, HostTierConfig, MiB, RedisTierConfig,
+                              SecurityConfig, ServerConfig)
 from tiercache.server.app import CacheServer
 
 
@@ -32,7 +33,7 @@ def redis_url(shared_redis):
 
 def make_config(tmp_path, *, host_bytes=64 * MiB, disk_bytes=128 * MiB, redis_url=None, write_through=False,
                 shared_memory=True, redis_cluster=False, security=SecurityConfig(), redis_options=None,
-                disk_options=None, **server) -> Config:
+                disk_options=None, events=EventsConfig(), **server) -> Config:
     return Config(
         server=ServerConfig(**{"port": 0, **server}),
         host=HostTierConfig(capacity_bytes=host_bytes, shared_memory=shared_memory),
@@ -40,6 +41,7 @@ def make_config(tmp_path, *, host_bytes=64 * MiB, disk_bytes=128 * MiB, redis_ur
         redis=RedisTierConfig(url=redis_url, write_through=write_through, max_backoff_s=0.5, cluster=redis_cluster,
                               **(redis_options or {})),
         security=security,
+        events=events,
     )
 
 

@@ -18,8 +18,8 @@ from tests.helpers import python_env
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tiercache"
 DOC = ROOT / "docs" / "architecture.md"
-SERVER_SIDE = ("tiercache.store", "tiercache.tiers", "tiercache.server")
-SERVER_LIBRARIES = ("yaml", "redis", "prometheus_client")
+SERVER_SIDE = ("tiercache.store", "tiercache.tiers", "tiercache.server", "tiercache.events")
+SERVER_LIBRARIES = ("yaml", "redis", "prometheus_client", "zmq", "msgpack")
 
 
 def documented_layers() -> dict[str, set[str]]:

@@ -62,3 +62,15 @@ def test_bad_yaml_is_a_config_error(tmp_path):
 def test_defaults_are_valid():
     config = Config()
     assert config.redis.url is None and config.host.capacity_bytes > 0 and config.disk.capacity_bytes > 0
+
+
+def test_events_are_off_by_default_and_their_keys_are_checked(tmp_path):
+    assert not Config().events.enabled
+    path = tmp_path / "c.yaml"
+    path.write_text("events:\n  enabled: true\n  base_port: 6100\n  flush_interval_s: 0.05\n")
+    events = load_file(path).events
+    assert events.enabled and events.base_port == 6100 and events.flush_interval_s == 0.05
+    for bad, needle in (({"base_port": 80}, "events.base_port"), ({"flush_interval_s": 0}, "flush_interval_s"),
+                        ({"heartbeat_s": 0.01}, "heartbeat_s")):
+        with pytest.raises(ConfigError, match=needle):
+            from_mapping({"events": bad})

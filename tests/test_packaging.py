@@ -30,7 +30,8 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # The distribution each third-party import of the package comes from.
 DISTRIBUTION_OF = {"grpc": "grpcio", "grpc_health": "grpcio-health-checking", "google": "protobuf", "redis": "redis",
                    "xxhash": "xxhash", "numpy": "numpy", "prometheus_client": "prometheus-client", "yaml": "PyYAML",
-                   "tqdm": "tqdm", "lz4": "lz4", "torch": "torch", "cupy": "cupy-cuda13x"}
+                   "tqdm": "tqdm", "lz4": "lz4", "torch": "torch", "cupy": "cupy-cuda13x", "zmq": "pyzmq",
+                   "msgpack": "msgpack"}
 GPU_ONLY = {"torch", "cupy"}  # imported only where a GPU is asked for (--gpu-mem, the kernels, page-locking)
 
 

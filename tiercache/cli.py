@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-client-ca", metavar="FILE", help="require client certificates from this CA (mTLS)")
     serve.add_argument("--tenants-file", metavar="FILE", help="bearer tokens -> tenants (YAML); turns on auth")
     serve.add_argument("--health-port", type=int, help="plaintext grpc.health.v1 port for probes (default: off)")
+    serve.add_argument("--events", dest="events", action="store_true", default=None,
+                       help="publish KV events for routers, per registered pod (docs/events.md; default: off)")
+    serve.add_argument("--events-host", metavar="ADDR", help="address of the pods' event sockets (default 127.0.0.1)")
     serve.add_argument("--stats-log-interval", type=_seconds, metavar="SECONDS",
                        help="log lookups and hit %% this often when there was traffic (default 60; 0: off)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -160,6 +163,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "security.tls_cert_file": args.tls_cert, "security.tls_key_file": args.tls_key,
         "security.tls_client_ca_file": args.tls_client_ca, "security.tenants_file": args.tenants_file,
         "security.health_port": args.health_port, "server.stats_log_interval_s": args.stats_log_interval,
+        "events.enabled": args.events, "events.host": args.events_host,
     })
 
 

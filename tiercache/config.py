@@ -236,6 +236,26 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True)
+class EventsConfig:
+    """KV events for routers (tiercache.events, docs/events.md): per registered engine instance (a pod) a ZMQ PUB of
+    vLLM-format KV events and a ROUTER answering replays with the pod's whole inventory. Off unless enabled."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"  # where the pods' PUB and ROUTER sockets listen (ZMQ has no auth: keep it pod-facing)
+    base_port: int = 0  # pod i's PUB on base_port + 2i, its ROUTER on base_port + 2i + 1; 0: free ports
+    flush_interval_s: float = 0.1  # the store's changes become one batch per pod at most this often
+    heartbeat_s: float = 1.0  # an empty batch when a pod's stream was silent this long (Dynamo replays on traffic)
+
+    def __post_init__(self) -> None:
+        _require(self.base_port == 0 or 1024 <= self.base_port <= 65_000,
+                 f"events.base_port must be 0 or 1024..65000, got {self.base_port}")
+        _require(0 < self.flush_interval_s <= 10, f"events.flush_interval_s must be in (0, 10], got "
+                 f"{self.flush_interval_s}")
+        _require(self.heartbeat_s >= self.flush_interval_s,
+                 "events.heartbeat_s must be at least events.flush_interval_s")
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
@@ -243,6 +263,7 @@ class Config:
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
 
 
 def _coerce(name: str, hint: Any, value: Any) -> Any:

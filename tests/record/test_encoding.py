@@ -87,3 +87,39 @@ def test_every_single_bit_flip_of_a_record_is_detected():
             continue
         undetected.append((bit // 8, bit % 8))
     assert undetected == []
+
+
+ENGINE_META = encoding.ChunkMeta(encoding.CLASS_KV, 4, b"p" * 18, tokens=bytes(range(16)), engine_hash=2**64 - 5)
+
+
+def test_the_engine_block_round_trips_and_is_in_the_header():
+    """Issue 27: a kv chunk's token ids and engine hash live in its record (so a disk tier's restart keeps them)."""
+    record = encoding.encode(KEY, b"payload", ENGINE_META)
+    assert encoding.read_meta(record) == ENGINE_META
+    header = encoding.read_header(record)
+    assert header.meta == ENGINE_META and header.header_bytes == encoding.header_bytes(KEY, ENGINE_META)
+    assert encoding.header_size(record[:header.header_bytes]) == header.header_bytes
+    assert bytes(encoding.decode(record, KEY)) == b"payload"
+    unsealed = encoding.header(KEY, ENGINE_META, [b"payload"], seal=False) + b"payload"
+    assert encoding.sealed(unsealed, KEY) == record
+
+
+def test_records_without_tokens_are_what_they_always_were():
+    meta = encoding.ChunkMeta(encoding.CLASS_KV, 4, b"p" * 18)
+    record = encoding.encode(KEY, b"payload", meta)
+    assert record[10] == 0  # flags: no engine block
+    assert len(record) == encoding.FIXED_HEADER_BYTES + len(KEY.namespace) + 16 + 18 + 7
+
+
+def test_every_single_bit_flip_of_a_record_with_tokens_is_detected():
+    record = encoding.encode(KEY, bytes(range(40)), ENGINE_META)
+    undetected = []
+    for bit in range(len(record) * 8):
+        flipped = bytearray(record)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        try:
+            encoding.decode(flipped, KEY)
+        except ChunkCorrupt:
+            continue
+        undetected.append((bit // 8, bit % 8))
+    assert undetected == []

@@ -21,8 +21,8 @@ from tests.certs import make_pki
 from tests.helpers import wait_for
 from tests.server.test_security import NS_A, NS_B, TOKEN_A, tenants_file  # noqa: F401 - a fixture, used by name
 from tiercache.client import Backoff, Chunk, Client, RetryPolicy, chooser
-from tiercache.client.data_channel import DEFAULT_STREAMS, STRIPE_MIN_BYTES, _stripes
-from tiercache.config import MiB, SecurityConfig
+from tiercache.client.data_channel import DEFAULT_STREAMS, STRIPE_MIN_BYTES, DataChannelPath, _stripes
+from tiercache.config import EventsConfig, MiB, SecurityConfig
 from tiercache.errors import Busy, CapacityExceeded, ConnectionBroken, PermissionDenied, TierCacheError, Unauthenticated
 from tiercache.process import ServerProcess, free_port
 from tiercache.protocol import data_channel
@@ -129,6 +129,47 @@ def test_metadata_travels_with_the_chunk(start_server):
         client.put_many(NS, [Chunk(b"kv", b"k" * 100), Chunk(b"state", b"s" * 50, ChunkMeta(CLASS_STATE, 16, b"kv"))])
     children = server.store.children(ChunkKey(NS, b"kv"))
     assert [(key.key, meta) for key, meta in children] == [(b"state", ChunkMeta(CLASS_STATE, 16, b"kv"))]
+
+
+@pytest.mark.parametrize("path", ["data channel", "grpc streams", "same host"])
+def test_tokens_and_engine_hashes_travel_with_the_chunk_on_every_path(start_server, path):
+    """Issue 27: the optional engine block (token ids, the engine's block hash) reaches the store of a server that
+    publishes KV events by each path, and a chunk without one beside it stays without one."""
+    server = start_server(events=EventsConfig(enabled=True))
+    options = {"data channel": {}, "grpc streams": {"data_channel": False},
+               "same host": {"same_host": True}}[path]
+    engine = ChunkMeta(0, 544, b"parent", tokens=bytes(range(256)) * 8, engine_hash=2**64 - 1)
+    with _client(server, **options) as client:
+        client.put_many(NS, [Chunk(b"kv", b"k" * 100, engine), Chunk(b"tail", b"t" * 10, ChunkMeta(0, 3, b"parent"))])
+        assert client.same_host == (path == "same host")
+    children = sorted(server.store.children(ChunkKey(NS, b"parent")))
+    assert [(key.key, meta) for key, meta in children] == [(b"kv", engine), (b"tail", ChunkMeta(0, 3, b"parent"))]
+
+
+@pytest.mark.parametrize("path", ["data channel", "grpc streams", "same host"])
+def test_a_server_without_kv_events_keeps_no_engine_blocks(start_server, path):
+    """Tokens cost 4 bytes per token in every tier's index and record: a server that publishes no KV events says so
+    in Attach (the data channel then leaves them out) and drops them from what other paths bring."""
+    server = start_server()
+    options = {"data channel": {}, "grpc streams": {"data_channel": False},
+               "same host": {"same_host": True}}[path]
+    with _client(server, **options) as client:
+        client.put_many(NS, [Chunk(b"kv", b"k" * 100, ChunkMeta(0, 544, b"parent", tokens=bytes(64), engine_hash=9))])
+        assert client.same_host == (path == "same host")
+    assert server.store.children(ChunkKey(NS, b"parent")) == [(ChunkKey(NS, b"kv"), ChunkMeta(0, 544, b"parent"))]
+
+
+def test_a_server_that_does_not_take_engine_blocks_gets_puts_without_them(start_server):
+    """A server older than the engine block (its Attach does not say engine_blocks) would refuse a data-channel put
+    that carries one: the client leaves tokens and hash out for such a server, and keeps the rest of the meta."""
+    server = start_server()
+    path = DataChannelPath(("127.0.0.1", server.data_port), token=None, engine_blocks=False)
+    try:
+        meta = ChunkMeta(0, 4, b"parent", tokens=bytes(16), engine_hash=7)
+        path.put(NS, [Chunk(b"kv", b"k" * 10, meta)], time.monotonic() + 10)
+    finally:
+        path.close()
+    assert server.store.children(ChunkKey(NS, b"parent")) == [(ChunkKey(NS, b"kv"), ChunkMeta(0, 4, b"parent"))]
 
 
 def test_chunks_the_arena_cannot_take_are_received_into_a_record_of_their_own(start_server):

@@ -10,6 +10,7 @@ import pytest
 from tests.helpers import wait_for
 from tiercache.config import Config, DiskTierConfig, HostTierConfig, KiB, MiB, RedisTierConfig
 from tiercache.errors import CapacityExceeded
+from tiercache.record.encoding import ChunkMeta
 from tiercache.record.keys import ChunkKey
 from tiercache.store.tiered import TieredStore
 
@@ -134,6 +135,21 @@ def test_disk_tier_survives_restart(tmp_path):
     store = make_store(tmp_path, host=0, disk=4 * MiB)
     assert [bytes(store.get(key(i)).payload) == payload(i) for i in range(10)] == [True] * 10
     assert not (disk / "ab" / "leftover.chunk.tmp").exists()
+    check(store)
+
+
+def test_tokens_and_engine_hashes_survive_a_disk_tier_restart(tmp_path):
+    """Issue 27: the KV events a restarted server publishes need the tokens its records carry, headers longer than
+    the disk tier's first read of a file included (4,096 tokens: 16 KiB of header)."""
+    parent = ChunkKey(key(0).namespace, b"\x07" * 18)
+    metas = {i: ChunkMeta(0, 16, parent.key, tokens=bytes(4 * 4096) + bytes((i,)) * 4, engine_hash=i + 1)
+             for i in range(3)}
+    store = make_store(tmp_path, host=0, disk=4 * MiB)
+    for i, meta in metas.items():
+        store.put(key(i), payload(i), meta)
+    store.close()
+    store = make_store(tmp_path, host=0, disk=4 * MiB)
+    assert sorted(store.children(parent), key=lambda c: c[1].engine_hash) == [(key(i), metas[i]) for i in range(3)]
     check(store)
 
 

@@ -11,17 +11,21 @@ import pytest
 import torch
 
 from tests.certs import make_pki
-from tests.vllm.engine import ATTENTION, BLOCK, GDN, Engine, kv_value, next_token, prompt, state_value
+from tests.vllm.engine import ATTENTION, BLOCK, GDN, HASH_BLOCK, Engine, kv_value, next_token, prompt, state_value
 from tiercache.client import Client
-from tiercache.config import SecurityConfig
+from tiercache.config import EventsConfig, SecurityConfig
 from tiercache.connector.vllm.connector import VllmSettings
 from tiercache.errors import InvalidArgument
+from tiercache.prefix.hashes import token_bytes
 from tiercache.prefix.objects import ObjectKind, object_ref
+from tiercache.record.keys import ChunkKey
 
 
 @pytest.fixture
 def server(start_server):
-    return start_server()
+    # KV events on: such a server keeps the token ids and vLLM hashes the connector sends with its kv chunks (one
+    # without events drops them at the door; tests/server/test_data_channel.py).
+    return start_server(events=EventsConfig(enabled=True))
 
 
 @pytest.fixture
@@ -193,3 +197,40 @@ def test_async_scheduling_saves_the_end_of_a_request_that_stops_with_a_step_in_f
     second.generate("b", turn_two, 2)
     assert second.hits["b"] == len(turn_one) + len(replies)
     assert second.forward.checked_states >= 1  # the state it resumed from is the state after those 43 tokens
+
+
+def test_without_kv_events_kv_chunks_carry_no_tokens(server, engines):
+    """An engine that has no events published (no `events_pod_id`) sends no tokens or hashes, even to a server that
+    would keep them: they would cost its scheduler and its step metadata for nothing."""
+    engine = engines()
+    tokens = prompt(4, 100)
+    engine.add("a", tokens, 3)
+    engine.run("a")
+    spec = engine.connector.spec
+    ref = object_ref(spec, spec.hashes(np.asarray(tokens)), ObjectKind.KV, BLOCK, 0)
+    metas = dict(server.store.children(ChunkKey(spec.namespace, ref.parent)))
+    assert not metas[ChunkKey(spec.namespace, ref.key)].tokens
+
+
+def test_kv_chunks_carry_their_tokens_and_vllms_own_block_hash(server, engines):
+    """Issue 27: the anchor group's kv chunks (and tails) carry their token ids and vLLM's block hash (low 64 bits,
+    as vLLM's KV events publish it), so the server's events name blocks as the engine does; states carry none."""
+    engine = engines(extra={"events_pod_id": "pod-t"})
+    tokens = prompt(3, 100)
+    request = engine.add("a", tokens, 3)
+    engine.run("a")
+    spec = engine.connector.spec
+    hashes = spec.hashes(np.asarray(tokens))
+    for k in range(1, 4):
+        ref = object_ref(spec, hashes, ObjectKind.KV, k * BLOCK, 0)
+        metas = dict(server.store.children(ChunkKey(spec.namespace, ref.parent)))
+        meta = metas[ChunkKey(spec.namespace, ref.key)]
+        assert meta.tokens == token_bytes(tokens[k * BLOCK - BLOCK:k * BLOCK])
+        vllm_hash = request.block_hashes[k * BLOCK // HASH_BLOCK - 1]
+        assert meta.engine_hash == int.from_bytes(vllm_hash, "big") & (2**64 - 1) != 0
+        states = [m for key, m in metas.items() if key.key[-2] == ObjectKind.STATE]
+        assert all(not m.tokens for m in states)
+    # The request's end (past 96) saved a tail under the kv chunk at 96: its tokens, and no hash (vLLM has none).
+    kv = object_ref(spec, hashes, ObjectKind.KV, 96, 0).key
+    tails = [m for key, m in server.store.children(ChunkKey(spec.namespace, kv)) if key.key[-2] == ObjectKind.TAIL]
+    assert tails and all(len(m.tokens) == 4 * m.prefix_tokens and m.engine_hash == 0 for m in tails)

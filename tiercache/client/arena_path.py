@@ -18,7 +18,7 @@ from tiercache.client.payload import ELSEWHERE, Chunk, Elsewhere, Fetched
 from tiercache.client.shared_arena import SharedArena
 from tiercache.client.transport import call
 from tiercache.errors import TierCacheError
-from tiercache.protocol.wire import pb, pb_grpc
+from tiercache.protocol.wire import chunk_header, pb, pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +40,7 @@ class ArenaPath:
                 for tier in self._put_batch(namespace, batch, deadline)]
 
     def _put_batch(self, namespace: str, chunks: Sequence[Chunk], deadline: float) -> list[str]:
-        headers = [pb.ChunkHeader(namespace=namespace, key=key, size_bytes=len(payload),
-                                  object_class=meta.object_class, prefix_tokens=meta.prefix_tokens, parent=meta.parent)
-                   for key, payload, meta in chunks]
+        headers = [chunk_header(namespace, key, len(payload), meta) for key, payload, meta in chunks]
         reservations = call(self._stub.Reserve, pb.ReserveRequest(namespace=namespace, chunks=headers),
                             deadline).reservations
         ids = pb.LeaseIds(lease_ids=[r.lease_id for r in reservations])

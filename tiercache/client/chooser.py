@@ -164,7 +164,8 @@ class PathChooser:
                 return None, False
             # The server's own limit where it is larger than ours: reads of its largest chunks must not be refused.
             self._data = DataChannelPath(address, token=settings.token, tls=tls, server_name=settings.tls_server_name,
-                                     max_chunk_bytes=max(self._max_chunk_bytes, reply.max_chunk_bytes))
+                                     max_chunk_bytes=max(self._max_chunk_bytes, reply.max_chunk_bytes),
+                                     engine_blocks=reply.engine_blocks)
             return self._data, True
 
     def _data_address(self, reply: pb.AttachResponse) -> str | tuple[str, int] | None:

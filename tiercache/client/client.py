@@ -23,11 +23,19 @@ from tiercache.client.transport import call, open_channel
 from tiercache.config import DEFAULT_FRAME_BYTES, DEFAULT_MAX_CHUNK_BYTES
 from tiercache.errors import ConnectionBroken, InvalidArgument, TierCacheError, Unavailable
 from tiercache.prefix.objects import ChainShape
-from tiercache.protocol.wire import lookup_request, max_message_bytes, pb, pb_grpc, stats_dict
+from tiercache.protocol.wire import layer_groups, lookup_request, max_message_bytes, pb, pb_grpc, stats_dict
 from tiercache.record.encoding import ChunkMeta
 from tiercache.record.keys import validate_key, validate_namespace
 
 T = TypeVar("T")
+
+
+class PodEndpoints(NamedTuple):
+    """Where a router reads a pod's KV events: its ZMQ PUB, its replay ROUTER, and the topic."""
+
+    endpoint: str
+    replay_endpoint: str
+    topic: str
 
 
 class LookupAnswer(NamedTuple):
@@ -147,6 +155,21 @@ class Client:
                                   hit_tokens_by_tier=dict(hit_tokens_by_tier))
         self._call(call, self._stub.ReportLookup, request)
 
+    def register_pod(self, pod_id: str, model_name: str, namespaces: Sequence[str], shape: ChainShape,
+                     engine_groups: Sequence[int], *, dp_rank: int = 0, remote: bool = False) -> PodEndpoints:
+        """Have the server publish KV events for an engine instance (docs/events.md): its rank namespaces (rank 0
+        first), its layout's shape and the engine's KV cache group index of each layout group. Registering again
+        restarts the pod's stream. NotFound from a server without events."""
+        request = pb.RegisterPodRequest(pod_id=pod_id, model_name=model_name, namespaces=list(namespaces),
+                                        chunk_tokens=shape.chunk_tokens, groups=layer_groups(shape),
+                                        engine_groups=list(engine_groups), dp_rank=dp_rank, remote=remote)
+        response = self._call(call, self._stub.RegisterPod, request)
+        return PodEndpoints(response.endpoint, response.replay_endpoint, response.topic)
+
+    def unregister_pod(self, pod_id: str) -> None:
+        """End the pod's KV events (its stream's last batch is AllBlocksCleared)."""
+        self._call(call, self._stub.UnregisterPod, pb.UnregisterPodRequest(pod_id=pod_id))
+
     def stats(self) -> dict:
         return stats_dict(self._call(call, self._stub.Stats, pb.StatsRequest()))
 
@@ -203,4 +226,4 @@ class Client:
         return True
 
 
-__all__ = ["Chunk", "ChunkMeta", "Client", "Fetched", "LookupAnswer", "RetryPolicy", "TierCacheError"]
+__all__ = ["Chunk", "ChunkMeta", "Client", "Fetched", "LookupAnswer", "PodEndpoints", "RetryPolicy", "TierCacheError"]

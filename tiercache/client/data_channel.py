@@ -35,10 +35,14 @@ class DataChannelPath:
 
     def __init__(self, address: str | tuple[str, int], *, token: str | None,
                  tls: ssl.SSLContext | None = None, server_name: str | None = None,
-                 streams: int = DEFAULT_STREAMS, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
-        """`address`: (host, port), or a unix socket path. `streams`: connections one batch may use at once."""
+                 streams: int = DEFAULT_STREAMS, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+                 engine_blocks: bool = True) -> None:
+        """`address`: (host, port), or a unix socket path. `streams`: connections one batch may use at once.
+        `engine_blocks`: the server takes chunks' tokens and engine hashes (its Attach says so); else they are left
+        out, since a server older than them refuses the whole put."""
         self.address = address
         self.max_chunk_bytes = max_chunk_bytes
+        self.engine_blocks = engine_blocks
         self._hello = data_channel.hello(token)
         self._tls = tls
         self._server_name = server_name
@@ -90,7 +94,9 @@ class DataChannelPath:
         if len(chunks) > data_channel.MAX_BATCH:
             return [tier for start in range(0, len(chunks), data_channel.MAX_BATCH)
                     for tier in self._put_stripe(namespace, chunks[start:start + data_channel.MAX_BATCH], deadline)]
-        entries = [data_channel.PutEntry(key, len(payload), meta) for key, payload, meta in chunks]
+        entries = [data_channel.PutEntry(key, len(payload), meta if self.engine_blocks or not meta.tokens
+                                         else meta._replace(tokens=b"", engine_hash=0))
+                   for key, payload, meta in chunks]
         request = data_channel.put_request(namespace, entries)
 
         def exchange(sock: socket.socket) -> list[str]:

@@ -11,7 +11,7 @@ import grpc
 from tiercache.client.payload import Chunk, Fetched
 from tiercache.client.transport import call, time_left
 from tiercache.errors import InvalidArgument, Unavailable
-from tiercache.protocol.wire import error_of, frames, pb, pb_grpc
+from tiercache.protocol.wire import chunk_header, error_of, frames, pb, pb_grpc
 
 
 class StreamsPath:
@@ -39,9 +39,7 @@ class StreamsPath:
 
     def _frames(self, namespace: str, chunks: Sequence[Chunk]) -> Iterator[pb.PutFrame]:
         for key, payload, meta in chunks:
-            yield pb.PutFrame(header=pb.ChunkHeader(
-                namespace=namespace, key=key, size_bytes=len(payload), object_class=meta.object_class,
-                prefix_tokens=meta.prefix_tokens, parent=meta.parent))
+            yield pb.PutFrame(header=chunk_header(namespace, key, len(payload), meta))
             for frame in frames(payload, self.frame_bytes):
                 yield pb.PutFrame(data=frame)
 

@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from tiercache.client import Chunk, Client, LookupAnswer
 from tiercache.errors import CapacityExceeded, CircuitOpen, Unavailable
@@ -74,6 +74,12 @@ class PrefixCache:
         layout = spec.layout
         self._other_ranks = [dataclasses.replace(spec, layout=dataclasses.replace(layout, tp_rank=rank)).namespace
                              for rank in range(layout.tp_size) if rank != layout.tp_rank] if all_ranks else []
+
+    def rank_namespaces(self) -> list[str]:
+        """Every tensor-parallel rank's namespace, rank 0 first (what a pod registers for KV events)."""
+        layout = self.spec.layout
+        return [dataclasses.replace(self.spec, layout=dataclasses.replace(layout, tp_rank=rank)).namespace
+                for rank in range(layout.tp_size)]
 
     def with_spec(self, spec: CacheSpec) -> "PrefixCache":
         """The same client and settings for another spec (a request's own salt)."""
@@ -146,20 +152,44 @@ class PrefixCache:
         return save_objects(self.client, self.namespace, payloads)
 
 
+class EngineBlock(NamedTuple):
+    """What the engine calls a block (issue 27): its token ids as little-endian uint32 and the engine's own 64-bit
+    block hash (0: unknown). Sent with the kv chunks of one attention group in one rank; the server publishes KV
+    events for routers from them."""
+
+    tokens: bytes
+    engine_hash: int = 0
+
+
+class WithEngineBlock(NamedTuple):
+    """A payload for `save_objects` whose object carries its EngineBlock."""
+
+    data: object
+    engine: EngineBlock
+
+
 def save_objects(client: Client, namespace: str, payloads: Mapping[ObjectRef, object]) -> SaveResult:
-    """Put the objects' bytes in one stream; states carry their prefix length as their value. Skipped, with a
-    warning, when the server is unreachable or refuses the bytes for capacity (a cache must not fail a request)."""
+    """Put the objects' bytes in one stream; states carry their prefix length as their value. A payload may be a
+    WithEngineBlock (its meta then carries the engine's tokens and hash). Skipped, with a warning, when the server is
+    unreachable or refuses the bytes for capacity (a cache must not fail a request)."""
     refs: Sequence[ObjectRef] = sorted(payloads)
-    chunks = [Chunk(ref.key, payloads[ref], object_meta(ref)) for ref in refs]
+    chunks = [_chunk(ref, payloads[ref]) for ref in refs]
     try:
         tiers = client.put_many(namespace, chunks)
     except (Unavailable, CapacityExceeded) as exc:
         _log_failure(f"tiercache save of {len(chunks)} objects skipped: %s", exc)
         return SaveResult(0, {})
     by_tier: dict[str, int] = {}
-    for ref, tier in zip(refs, tiers):
-        by_tier[tier] = by_tier.get(tier, 0) + len(memoryview(payloads[ref]).cast("B"))
+    for chunk, tier in zip(chunks, tiers):
+        by_tier[tier] = by_tier.get(tier, 0) + len(memoryview(chunk.data).cast("B"))
     return SaveResult(len(refs), by_tier)
+
+
+def _chunk(ref: ObjectRef, payload) -> Chunk:
+    if isinstance(payload, WithEngineBlock):
+        meta = object_meta(ref)._replace(tokens=payload.engine.tokens, engine_hash=payload.engine.engine_hash)
+        return Chunk(ref.key, payload.data, meta)
+    return Chunk(ref.key, payload, object_meta(ref))
 
 
 def _log_failure(message: str, error: Exception) -> None:

@@ -18,6 +18,7 @@ A connection (all integers little-endian):
     client: REQUEST   u8 op, u32 count, u32 block length, block
               PUT block: u16 namespace length, namespace, then per chunk
                          u16 key length, key, u64 size, u8 object class, u64 prefix tokens, u16 parent length, parent
+                         [u64 engine hash, u32 token bytes, tokens: when the parent length has bit 15 set]
                          -- followed by the chunks' payloads, back to back, in order
               GET block: u16 namespace length, namespace, then per key u16 key length, key
     server: PUT   -> STATUS, and when ok: per chunk u8 length + the name of the tier that holds it
@@ -54,6 +55,10 @@ _STATUS = struct.Struct("<BI")
 _REQUEST = struct.Struct("<BII")
 _U16 = struct.Struct("<H")
 _PUT_ENTRY = struct.Struct("<QBQH")  # size, object class, prefix tokens, parent length (after the key)
+# Bit 15 of the parent length: the engine block (ChunkMeta.tokens and engine_hash, issue 27) follows the parent. A
+# flag rather than a new op, so puts without tokens are byte for byte what they always were (old servers take them).
+_WITH_ENGINE = 0x8000
+_ENGINE = struct.Struct("<QI")  # engine hash, token bytes
 ITEM = struct.Struct("<BQB")  # found, size, tier length
 
 OK = 0
@@ -211,8 +216,11 @@ def put_request(namespace: str, entries: Sequence[PutEntry]) -> bytes:
     parts = [_name(namespace.encode())]
     for entry in entries:
         meta = entry.meta
+        flag = _WITH_ENGINE if meta.tokens else 0
         parts += [_name(entry.key), _PUT_ENTRY.pack(entry.size, meta.object_class, meta.prefix_tokens,
-                                                   len(meta.parent)), meta.parent]
+                                                   len(meta.parent) | flag), meta.parent]
+        if flag:
+            parts += [_ENGINE.pack(meta.engine_hash, len(meta.tokens)), meta.tokens]
     return _request(OP_PUT, len(entries), b"".join(parts))
 
 
@@ -265,7 +273,13 @@ def parse_block(op: int, count: int, block: bytearray) -> Request:
             keys.append(key)
             if op == OP_PUT:
                 size, object_class, prefix_tokens, parent_len = reader.unpack(_PUT_ENTRY)
-                entries.append(PutEntry(key, size, ChunkMeta(object_class, prefix_tokens, reader.take(parent_len))))
+                parent = reader.take(parent_len & ~_WITH_ENGINE)
+                engine_hash, tokens = 0, b""
+                if parent_len & _WITH_ENGINE:
+                    engine_hash, token_bytes = reader.unpack(_ENGINE)
+                    tokens = reader.take(token_bytes)
+                entries.append(PutEntry(key, size, ChunkMeta(object_class, prefix_tokens, parent, tokens,
+                                                             engine_hash)))
     except (struct.error, UnicodeDecodeError, IndexError) as exc:
         raise InvalidArgument(f"malformed data-channel request: {exc}") from None
     if reader.left:

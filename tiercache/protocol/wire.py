@@ -15,7 +15,7 @@ from tiercache.prefix.hashes import HASH_BYTES, InsideChunk
 from tiercache.prefix.layout import GroupKind
 from tiercache.prefix.lookup import Query
 from tiercache.prefix.objects import ChainShape
-from tiercache.record.encoding import CLASS_KV, CLASS_STATE, MAX_PARENT_BYTES, ChunkMeta
+from tiercache.record.encoding import CLASS_KV, CLASS_STATE, MAX_PARENT_BYTES, MAX_TOKEN_BYTES, ChunkMeta
 
 try:
     from tiercache._proto import tiercache_pb2 as pb
@@ -89,7 +89,14 @@ def stats_dict(message: pb.StatsResponse) -> dict:
 
 def chunk_meta(header: pb.ChunkHeader) -> ChunkMeta:
     """A chunk header's meta as the client sent it (the server's intake checks it with `checked_meta`)."""
-    return ChunkMeta(header.object_class, header.prefix_tokens, header.parent)
+    return ChunkMeta(header.object_class, header.prefix_tokens, header.parent, header.tokens, header.engine_hash)
+
+
+def chunk_header(namespace: str, key: bytes, size_bytes: int, meta: ChunkMeta) -> pb.ChunkHeader:
+    """The header a client sends for a chunk (Put streams, Reserve)."""
+    return pb.ChunkHeader(namespace=namespace, key=key, size_bytes=size_bytes, object_class=meta.object_class,
+                          prefix_tokens=meta.prefix_tokens, parent=meta.parent, tokens=meta.tokens,
+                          engine_hash=meta.engine_hash)
 
 
 def checked_meta(meta: ChunkMeta) -> ChunkMeta:
@@ -98,6 +105,11 @@ def checked_meta(meta: ChunkMeta) -> ChunkMeta:
         raise InvalidArgument(f"unknown object class {meta.object_class}")
     if len(meta.parent) > MAX_PARENT_BYTES:
         raise InvalidArgument(f"a parent key is at most {MAX_PARENT_BYTES} bytes, got {len(meta.parent)}")
+    if len(meta.tokens) % 4 or len(meta.tokens) > MAX_TOKEN_BYTES:
+        raise InvalidArgument(f"tokens are little-endian uint32, at most {MAX_TOKEN_BYTES} bytes, "
+                              f"got {len(meta.tokens)} bytes")
+    if not 0 <= meta.engine_hash < 1 << 64:
+        raise InvalidArgument("an engine hash is 64 bits")
     return meta
 
 
@@ -112,13 +124,28 @@ MAX_RANK_NAMESPACES = 256
 def lookup_request(namespace: str, shape: ChainShape, prompt_tokens: int, boundaries: bytes,
                    positions: Mapping[int, bytes], rank_namespaces: Sequence[str] = (), report: bool = True,
                    last_chunk_tokens: bytes = b"", match_unit: int = 0) -> pb.LookupRequest:
-    groups = [pb.LayerGroupShape(kind=_GROUP_KINDS[kind], window=window or 0)
-              for kind, window in zip(shape.kinds, shape.windows)]
+    groups = layer_groups(shape)
     return pb.LookupRequest(namespace=namespace, rank_namespaces=list(rank_namespaces),
                             chunk_tokens=shape.chunk_tokens, groups=groups, prompt_tokens=prompt_tokens,
                             boundaries=boundaries, report=report, last_chunk_tokens=last_chunk_tokens,
                             match_unit=match_unit,
                             positions=[pb.PositionHash(position=p, hash=h) for p, h in positions.items()])
+
+
+def chain_shape(chunk_tokens: int, groups: Sequence[pb.LayerGroupShape]) -> ChainShape:
+    """A layout's shape as a request names it (Lookup, RegisterPod); InvalidArgument for an unknown group kind."""
+    kinds = []
+    for group in groups:
+        if group.kind not in _KINDS_BY_WIRE:
+            raise InvalidArgument(f"unknown layer group kind {group.kind}")
+        kinds.append(_KINDS_BY_WIRE[group.kind])
+    windows = tuple(g.window if kind is GroupKind.SLIDING_WINDOW else None for g, kind in zip(groups, kinds))
+    return ChainShape(chunk_tokens, tuple(kinds), windows)
+
+
+def layer_groups(shape: ChainShape) -> list[pb.LayerGroupShape]:
+    return [pb.LayerGroupShape(kind=_GROUP_KINDS[kind], window=window or 0)
+            for kind, window in zip(shape.kinds, shape.windows)]
 
 
 def lookup_query(request: pb.LookupRequest) -> Query:
@@ -127,13 +154,7 @@ def lookup_query(request: pb.LookupRequest) -> Query:
         raise InvalidArgument("too many positions or rank namespaces in one lookup")
     if len(request.boundaries) % HASH_BYTES or len(request.boundaries) > MAX_LOOKUP_BOUNDARIES * HASH_BYTES:
         raise InvalidArgument(f"boundaries must be at most {MAX_LOOKUP_BOUNDARIES} {HASH_BYTES}-byte hashes")
-    kinds = []
-    for group in request.groups:
-        if group.kind not in _KINDS_BY_WIRE:
-            raise InvalidArgument(f"unknown layer group kind {group.kind}")
-        kinds.append(_KINDS_BY_WIRE[group.kind])
-    windows = tuple(g.window if kind is GroupKind.SLIDING_WINDOW else None for g, kind in zip(request.groups, kinds))
-    shape = ChainShape(request.chunk_tokens, tuple(kinds), windows)
+    shape = chain_shape(request.chunk_tokens, request.groups)
     data = request.boundaries
     boundaries = [data[i:i + HASH_BYTES] for i in range(0, len(data), HASH_BYTES)]
     last_chunk = None

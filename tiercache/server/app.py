@@ -127,7 +127,7 @@ class CacheServer:
         # in flight per host and tenant.
         self.intake = Intake(self.store, self.tenants, StreamLimits(config.server.max_streams_per_peer,
                                                                     config.server.max_streams_per_tenant),
-                             config.server.max_chunk_bytes)
+                             config.server.max_chunk_bytes, engine_blocks=config.events.enabled)
         self.metrics.watch_requests(self.intake.limits, [t.name for t in self.tenants.tenants] or [OPEN.name])
         self._blocking = futures.ThreadPoolExecutor(max_workers=config.server.workers,
                                                     thread_name_prefix="tiercache-rpc")
@@ -142,16 +142,25 @@ class CacheServer:
         self.health_port: int | None = None
         self.metrics_port: int | None = None
         self.stats_log: StatsLog | None = None
+        self.events = None  # tiercache.events.publisher.EventStreams, made by start() when events.enabled
 
     def start(self) -> "CacheServer":
         cfg = self.config.server
         if cfg.stats_log_interval_s:  # its first snapshot before any RPC is served: every lookup is in a line
             self.stats_log = StatsLog(self.store, cfg.stats_log_interval_s).start()
+        if self.config.events.enabled:
+            # Imported here: pyzmq and msgpack load only in servers that publish events.
+            from tiercache.events.publisher import EventStreams
+            from tiercache.events.restorable import RestorableIndex
+
+            self.events = EventStreams(RestorableIndex(self.store), self.config.events)
         try:
             return self._start_serving()
         except BaseException:
             if self.stats_log is not None:
                 self.stats_log.stop()
+            if self.events is not None:
+                self.events.close()
             raise
 
     def _start_serving(self) -> "CacheServer":
@@ -190,7 +199,7 @@ class CacheServer:
         self._health = health.aio.HealthServicer()
         server = grpc.aio.server(options=_grpc_options(cfg.max_chunk_bytes))
         servicer = TierCacheServicer(self.intake, self.config, self.metrics, self.leases, self._blocking,
-                                     data_channel=self._data_channel)
+                                     data_channel=self._data_channel, events=self.events)
         server.add_generic_rpc_handlers((service_handler(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.port = _listen(server, _address(cfg.host, cfg.port), self._credentials)
@@ -237,6 +246,8 @@ class CacheServer:
         if self.data_listener is not None:
             self.data_listener.stop(grace_s)
         self._blocking.shutdown(wait=True)
+        if self.events is not None:
+            self.events.close()
         self.metrics.close()
         self.leases.close()  # takes back every reservation and read pin before the arena goes away
         self.store.close()

@@ -232,10 +232,15 @@ class Intake:
     """The rules every transport applies (see the module docstring). Thread-safe: gRPC handlers call it from the
     event loop and its worker pool, the data channel's listener from its connection threads."""
 
-    def __init__(self, store: TieredStore, tenants: TenantTable, limits: StreamLimits, max_chunk_bytes: int) -> None:
+    def __init__(self, store: TieredStore, tenants: TenantTable, limits: StreamLimits, max_chunk_bytes: int,
+                 engine_blocks: bool = False) -> None:
         self.store = store
         self.limits = limits
         self.max_chunk_bytes = max_chunk_bytes
+        # Keep what chunks say of the engine's blocks (token ids, block hash): only a server that publishes KV events
+        # needs them, and they are 4 bytes per token in every tier's index and record (2 GiB of RAM per million
+        # 544-token chunks on disk); without events they are dropped at the door.
+        self.engine_blocks = engine_blocks
         self._tenants = tenants
 
     # -- who, and how many at once ----------------------------------------------------------------------------------
@@ -259,9 +264,15 @@ class Intake:
         for entry in entries:
             check_chunk_size(entry.size, self.max_chunk_bytes)
         keys = tenant.checked_keys(namespace, [entry.key for entry in entries])
-        admitted = [Admitted(key, entry.size, checked_meta(entry.meta)) for key, entry in zip(keys, entries)]
+        admitted = [Admitted(key, entry.size, self._kept(checked_meta(entry.meta)))
+                    for key, entry in zip(keys, entries)]
         tenant.check_room(self.store, sum(entry.size for entry in entries))
         return admitted
+
+    def _kept(self, meta: encoding.ChunkMeta) -> encoding.ChunkMeta:
+        if self.engine_blocks or not (meta.tokens or meta.engine_hash):
+            return meta
+        return meta._replace(tokens=b"", engine_hash=0)
 
     def receive(self, chunk: Admitted) -> Incoming:
         """Room for a chunk's payload: pages reserved in the arena when it takes them (received in place), else a

@@ -11,14 +11,15 @@ import dataclasses
 import functools
 import time
 from concurrent.futures import Executor
-from typing import AsyncIterator, Callable, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
 
 from tiercache import __version__
 from tiercache.config import Config
-from tiercache.errors import InvalidArgument, Unavailable
+from tiercache.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+from tiercache.events.restorable import Pod
 from tiercache.prefix.lookup import find_hit
 from tiercache.protocol.data_channel import PutEntry
-from tiercache.protocol.wire import chunk_meta, frames, lookup_query, pb, pb_grpc
+from tiercache.protocol.wire import chain_shape, chunk_meta, frames, lookup_query, pb, pb_grpc
 from tiercache.record.keys import ChunkKey
 from tiercache.server.auth import Tenant
 from tiercache.server.intake import InArena, Incoming, Intake, Served, batches
@@ -28,6 +29,8 @@ from tiercache.server.rpc import rpc
 from tiercache.store.stats import StoreStats
 from tiercache.store.tiered import TieredStore
 
+if TYPE_CHECKING:
+    from tiercache.events.publisher import EventStreams
 
 T = TypeVar("T")
 
@@ -66,7 +69,8 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
     Redis), so a stream waiting on its client holds no thread, and the loop never waits on a tier."""
 
     def __init__(self, intake: Intake, config: Config, metrics: Metrics, leases: LeaseTable, blocking: Executor,
-                 data_channel: Callable[[], tuple[int, str]] = lambda: (0, "")) -> None:
+                 data_channel: Callable[[], tuple[int, str]] = lambda: (0, ""),
+                 events: "EventStreams | None" = None) -> None:
         self.intake = intake
         self.store = intake.store
         self.metrics = metrics
@@ -77,6 +81,8 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         self._frame_bytes = config.server.frame_bytes
         self._idle_s = config.server.stream_idle_timeout_s
         self._started = time.monotonic()
+        self._events = events  # KV events for routers (tiercache.events); None: off
+        self._pod_tenants: dict[str, str] = {}  # pod id -> the tenant that registered it
 
     async def _run(self, call, *args):
         """A blocking call on the pool, awaited."""
@@ -214,6 +220,43 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             self.store.record_lookup(query.prompt_tokens, found.tokens_by_tier())
         return found
 
+    # -- KV events for routers (tiercache.events) -------------------------------------------------------------------
+
+    @rpc
+    async def RegisterPod(self, request: pb.RegisterPodRequest, context, tenant: Tenant) -> pb.RegisterPodResponse:
+        streams = self._streams()
+        namespaces = tuple(tenant.checked_namespace(ns) for ns in request.namespaces)
+        shape = chain_shape(request.chunk_tokens, request.groups)
+        if not request.pod_id or not request.model_name or not namespaces or not shape.kinds \
+                or request.chunk_tokens <= 0 or len(request.engine_groups) != len(shape.kinds):
+            raise InvalidArgument("a pod names its id, model, namespaces, N, and an engine group for each layer group")
+        self._claim_pod(tenant, request.pod_id)
+        pod = Pod(request.pod_id, request.model_name, namespaces, shape, tuple(request.engine_groups),
+                  request.dp_rank, same_node=not request.remote)
+        endpoints = await self._run(streams.register, pod)
+        return pb.RegisterPodResponse(endpoint=endpoints.endpoint, replay_endpoint=endpoints.replay_endpoint,
+                                      topic=endpoints.topic)
+
+    @rpc
+    async def UnregisterPod(self, request: pb.UnregisterPodRequest, context,
+                            tenant: Tenant) -> pb.UnregisterPodResponse:
+        streams = self._streams()
+        self._claim_pod(tenant, request.pod_id)
+        await self._run(streams.unregister, request.pod_id)
+        self._pod_tenants.pop(request.pod_id, None)
+        return pb.UnregisterPodResponse()
+
+    def _streams(self) -> "EventStreams":
+        if self._events is None:
+            raise NotFound("this server publishes no KV events (start it with events.enabled)")
+        return self._events
+
+    def _claim_pod(self, tenant: Tenant, pod_id: str) -> None:
+        """A pod id is its first registrant's: another tenant can neither take over its stream nor end it."""
+        owner = self._pod_tenants.setdefault(pod_id, tenant.name)
+        if owner != tenant.name and not tenant.admin:
+            raise PermissionDenied(f"pod {pod_id!r} belongs to another tenant")
+
     # -- the same-host path (store.same_host) ----------------------------------------------------------------------
 
     @rpc
@@ -222,11 +265,13 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         same_host = self.store.same_host
         if same_host is None or not tenant.same_host:  # not an error: the client uses the data channel or Put/Get
             return pb.AttachResponse(available=False, data_port=data_port, data_unix_socket=data_unix_socket,
-                                     max_chunk_bytes=self._max_chunk_bytes)
+                                     max_chunk_bytes=self._max_chunk_bytes,
+                                     engine_blocks=self.intake.engine_blocks)
         arena = same_host.arena
         return pb.AttachResponse(available=True, path=arena.path, size_bytes=arena.size_bytes, inode=arena.inode,
                                  lease_ttl_s=self.leases.ttl_s, data_port=data_port,
-                                 data_unix_socket=data_unix_socket, max_chunk_bytes=self._max_chunk_bytes)
+                                 data_unix_socket=data_unix_socket, max_chunk_bytes=self._max_chunk_bytes,
+                                 engine_blocks=self.intake.engine_blocks)
 
     def _same_host(self, tenant: Tenant, instead: str) -> None:
         """Whether this caller may use the same-host path: the server has an arena and the tenant the right."""

@@ -7,6 +7,10 @@ the disk); a tier shared by nodes (Redis) is inclusive (other servers still read
 put is also copied to that tier at once, so other nodes see new chunks without waiting for eviction.
 
 The store holds no lock around tier calls; tiers lock their own metadata, and the store's lock guards counters only.
+
+Watchers (`watch`) hear of every change of where a key is held: placed, moved to another tier (demoted, promoted),
+lost (evicted from the last tier, deleted, found corrupt). The KV events that routers read (tiercache.events) are
+derived from them; a watcher only takes note, and asks the store itself where things are when it gets to them.
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ from tiercache.tiers import from_config as tiers_from_config
 from tiercache.tiers.base import ChainDirectory, Evicted, HandsDown, MappableArena, Tier
 
 LOST_KEYS_REMEMBERED = 1 << 16  # keys lost for good that the store remembers (see after_placement)
+# A watcher's argument: the keys whose place changed, each with its meta when it is held (placed, moved), None when
+# the store lost it (or dropped a corrupt copy, which may leave another below). Called on the thread of the change,
+# outside every tier's lock: it must only take note.
+Watcher = Callable[[list[tuple[ChunkKey, "encoding.ChunkMeta | None"]]], None]
 
 
 class TieredStore:
@@ -38,6 +46,7 @@ class TieredStore:
         self._lookups = LookupStats()
         self._lock = threading.Lock()
         self._gone: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()  # lost, not stored again
+        self._watchers: list[Watcher] = []
         # The tiers with a directory of chains (tiers/index.py): the others (Redis) hold no children, orphan nothing.
         self._directories = [tier for tier in self.tiers if isinstance(tier, ChainDirectory)]
         for level, tier in enumerate(self.tiers):  # a parent held below its children is no leaf (tiers/index.py)
@@ -58,6 +67,26 @@ class TieredStore:
         if not tiers:
             raise CapacityExceeded("every tier is disabled: give the host, disk or redis tier some capacity")
         return cls(tiers, write_through=config.redis.write_through)
+
+    def watch(self, watcher: Watcher) -> None:
+        """Tell `watcher` of every change of where a key is held from now on (see the module docstring)."""
+        self._watchers.append(watcher)
+
+    def entries(self, namespaces: frozenset[str]) -> list[tuple[ChunkKey, encoding.ChunkMeta]]:
+        """Every key (and meta) the tiers with a directory hold in `namespaces`, once each (Redis is not listed: it
+        cannot say what it holds, and other nodes write it)."""
+        found: dict[ChunkKey, encoding.ChunkMeta] = {}
+        for tier in self._directories:
+            try:
+                for key, meta in tier.entries(namespaces):
+                    found.setdefault(key, meta)
+            except TierDown:
+                self._count(tier, errors=1)
+        return list(found.items())
+
+    def _changed(self, changes: list[tuple[ChunkKey, encoding.ChunkMeta | None]]) -> None:
+        for watcher in self._watchers:
+            watcher(changes)
 
     # -- the store's operations ------------------------------------------------------------------------------------
 
@@ -83,6 +112,8 @@ class TieredStore:
         is unreachable from the start: it is marked so, like the children held when a key is lost (_lost), or it
         would keep its room, a chain's deep end outliving its head."""
         parent = ChunkKey(key.namespace, meta.parent) if meta.parent else None
+        if self._watchers:
+            self._changed([(key, meta)])
         with self._lock:
             self._gone.pop(key, None)
             parent_gone = parent in self._gone
@@ -274,10 +305,14 @@ class TieredStore:
                 lost.append(item.key)
                 continue
             self._count(self.tiers[landed], demotions=1)
+            if self._watchers:
+                self._changed([(item.key, encoding.read_meta(item.record))])
         self._lost(lost)
 
     def _lost(self, keys: Sequence[ChunkKey]) -> None:
         """Keys no tier holds any more: whatever descends from them in a chain is unreachable now (evicted first)."""
+        if keys and self._watchers:
+            self._changed([(key, None) for key in keys])
         with self._lock:
             for key in keys:
                 self._gone[key] = None
@@ -302,6 +337,8 @@ class TieredStore:
         self._count(source, promotions=1)
         if not source.shared_by_nodes:
             self._forget(source, key)
+        if self._watchers:
+            self._changed([(key, encoding.read_meta(record))])
 
     def _has_children(self, tiers: Sequence[ChainDirectory], key: ChunkKey) -> bool:
         """Whether any of `tiers` holds an object whose parent is `key`."""
@@ -344,6 +381,8 @@ class TieredStore:
             tier.delete([key])
         except TierDown:
             self._count(tier, errors=1)
+        if self._watchers:
+            self._changed([(key, None)])
 
     def _count(self, tier: Tier, **increments: int) -> None:
         with self._lock:

@@ -135,11 +135,15 @@ class ChainDirectory(Protocol):
     - needed_above (set by the store): needed_above(key) says whether a tier above holds a child of `key`; the tier
       then keeps `key` (a chain shrinks from its deep end across tiers too). Called under the tier's lock; it takes
       the locks of tiers above it only.
+    - entries(namespaces): the keys (and metas) held in those namespaces: the inventory KV events start from (a
+      server restarted over its disk tier, a pod registered after its saves).
     """
 
     needed_above: Callable[[ChunkKey], bool]
 
     def children(self, parent: ChunkKey) -> list[tuple[ChunkKey, ChunkMeta]]: ...
+
+    def entries(self, namespaces: frozenset[str]) -> list[tuple[ChunkKey, ChunkMeta]]: ...
 
     def orphan(self, parent: ChunkKey) -> int: ...
 
@@ -218,3 +222,7 @@ class IndexedTier(Tier):
     def orphan(self, parent: ChunkKey) -> int:
         with self._lock:
             return self._index.orphan(parent)
+
+    def entries(self, namespaces: frozenset[str]) -> list[tuple[ChunkKey, ChunkMeta]]:
+        with self._lock:
+            return [(key, entry.meta) for key, entry in self._index.items() if key.namespace in namespaces]

@@ -48,7 +48,7 @@ _SUFFIX = ".chunk"
 _MAX_HEADROOM_BYTES = 64 << 20
 _ROOM_WAIT_S = 1.0  # a put waiting for the unlinker re-checks at least this often
 _TEMP_SUFFIX = ".tmp"
-_HEADER_PROBE_BYTES = 4096  # covers the largest header (fixed part + 256-char namespace + 64-byte key)
+_HEADER_PROBE_BYTES = 4096  # covers the largest header without tokens (fixed part + 256-char namespace + 64-byte keys)
 
 
 @dataclass(slots=True, frozen=True)
@@ -301,7 +301,11 @@ class DiskTier(IndexedTier):
                 sequence = int(name[:-len(_SUFFIX)].rsplit("-", 1)[1], 16)
                 stat = path.stat()
                 with open(path, "rb") as f:
-                    header = encoding.read_header(f.read(_HEADER_PROBE_BYTES))
+                    probe = f.read(_HEADER_PROBE_BYTES)
+                    size = encoding.header_size(probe)
+                    if size > len(probe):  # a header with an engine block (tokens) can outgrow the probe
+                        probe += f.read(size - len(probe))
+                    header = encoding.read_header(probe)
             except (ValueError, IndexError, OSError, ChunkCorrupt):
                 _unlink(str(path))
                 continue

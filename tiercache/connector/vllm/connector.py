@@ -45,7 +45,7 @@ from tiercache.connector.vllm.layout import engine_groups, model_layout, paged_v
 from tiercache.connector.vllm.plan import Planner, StepPlan
 from tiercache.connector.vllm.transfer import Transfers
 from tiercache.config import refuse_unknown
-from tiercache.errors import InvalidArgument
+from tiercache.errors import InvalidArgument, TierCacheError
 from tiercache.prefix.objects import CacheSpec
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,9 @@ class VllmSettings:
     max_pending_save_bytes: int = 1 << 30
     save_batch_s: float = 0.05  # saves wait this long to be sent together (tiercache.connector.vllm.put_queue)
     max_boundary_states: int = 0  # block-boundary states saved per prompt, the deepest first; 0: every one offered
+    # KV events for routers (docs/events.md): the scheduler registers the engine under this pod id with a server
+    # started with --events (the topic is kv@<pod id>@<the served model name>); unset: no registration.
+    events_pod_id: str | None = None
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> "VllmSettings":
@@ -148,8 +151,13 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             # Every rank's objects are the same size: the scheduler checks them once, before the engine serves.
             check_spec(lookups, self.spec, "TierCacheConnector")
             cache = PrefixCache(lookups, self.spec, all_ranks=True)
-            self._planner = Planner(cache, self.groups)
+            # Token ids and vLLM's hashes go with the kv saves only for an engine that has the server publish its KV
+            # events: elsewhere they would cost the scheduler's step and the worker's metadata for nothing.
+            self._planner = Planner(cache, self.groups, engine_blocks=bool(settings.events_pod_id))
             _SCHEDULERS.add(self)
+            if settings.events_pod_id:
+                self._register_pod(settings.events_pod_id, model.served_model_name or model.model,
+                                   cache.rank_namespaces(), parallel.data_parallel_rank)
         else:
             self._transfers = Transfers(self.client, self.groups, self.spec, settings.max_pending_save_bytes,
                                          settings.save_batch_s)
@@ -160,6 +168,21 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("TierCacheConnector: vLLM hashes prompts every %d tokens, its block size N: it keeps no "
                         "recurrent state below a block, so prompts shorter than N=%d get no hit and hits end on "
                         "block boundaries. Start vLLM with --prefix-match-unit 16.", vllm_unit or block, block)
+
+    def _register_pod(self, pod_id: str, model_name, namespaces: list[str], dp_rank: int) -> None:
+        """Have the server publish this engine's KV events: its rank namespaces, its layout and vLLM's group index
+        of each layout group (Mamba groups share the recurrent one: the first names it). A failure is a warning: the
+        engine serves without events."""
+        groups = [*self.groups.attention, *self.groups.mamba[:1]]
+        name = model_name[0] if isinstance(model_name, (list, tuple)) else str(model_name)
+        try:  # one try: a server that is down costs the engine's start no more than a refused connection
+            with Client(self.settings.connection, timeout_s=10.0, retry=RetryPolicy(attempts=1)) as client:
+                endpoints = client.register_pod(pod_id, name, namespaces, self.spec.shape, groups, dp_rank=dp_rank)
+        except TierCacheError as exc:
+            log.warning("TierCacheConnector: the server publishes no KV events for pod %s: %s", pod_id, exc)
+            return
+        log.info("TierCacheConnector: KV events of pod %s on %s (replay %s, topic %s)", pod_id, endpoints.endpoint,
+                 endpoints.replay_endpoint, endpoints.topic)
 
     @property
     def planner(self) -> Planner | None:

@@ -24,10 +24,10 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-from tiercache.connector.prefix_cache import Lookup, PrefixCache
+from tiercache.connector.prefix_cache import EngineBlock, Lookup, PrefixCache
 from tiercache.connector.vllm.layout import EngineGroups
 from tiercache.prefix.admission import plan_finish_admission, plan_step_admission
-from tiercache.prefix.hashes import PrefixHashes
+from tiercache.prefix.hashes import PrefixHashes, token_bytes
 from tiercache.prefix.objects import ObjectKind, ObjectRef
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,9 @@ class Transfer:
     # beside vLLM (CUDA) must be done before that step. Full blocks, committed boundary states and the blocks of a
     # finished request (vLLM keeps them until the worker reports the save) are not written again.
     running: bool = False
+    # The block as vLLM names it (tokens, vLLM's block hash), for the server's KV events (issue 27): set on kv chunks
+    # and tails of the anchor attention group only; the worker of tensor-parallel rank 0 alone sends it.
+    engine: EngineBlock | None = None
 
 
 @dataclass(frozen=True)
@@ -85,11 +88,13 @@ class SchedulerStats:
 
 
 class Planner:
-    def __init__(self, cache: PrefixCache, groups: EngineGroups) -> None:
+    def __init__(self, cache: PrefixCache, groups: EngineGroups, engine_blocks: bool = False) -> None:
         """`cache` asks the server with a short deadline and a circuit breaker: vLLM's scheduler thread waits for
-        every lookup, so a dead or hung server costs one deadline, then nothing per request until it answers."""
+        every lookup, so a dead or hung server costs one deadline, then nothing per request until it answers.
+        `engine_blocks`: the anchor group's kv saves carry their tokens and vLLM's block hash (KV events)."""
         self.cache = cache
         self.groups = groups
+        self.engine_blocks = engine_blocks
         self.stats = SchedulerStats()
         self._caches: dict[str, PrefixCache] = {"": cache}  # by the request's own salt (LoRA, cache_salt)
         self._requests: dict[str, _Tracked] = {}
@@ -237,11 +242,14 @@ class Planner:
         the request goes on, so a state read from its running block is marked as such."""
         tracked.saved.update(ref.key for ref in refs)
         transfers = []
+        anchor = tracked.cache.spec.shape.anchor
         for ref in refs:
             if ref.kind is ObjectKind.STATE and ref.position in state_blocks:
                 transfers.append(Transfer(ref, state_blocks[ref.position]))
             else:
                 transfer = self._transfer(ref, block_ids)
+                if self.engine_blocks and ref.group == anchor and ref.kind is not ObjectKind.STATE:
+                    transfer = dataclasses.replace(transfer, engine=_engine_block(tracked.request, ref))
                 transfers.append(dataclasses.replace(transfer, running=True)
                                  if running and ref.kind is ObjectKind.STATE else transfer)
         return transfers
@@ -274,6 +282,30 @@ def _tokens(request, length: int) -> list[int]:
     """The request's first `length` token ids as a list (vLLM's ConstantList slices to one); tiercache's hashing
     takes lists without numpy's conversions and range checks."""
     return request.all_token_ids[:length]
+
+
+def _engine_block(request, ref: ObjectRef) -> EngineBlock:
+    """The tokens [start, position) of a kv chunk or tail, and vLLM's hash of the block ending at its position when
+    vLLM hashed one there (`request.block_hashes`, one per hash block of `hash_block_size` tokens: a kv chunk's is
+    the hash at its last hash block; a tail has none). vLLM publishes the low 64 bits of its hashes
+    (kv_cache_utils.maybe_convert_block_hash), and so do we."""
+    tokens = token_bytes(list(request.all_token_ids[ref.start:ref.position]))
+    hashes = getattr(request, "block_hashes", None) or ()
+    size = _hash_block_size(len(request.all_token_ids), len(hashes), ref.tokens) if ref.kind is ObjectKind.KV else 0
+    if not size or ref.position % size:
+        return EngineBlock(tokens)
+    digest = hashes[ref.position // size - 1]
+    value = int.from_bytes(digest, "big") & ((1 << 64) - 1) if isinstance(digest, bytes) else int(digest)
+    return EngineBlock(tokens, value)
+
+
+def _hash_block_size(tokens: int, hashes: int, chunk_tokens: int) -> int:
+    """vLLM's hash block size, read off a request: it hashes every full block of that many tokens, so it is the
+    divisor of N for which the counts agree (0 when none does: no hash is sent)."""
+    for size in range(chunk_tokens, 0, -1):
+        if chunk_tokens % size == 0 and hashes and tokens // size == hashes:
+            return size
+    return 0
 
 
 def _request_salt(request) -> str:

@@ -35,6 +35,7 @@ import torch
 
 from tiercache import kernels
 from tiercache.client import Client
+from tiercache.connector.prefix_cache import WithEngineBlock
 from tiercache.connector.vllm.layout import EngineGroups, PagedViews
 from tiercache.connector.vllm.plan import Job, Transfer
 from tiercache.connector.vllm.put_queue import Put, PutQueue
@@ -282,7 +283,9 @@ class Transfers:
         rows = _ObjectRows(staged, sizes)
         by_namespace: dict[str, dict] = {}
         for (job, transfer), view in zip(transfers, rows.buffers()):
-            by_namespace.setdefault(self.namespace(job.salt), {})[transfer.ref] = view
+            engine = transfer.engine if self.spec.layout.tp_rank == 0 else None  # one copy serves every rank
+            by_namespace.setdefault(self.namespace(job.salt), {})[transfer.ref] = \
+                view if engine is None else WithEngineBlock(view, engine)
         objects = [t for _, t in transfers]
         if beside:
             self._gathers.append(self._gatherer.submit(self._gather_and_put, objects, rows, by_namespace))

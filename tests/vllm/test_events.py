@@ -1,0 +1,106 @@
+"""tiercache's KV events decoded by vLLM's own classes (vllm.distributed.kv_events, the vLLM of this venv): every live
+batch and every replayed one of a real server process, over real ZMQ sockets, for a hybrid and an attention-only pod,
+through puts, a replay from 0 and eviction."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+from tests.events.saves import chunks, engine_hash, prompt, spec_of
+from tests.events.subscriber import Subscriber
+from tests.helpers import ServerProcess
+from tests.prefix.chains import ATTENTION, HYBRID
+from tests.vllm.engine import ATTENTION as ENGINE_ATTENTION
+from tests.vllm.engine import BLOCK, GDN, HASH_BLOCK, Engine
+from tiercache.client import Client
+from tiercache.config import EventsConfig
+
+decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+
+
+@pytest.fixture
+def server():
+    with ServerProcess("--events", "--host-mem", "256KiB", "--disk-size", "1MiB", "--no-data-channel") as process:
+        yield process
+
+
+def check(batch: KVEventBatch) -> None:
+    """What routers rely on: known types, dense tokens, hashes that are never 0, media and locality."""
+    assert isinstance(batch, KVEventBatch) and batch.data_parallel_rank == 0
+    for event in batch.events:
+        assert isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)), event
+        if isinstance(event, AllBlocksCleared):
+            continue
+        assert event.medium in ("CPU", "STORAGE") and event.locality == "LOCAL" and event.group_idx is not None
+        assert all(0 < h < 2**64 for h in event.block_hashes)
+        if isinstance(event, BlockStored):
+            assert len(event.token_ids) == len(event.block_hashes) * event.block_size
+            assert event.kv_cache_spec_kind in ("full_attention", "mamba")
+
+
+@pytest.mark.parametrize("layout", [HYBRID, ATTENTION], ids=["hybrid", "attention"])
+def test_every_event_decodes_with_vllms_classes(server, layout):
+    spec = spec_of(layout)
+    tokens = prompt(1, 100)
+    with Client.from_url(server.url, same_host=False) as client:
+        endpoints = client.register_pod("pod-a", "tiny", [spec.namespace], spec.shape, range(len(spec.shape.kinds)))
+        subscriber = Subscriber(endpoints.endpoint, endpoints.replay_endpoint, decode).ready()
+        try:
+            client.put_many(spec.namespace, chunks(spec, tokens, kv=3, states=[64, 96] if layout is HYBRID else []))
+            expected = 3 + (2 if layout is HYBRID else 0)  # the blocks, and a hybrid's checkpoints at 64 and 96
+            stored = []
+            while len(stored) < expected:
+                _, _, batch = subscriber.next()
+                check(batch)
+                stored += [e for e in batch.events if isinstance(e, BlockStored)]
+            attention = [e for e in stored if e.kv_cache_spec_kind == "full_attention"]
+            assert [e.block_hashes for e in attention] == [[engine_hash(tokens, k * 32)] for k in (1, 2, 3)]
+            assert attention[1].parent_block_hash == attention[0].block_hashes[0]
+            assert attention[2].token_ids == tokens[64:96]
+            assert len(stored) == expected
+            frames = subscriber.replay(0)
+            for _, _, batch in frames:
+                check(batch)
+            first = frames[0][2].events
+            assert isinstance(first[0], AllBlocksCleared) and first[1:] == stored
+            for seed in range(2, 14):  # eviction: removals and moves to STORAGE decode too
+                client.put_many(spec.namespace, chunks(spec, prompt(seed, 100), kv=3, payload_bytes=64 << 10))
+            for _, batch in subscriber.until(lambda b: any(isinstance(e, BlockRemoved) for e in b.events)):
+                check(batch)
+        finally:
+            subscriber.close()
+
+
+def test_the_connector_registers_its_engine_and_its_blocks_carry_vllms_hashes(start_server):
+    """vLLM's real scheduler with `events_pod_id`: the scheduler registers the engine, and the blocks the server then
+    publishes are named as vLLM names them (its block hashes, its KV cache group indices)."""
+    server = start_server(events=EventsConfig(enabled=True))
+    engine = Engine(server.url, extra={"events_pod_id": "pod-v"})
+    try:
+        endpoints = server.events.endpoints()["pod-v"]
+        assert endpoints.topic.startswith("kv@pod-v@")
+        subscriber = Subscriber(endpoints.endpoint, endpoints.replay_endpoint, decode).ready()
+        try:
+            tokens = prompt(5, 100)
+            request = engine.add("a", tokens, 3)
+            engine.run("a")
+            groups = [set(g.layer_names) for g in engine.kv_config.kv_cache_groups]
+            attention, gdn = groups.index(set(ENGINE_ATTENTION)), groups.index(set(GDN))
+            expected = [int.from_bytes(request.block_hashes[k * BLOCK // HASH_BLOCK - 1], "big") & (2**64 - 1)
+                        for k in (1, 2, 3)]
+            stored: list[BlockStored] = []
+            while len([e for e in stored if e.kv_cache_spec_kind == "full_attention"]) < 3:
+                _, _, batch = subscriber.next()
+                check(batch)
+                stored += [e for e in batch.events if isinstance(e, BlockStored)]
+            blocks = [e for e in stored if e.kv_cache_spec_kind == "full_attention"]
+            assert [e.block_hashes for e in blocks] == [[h] for h in expected]
+            assert {e.group_idx for e in blocks} == {attention}
+            assert blocks[2].token_ids == tokens[64:96] and blocks[2].parent_block_hash == expected[1]
+            assert {e.group_idx for e in stored if e.kv_cache_spec_kind == "mamba"} <= {gdn}
+        finally:
+            subscriber.close()
+    finally:
+        engine.close()

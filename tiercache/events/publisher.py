@@ -1,0 +1,191 @@
+"""The pods' event streams: per pod a ZMQ PUB of KV-event batches in vLLM's wire format and a ROUTER that answers
+replays with the pod's whole inventory (issue 27's memo, A1 and B6).
+
+- Live: three frames per batch, as vLLM's ZmqEventPublisher sends them: the topic `kv@<pod>@<model>` (llm-d reads the
+  pod and the model from it), the batch's sequence number (8 bytes, big-endian, one per batch, consecutive from 0 in
+  each incarnation of the stream), the msgpack payload (tiercache.events.vllm_wire). A pod's first batch is
+  AllBlocksCleared and everything it can restore when it registers; after that, what changes, at most once per
+  `flush_interval_s`; an empty batch after `heartbeat_s` of silence (Dynamo notices it must replay only on traffic).
+- Replay: a request `[identity, b"", start_seq]` is answered with one frame for each seq from start_seq to the last
+  one sent, S, as llm-d requires (consecutive, none missing): the first holds AllBlocksCleared and the pod's whole
+  inventory as of S (a snapshot, not a ring of old batches: a subscriber that starts at 0 after a day of uptime gets
+  exactly what is restorable now), the rest are empty; then the end marker (seq -1, empty payload). The ROUTER has no
+  send limit (vLLM's high-water mark would drop frames of a long replay).
+
+One thread owns every socket (ZMQ sockets are not thread-safe) and the index's flushes; pods are registered through
+it. ZMQ has no authentication: the sockets listen on `events.host` only, which should face the pods alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import zmq
+
+from tiercache.config import EventsConfig
+from tiercache.events.restorable import AllBlocksCleared, Event, Pod, RestorableIndex
+from tiercache.events.vllm_wire import batch_payload
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where a router subscribes to a pod (`endpoint`) and asks it for replays (`replay_endpoint`)."""
+
+    endpoint: str
+    replay_endpoint: str
+    topic: str
+
+
+class _Stream:
+    def __init__(self, context: zmq.Context, pod: Pod, host: str, ports: tuple[int, int] | None) -> None:
+        self.pod = pod
+        self.topic = f"kv@{pod.pod_id}@{pod.model_name}".encode()
+        self.pub = context.socket(zmq.PUB)
+        self.replay = context.socket(zmq.ROUTER)
+        self.replay.setsockopt(zmq.SNDHWM, 0)
+        self.pub.setsockopt(zmq.SNDHWM, 0)
+        for sock in (self.pub, self.replay):
+            sock.setsockopt(zmq.LINGER, 0)
+        if ports is None:
+            pub_port = self.pub.bind_to_random_port(f"tcp://{host}")
+            replay_port = self.replay.bind_to_random_port(f"tcp://{host}")
+        else:
+            pub_port, replay_port = ports
+            self.pub.bind(f"tcp://{host}:{pub_port}")
+            self.replay.bind(f"tcp://{host}:{replay_port}")
+        self.endpoints = Endpoints(f"tcp://{host}:{pub_port}", f"tcp://{host}:{replay_port}", self.topic.decode())
+        self.seq = -1  # the last seq sent
+        self.sent_at = 0.0
+
+    def publish(self, events: list[Event]) -> None:
+        self.seq += 1
+        self.pub.send_multipart((self.topic, self.seq.to_bytes(8, "big"), batch_payload(events, self.pod.dp_rank)))
+        self.sent_at = time.monotonic()
+
+    def answer(self, request: list[bytes], snapshot: list[Event]) -> None:
+        if len(request) != 3 or len(request[2]) != 8:
+            log.warning("kv events: malformed replay request on %s", self.endpoints.replay_endpoint)
+            return
+        identity, start = request[0], int.from_bytes(request[2], "big")
+        for seq in range(start, self.seq + 1):
+            payload = batch_payload(snapshot if seq == start else [], self.pod.dp_rank)
+            self.replay.send_multipart((identity, b"", self.topic, seq.to_bytes(8, "big"), payload))
+        self.replay.send_multipart((identity, b"", b"", END_SEQ, b""))
+
+    def close(self) -> None:
+        self.pub.close()
+        self.replay.close()
+
+
+class EventStreams:
+    def __init__(self, index: RestorableIndex, config: EventsConfig) -> None:
+        self._index = index
+        self._config = config
+        self._context = zmq.Context()
+        self._streams: dict[str, _Stream] = {}
+        self._commands: queue.Queue = queue.Queue()
+        self._slots = 0  # pods given fixed ports so far (base_port + 2 * slot)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tiercache-kv-events", daemon=True)
+        self._thread.start()
+
+    def register(self, pod: Pod, timeout_s: float = 30.0) -> Endpoints:
+        """Start (or restart) the pod's stream; its endpoints. A pod registered again keeps its sockets and its
+        sequence, and its next batch starts over with AllBlocksCleared (the engine behind it restarted)."""
+        return self._ask(("register", pod), timeout_s)
+
+    def unregister(self, pod_id: str, timeout_s: float = 30.0) -> None:
+        """End the pod's stream: a last AllBlocksCleared, then its sockets close."""
+        self._ask(("unregister", pod_id), timeout_s)
+
+    def endpoints(self) -> dict[str, Endpoints]:
+        return {pod_id: stream.endpoints for pod_id, stream in list(self._streams.items())}
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=10)
+        for stream in self._streams.values():
+            stream.close()
+        self._context.term()
+
+    def _ask(self, command, timeout_s: float):
+        if self._stopping.is_set():
+            raise RuntimeError("the kv event streams are closed")
+        answer: Future = Future()
+        self._commands.put((command, answer))
+        return answer.result(timeout=timeout_s)
+
+    # -- the thread ---------------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        interval_ms = max(1, int(self._config.flush_interval_s * 1000))
+        next_flush = time.monotonic()
+        while not self._stopping.is_set():
+            try:
+                self._obey(poller)
+                ready = dict(poller.poll(max(0, min(interval_ms, int((next_flush - time.monotonic()) * 1000)))))
+                for stream in list(self._streams.values()):
+                    if stream.replay in ready:
+                        stream.answer(stream.replay.recv_multipart(), self._index.snapshot(stream.pod.pod_id))
+                if time.monotonic() >= next_flush:
+                    next_flush = time.monotonic() + self._config.flush_interval_s
+                    self._flush()
+            except Exception:  # noqa: BLE001 - the streams outlive any one failure; a router replays what it missed
+                log.exception("kv events: a flush or replay failed")
+                time.sleep(self._config.flush_interval_s)
+
+    def _flush(self) -> None:
+        for pod_id, events in self._index.flush().items():
+            stream = self._streams.get(pod_id)
+            if stream is not None:
+                stream.publish(events)
+        now = time.monotonic()
+        for stream in self._streams.values():
+            if now - stream.sent_at >= self._config.heartbeat_s:
+                stream.publish([])
+
+    def _obey(self, poller: zmq.Poller) -> None:
+        while True:
+            try:
+                (verb, argument), answer = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if verb == "register":
+                    answer.set_result(self._register(argument, poller))
+                else:
+                    answer.set_result(self._unregister(argument, poller))
+            except Exception as exc:  # noqa: BLE001 - the caller's to report
+                answer.set_exception(exc)
+
+    def _register(self, pod: Pod, poller: zmq.Poller) -> Endpoints:
+        self._flush()  # what changed before the pod (re)starts goes out under the old registration
+        stream = self._streams.get(pod.pod_id)
+        if stream is None:
+            ports = None
+            if self._config.base_port:
+                ports = (self._config.base_port + 2 * self._slots, self._config.base_port + 2 * self._slots + 1)
+                self._slots += 1
+            stream = self._streams[pod.pod_id] = _Stream(self._context, pod, self._config.host, ports)
+            poller.register(stream.replay, zmq.POLLIN)
+        stream.pod = pod
+        stream.publish(self._index.add_pod(pod))
+        return stream.endpoints
+
+    def _unregister(self, pod_id: str, poller: zmq.Poller) -> None:
+        self._index.remove_pod(pod_id)
+        stream = self._streams.pop(pod_id, None)
+        if stream is not None:
+            stream.publish([AllBlocksCleared()])
+            poller.unregister(stream.replay)
+            stream.close()

@@ -1,0 +1,39 @@
+"""KV events in vLLM's wire format (vllm/distributed/kv_events.py, as vLLM 0.33 encodes them), written with msgpack.
+
+A batch is the msgpack array `[ts, events, data_parallel_rank]` (vLLM's EventBatch is `array_like`); each event a map
+tagged with a "type" key (vLLM's KVCacheEvent is a tagged msgspec struct without `array_like`; the map form since
+vllm#42892, which llm-d's and Dynamo's adapters read). Fields without a default are always written, None included;
+fields with one only when they differ from it, as msgspec's `omit_defaults` does. tests/vllm/test_events.py decodes
+every event the server sends with vLLM's own classes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+
+from tiercache.events.restorable import AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+
+def event_map(event: Event) -> dict:
+    if isinstance(event, BlockStored):
+        fields = {"type": "BlockStored", "block_hashes": list(event.block_hashes),
+                  "parent_block_hash": event.parent_block_hash, "token_ids": list(event.token_ids),
+                  "block_size": event.block_size, "lora_id": None, "medium": event.medium, "lora_name": None,
+                  "group_idx": event.group_idx, "kv_cache_spec_kind": event.kind}
+        if event.sliding_window is not None:
+            fields["kv_cache_spec_sliding_window"] = event.sliding_window
+        fields["locality"] = event.locality
+        return fields
+    if isinstance(event, BlockRemoved):
+        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": event.medium,
+                "group_idx": event.group_idx, "locality": event.locality}
+    if isinstance(event, AllBlocksCleared):
+        return {"type": "AllBlocksCleared"}
+    raise TypeError(f"not a KV event: {event!r}")
+
+
+def batch_payload(events: list[Event], dp_rank: int, ts: float | None = None) -> bytes:
+    """One batch's payload: `[ts, [event, ...], data_parallel_rank]`."""
+    return msgpack.packb([time.time() if ts is None else ts, [event_map(e) for e in events], dp_rank])
