@@ -14,7 +14,8 @@ server (same host): what vLLM's thread waits for in `wait_for_save` (the gathers
 runs on a background thread), when the gathered bytes are in pinned staging memory (the copies' bandwidth against a
 device->host memcpy of the same bytes), and a load from the start of its fetch to its report in an idle step (fetch
 into pinned staging, scatter on the load stream) against a host->device memcpy. `--connector --device cpu` runs those
-rows on CPU tensors (the kernels' torch reference): the path's own cost without a GPU.
+rows on CPU tensors (the kernels' torch reference): the path's own cost without a GPU, against a host memcpy of the
+same bytes.
 """
 
 from __future__ import annotations
@@ -45,6 +46,20 @@ def timed_gbps(action, size: int, repeat: int) -> float:
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) / 1000)
+    return size / statistics.median(samples) / 1e9
+
+
+def timed_gbps_host(action, size: int, repeat: int) -> float:
+    """timed_gbps for copies on the host (no CUDA events): the median of wall-clock samples."""
+    import time
+
+    for _ in range(3):
+        action()
+    samples = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - started)
     return size / statistics.median(samples) / 1e9
 
 
@@ -138,7 +153,7 @@ def bench_connector(name: str, repeat: int, device: str) -> list[dict]:
             started = time.perf_counter()
             saver.save([job])
             waits.append(time.perf_counter() - started)  # what vLLM's thread waits for
-            saver._last_put.result()  # the put waited for the gathers' event first
+            saver.drain()  # the gathers, then the put (sent at once: drain flushes the put queue)
             gathered.append(time.perf_counter() - started)
             moved = Job(job.req_id, "", tuple(Transfer(t.ref, tuple(b + 8 for b in t.blocks)) for t in transfers))
             synchronize()
@@ -153,8 +168,9 @@ def bench_connector(name: str, repeat: int, device: str) -> list[dict]:
         server.kill()
     host = torch.empty(size, dtype=torch.uint8, pin_memory=device == "cuda")
     source = torch.empty(size, dtype=torch.uint8, device=device)
-    d2h = timed_gbps(lambda: host.copy_(source, non_blocking=True), size, repeat) if device == "cuda" else None
-    h2d = timed_gbps(lambda: source.copy_(host, non_blocking=True), size, repeat) if device == "cuda" else None
+    timed = timed_gbps if device == "cuda" else timed_gbps_host
+    d2h = timed(lambda: host.copy_(source, non_blocking=True), size, repeat)
+    h2d = timed(lambda: source.copy_(host, non_blocking=True), size, repeat)
     median = statistics.median
     return [{"preset": name, "copy": f"connector save, vLLM waits ({device})", "bytes": size,
              "ms": round(median(waits) * 1e3, 3), "gbps": size / median(waits) / 1e9, "memcpy_gbps": d2h},
