@@ -75,14 +75,18 @@ def query_tokens(store: TieredStore, pods: Iterable[Pod], token_ids: Sequence[in
         raise InvalidArgument(f"a query names at most {MAX_QUERY_TOKENS} tokens, got {len(token_ids)}")
     ids = list(token_ids)
     token_bytes(ids)  # checked once: InvalidArgument for anything but uint32 ids
-    hashes: dict[tuple[str, int, int], PrefixHashes] = {}  # pods of one model and layout share their hashes
+    hashes: dict[tuple[str, int, int], PrefixHashes] = {}  # pods of one model and layout share their hashes,
+    hits: dict[tuple, LookupHit] = {}  # and pods of the same namespaces (an engine's data-parallel ranks) their hit
     answers = []
     for pod in pods:
         n, u = pod.shape.chunk_tokens, pod.match_unit
         key = (pod.namespaces[0], n, u)
         if key not in hashes:
             hashes[key] = PrefixHashes(pod.namespaces[0], ids, n, u)
-        answers.append(_answer(pod, find_prompt_hit(pod.shape, hashes[key], StoreChain(store, pod.namespaces))))
+        same = (pod.namespaces, pod.shape, u)
+        if same not in hits:
+            hits[same] = find_prompt_hit(pod.shape, hashes[key], StoreChain(store, pod.namespaces))
+        answers.append(PodHit(pod, hits[same].tokens, hits[same].objects))
     return answers
 
 
@@ -106,7 +110,3 @@ def query_hashes(store: TieredStore, index: RestorableIndex, pods: Iterable[Pod]
         (answer,) = query_tokens(store, [pod], tokens + [0])
         answers.append(answer)
     return answers
-
-
-def _answer(pod: Pod, hit: LookupHit) -> PodHit:
-    return PodHit(pod, hit.tokens, hit.objects)

@@ -114,15 +114,6 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "tiercache-query"
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        if not self.query._slots.acquire(blocking=False):
-            self._send(503, {"error": f"busy: {MAX_CONCURRENT} queries are being answered; try again"}, close=True)
-            return
-        try:
-            self._post()
-        finally:
-            self.query._slots.release()
-
-    def _post(self) -> None:
         try:
             length = int(self.headers.get("Content-Length", ""))
         except ValueError:
@@ -135,6 +126,10 @@ class _Handler(BaseHTTPRequestHandler):
         if len(body) < length:
             self.close_connection = True  # the client went away or stalled past TIMEOUT_S: nobody to answer
             return
+        # The body is read before a slot is taken: a client that sends slowly holds its own thread, not a slot.
+        if not self.query._slots.acquire(blocking=False):
+            self._send(503, {"error": f"busy: {MAX_CONCURRENT} queries are being answered; try again"})
+            return
         try:
             self._send(200, self.query.respond(self.path, self.headers.get("Authorization"), body))
         except _NoSuchPath as exc:
@@ -145,6 +140,8 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception:  # noqa: BLE001 - one request's failure is its own, never the server's
             log.exception("pod query over HTTP failed")
             self._send(500, {"error": "internal error in the pod query"})
+        finally:
+            self.query._slots.release()
 
     def do_GET(self) -> None:  # noqa: N802
         self._send(405, {"error": "POST a JSON body to /query or /query_by_hash"})
