@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--events", dest="events", action="store_true", default=None,
                        help="publish KV events for routers, per registered pod (docs/events.md; default: off)")
     serve.add_argument("--events-host", metavar="ADDR", help="address of the pods' event sockets (default 127.0.0.1)")
+    serve.add_argument("--events-query-port", type=int, metavar="PORT",
+                       help="serve the pod query over HTTP (POST /query, /query_by_hash) on --events-host:PORT "
+                            "(docs/events.md; default: off)")
     serve.add_argument("--stats-log-interval", type=_seconds, metavar="SECONDS",
                        help="log lookups and hit %% this often when there was traffic (default 60; 0: off)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -163,7 +166,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "security.tls_cert_file": args.tls_cert, "security.tls_key_file": args.tls_key,
         "security.tls_client_ca_file": args.tls_client_ca, "security.tenants_file": args.tenants_file,
         "security.health_port": args.health_port, "server.stats_log_interval_s": args.stats_log_interval,
-        "events.enabled": args.events, "events.host": args.events_host,
+        "events.enabled": args.events, "events.host": args.events_host, "events.query_port": args.events_query_port,
     })
 
 
@@ -199,6 +202,7 @@ def serve(args: argparse.Namespace) -> int:
         (f"; metrics on :{server.metrics_port}" if server.metrics_port is not None else "")
         + (f"; data channel on :{server.data_port}" if server.data_port else "")
         + (f"; health on :{server.health_port}" if server.health_port is not None else "")
+        + (f"; pod query (HTTP) on :{server.query_port}" if server.query_port is not None else "")
         + (f"; {len(server.tenants.tenants)} tenants" if server.tenants.enabled else ""))
     received = signal.sigwait(signals)
     log.info("%s: stopping (running RPCs get 5 s)", signal.Signals(received).name)

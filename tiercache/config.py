@@ -245,6 +245,7 @@ class EventsConfig:
     base_port: int = 0  # pod i's PUB on base_port + 2i, its ROUTER on base_port + 2i + 1; 0: free ports
     flush_interval_s: float = 0.1  # the store's changes become one batch per pod at most this often
     heartbeat_s: float = 1.0  # an empty batch when a pod's stream was silent this long (Dynamo replays on traffic)
+    query_port: int | None = None  # the pod query over HTTP (POST /query, /query_by_hash) on `host`; off unless set
 
     def __post_init__(self) -> None:
         _require(self.base_port == 0 or 1024 <= self.base_port <= 65_000,
@@ -253,6 +254,10 @@ class EventsConfig:
                  f"{self.flush_interval_s}")
         _require(self.heartbeat_s >= self.flush_interval_s,
                  "events.heartbeat_s must be at least events.flush_interval_s")
+        _require(self.query_port is None or 0 <= self.query_port <= 65535,
+                 f"events.query_port must be 0..65535, got {self.query_port}")
+        _require(self.query_port is None or self.enabled,
+                 "events.query_port needs events.enabled (the query answers for the pods registered for events)")
 
 
 @dataclass(frozen=True)

@@ -102,28 +102,29 @@ class TierDown(TierCacheError):
 
 
 class WireCode(NamedTuple):
-    """How one error is called on the wire: a gRPC status (by name: this module imports no gRPC) and the data
-    channel's u8 status code."""
+    """How one error is called on the wire: a gRPC status (by name: this module imports no gRPC), the data
+    channel's u8 status code, and the HTTP status of the pod query's HTTP endpoint (server.query_http)."""
 
     error: type[TierCacheError]
     grpc_status: str
     data_code: int
+    http_status: int
 
 
-# The one mapping between errors and the codes that carry them; protocol.wire and protocol.data_channel only look codes
-# up here (tests/test_architecture.py fails when another module names a code of this table). An error not listed goes
-# by its nearest listed base class (ConnectionBroken is UNAVAILABLE, 4); a code names the first error listed with it
-# (RESOURCE_EXHAUSTED is CapacityExceeded, UNAVAILABLE is Unavailable); anything else is INTERNAL. The data channel
-# has no deadline status: a deadline that passes there closes the connection.
+# The one mapping between errors and the codes that carry them; protocol.wire, protocol.data_channel and
+# server.query_http only look codes up here (tests/test_architecture.py fails when another module names a code of this
+# table). An error not listed goes by its nearest listed base class (ConnectionBroken is UNAVAILABLE, 4); a code names
+# the first error listed with it (RESOURCE_EXHAUSTED is CapacityExceeded, UNAVAILABLE is Unavailable); anything else
+# is INTERNAL. The data channel has no deadline status: a deadline that passes there closes the connection.
 WIRE_CODES: tuple[WireCode, ...] = (
-    WireCode(InvalidArgument, "INVALID_ARGUMENT", 1),
-    WireCode(NotFound, "NOT_FOUND", 2),
-    WireCode(CapacityExceeded, "RESOURCE_EXHAUSTED", 3),
-    WireCode(Busy, "RESOURCE_EXHAUSTED", 8),
-    WireCode(Unavailable, "UNAVAILABLE", 4),
-    WireCode(TimedOut, "DEADLINE_EXCEEDED", 4),
-    WireCode(Unauthenticated, "UNAUTHENTICATED", 5),
-    WireCode(PermissionDenied, "PERMISSION_DENIED", 6),
+    WireCode(InvalidArgument, "INVALID_ARGUMENT", 1, 400),
+    WireCode(NotFound, "NOT_FOUND", 2, 404),
+    WireCode(CapacityExceeded, "RESOURCE_EXHAUSTED", 3, 429),
+    WireCode(Busy, "RESOURCE_EXHAUSTED", 8, 503),
+    WireCode(Unavailable, "UNAVAILABLE", 4, 503),
+    WireCode(TimedOut, "DEADLINE_EXCEEDED", 4, 504),
+    WireCode(Unauthenticated, "UNAUTHENTICATED", 5, 401),
+    WireCode(PermissionDenied, "PERMISSION_DENIED", 6, 403),
 )
 _BY_ERROR = {row.error: row for row in WIRE_CODES}
 

@@ -16,6 +16,7 @@ from tests.vllm.engine import ATTENTION as ENGINE_ATTENTION
 from tests.vllm.engine import BLOCK, GDN, HASH_BLOCK, Engine
 from tiercache.client import Client
 from tiercache.config import EventsConfig
+from tiercache.connector.prefix_cache import PrefixCache
 
 decode = msgspec.msgpack.Decoder(KVEventBatch).decode
 
@@ -100,6 +101,15 @@ def test_the_connector_registers_its_engine_and_its_blocks_carry_vllms_hashes(st
             assert {e.group_idx for e in blocks} == {attention}
             assert blocks[2].token_ids == tokens[64:96] and blocks[2].parent_block_hash == expected[1]
             assert {e.group_idx for e in stored if e.kv_cache_spec_kind == "mamba"} <= {gdn}
+            # The pod query hashes as the connector does (the engine registered its u): it answers what the
+            # connector's own Lookup finds, by tokens and by vLLM's hashes.
+            spec = engine.connector.spec
+            with Client.from_url(server.url, same_host=False) as client:
+                cache = PrefixCache(client, spec, report=False, all_ranks=True)
+                (answer,) = client.query_pods(tokens)
+                assert answer.pod_id == "pod-v" and answer.matched_tokens == cache.lookup(tokens).hit.tokens > 0
+                (answer,) = client.query_pods(block_hashes=expected)
+                assert answer.matched_tokens == cache.lookup(tokens[:97]).hit.tokens
         finally:
             subscriber.close()
     finally:

@@ -38,6 +38,19 @@ class PodEndpoints(NamedTuple):
     topic: str
 
 
+class PodQueryHit(NamedTuple):
+    """One pod's answer to `Client.query_pods`: the tokens of the prompt it can restore from the server (what Lookup
+    answers its connector) and the tier their KV lies in."""
+
+    pod_id: str
+    model_name: str
+    dp_rank: int
+    matched_tokens: int
+    tokens_by_tier: dict[str, int]
+    tenant: str
+    block_tokens: int  # the pod's N
+
+
 class LookupAnswer(NamedTuple):
     hit_tokens: int
     tiers: list[str]  # where each object of the hit lies, in tiercache.prefix.hit.required_objects order
@@ -156,19 +169,34 @@ class Client:
         self._call(call, self._stub.ReportLookup, request)
 
     def register_pod(self, pod_id: str, model_name: str, namespaces: Sequence[str], shape: ChainShape,
-                     engine_groups: Sequence[int], *, dp_rank: int = 0, remote: bool = False) -> PodEndpoints:
+                     engine_groups: Sequence[int], *, dp_rank: int = 0, remote: bool = False,
+                     match_unit: int = 0) -> PodEndpoints:
         """Have the server publish KV events for an engine instance (docs/events.md): its rank namespaces (rank 0
         first), its layout's shape and the engine's KV cache group index of each layout group. Registering again
-        restarts the pod's stream. NotFound from a server without events."""
+        restarts the pod's stream. `match_unit`: u of the namespaces (0: 16, or N when 16 does not divide it), which
+        the server's pod query hashes prompts with. NotFound from a server without events."""
         request = pb.RegisterPodRequest(pod_id=pod_id, model_name=model_name, namespaces=list(namespaces),
                                         chunk_tokens=shape.chunk_tokens, groups=layer_groups(shape),
-                                        engine_groups=list(engine_groups), dp_rank=dp_rank, remote=remote)
+                                        engine_groups=list(engine_groups), dp_rank=dp_rank, remote=remote,
+                                        match_unit=match_unit)
         response = self._call(call, self._stub.RegisterPod, request)
         return PodEndpoints(response.endpoint, response.replay_endpoint, response.topic)
 
     def unregister_pod(self, pod_id: str) -> None:
         """End the pod's KV events (its stream's last batch is AllBlocksCleared)."""
         self._call(call, self._stub.UnregisterPod, pb.UnregisterPodRequest(pod_id=pod_id))
+
+    def query_pods(self, token_ids: Sequence[int] = (), *, block_hashes: Sequence[int] | None = None,
+                   model_name: str = "", pod_ids: Sequence[str] = ()) -> list[PodQueryHit]:
+        """For a router: per registered pod of the caller's tenant (every pod for an admin token), of `model_name`
+        ("": any) and among `pod_ids` (none: all), the tokens of the prompt `token_ids` it can restore from the
+        server, by tier — or, with `block_hashes` (the hashes the pods' KV events publish), of a prompt starting
+        with those blocks. Touches nothing (no recency, no statistics). NotFound from a server without events."""
+        request = pb.QueryPodsRequest(model_name=model_name, token_ids=list(token_ids),
+                                      block_hashes=list(block_hashes or ()), pod_ids=list(pod_ids))
+        response = self._call(call, self._stub.QueryPods, request)
+        return [PodQueryHit(p.pod_id, p.model_name, p.dp_rank, p.matched_tokens, dict(p.tokens_by_tier), p.tenant,
+                            p.block_tokens) for p in response.pods]
 
     def stats(self) -> dict:
         return stats_dict(self._call(call, self._stub.Stats, pb.StatsRequest()))
@@ -226,4 +254,5 @@ class Client:
         return True
 
 
-__all__ = ["Chunk", "ChunkMeta", "Client", "Fetched", "LookupAnswer", "PodEndpoints", "RetryPolicy", "TierCacheError"]
+__all__ = ["Chunk", "ChunkMeta", "Client", "Fetched", "LookupAnswer", "PodEndpoints", "PodQueryHit", "RetryPolicy",
+           "TierCacheError"]

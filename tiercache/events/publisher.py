@@ -107,6 +107,11 @@ class EventStreams:
         """End the pod's stream: a last AllBlocksCleared, then its sockets close."""
         self._ask(("unregister", pod_id), timeout_s)
 
+    @property
+    def index(self) -> RestorableIndex:
+        """The restorable index behind the streams (its reads take its own lock: callable from any thread)."""
+        return self._index
+
     def endpoints(self) -> dict[str, Endpoints]:
         return {pod_id: stream.endpoints for pod_id, stream in list(self._streams.items())}
 

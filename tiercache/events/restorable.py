@@ -22,7 +22,8 @@ chunks in rank 0 (ChunkMeta.tokens, engine_hash). Without an engine hash, the fi
 hash stand in (unique within a pod's stream; routers recompute their keys from the tokens anyway). Blocks without
 tokens are not advertised: routers cannot key them. Hash 0 is never published (llm-d reads 0 as "no parent").
 
-Not thread-safe by itself beyond `note`: the publisher calls everything else from its one thread.
+Thread-safety: `note` runs on the store's threads and only queues; every other call takes one lock (`_work`), so
+the publisher's thread (flushes, replays) and RPC threads (pods registering, pod queries by hash) take turns.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ _MAX_DEPTH = 1 << 20
 class Pod:
     """One engine instance as a router sees it: its id and model (llm-d's topic `kv@<pod>@<model>`), its rank
     namespaces (an object counts only when every rank holds its shard; the first rank's kv chunks carry the tokens),
-    the layout's shape, vLLM's KV cache group index for each layout group, and whether it runs on this server's node."""
+    the layout's shape, vLLM's KV cache group index for each layout group, whether it runs on this server's node, and
+    the match unit u its namespaces hash with (the pod query hashes prompts as the pod's connector does)."""
 
     pod_id: str
     model_name: str
@@ -63,6 +65,7 @@ class Pod:
     engine_groups: tuple[int, ...]
     dp_rank: int = 0
     same_node: bool = True
+    match_unit: int = 16
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,24 @@ class _PodState:
         self.anchor = anchor
         self.root = object_key(_root_hash(pod.namespaces[0]), ObjectKind.KV, anchor)
         self.trees: dict[bytes, dict[tuple[bytes, int], _Advert]] = {}  # first chunk's key -> adverts, pre-order
+        self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # advertised block hash -> (parent, tokens)
+
+    def replace_tree(self, first: bytes, new: dict[tuple[bytes, int], _Advert]) -> dict[tuple[bytes, int], _Advert]:
+        """Make `new` the tree's adverts (and its blocks findable by hash); the old adverts."""
+        old = self.trees.pop(first, {})
+        if new:
+            self.trees[first] = new
+        before, after = _blocks(old), _blocks(new)
+        for block_hash in before.keys() - after.keys():
+            del self.blocks[block_hash]
+        self.blocks.update(after)
+        return old
+
+
+def _blocks(tree: dict[tuple[bytes, int], _Advert]) -> dict[int, tuple[int | None, tuple[int, ...]]]:
+    """The attention blocks of a tree's adverts by hash (every group's advert of a block has the block's hash)."""
+    return {a.stored.block_hashes[0]: (a.stored.parent_block_hash, a.stored.token_ids)
+            for a in tree.values() if a.stored.kind != "mamba"}
 
 
 class RestorableIndex:
@@ -184,7 +205,23 @@ class RestorableIndex:
         return [AllBlocksCleared()]
 
     def pods(self) -> list[Pod]:
-        return [state.pod for state in self._pods.values()]
+        with self._work:
+            return [state.pod for state in self._pods.values()]
+
+    def tokens_of(self, pod_id: str, block_hashes: Sequence[int]) -> list[int]:
+        """The token ids of the longest leading run of `block_hashes` that the pod advertises as one chain from its
+        first block (as its events published them at the last flush); [] for an unknown pod. Read-only."""
+        with self._work:
+            state = self._pods.get(pod_id)
+            tokens: list[int] = []
+            parent = None
+            for block_hash in block_hashes if state is not None else ():
+                block = state.blocks.get(block_hash)
+                if block is None or block[0] != parent:
+                    break
+                tokens += block[1]
+                parent = block_hash
+            return tokens
 
     # -- events -----------------------------------------------------------------------------------------------------
 
@@ -269,10 +306,8 @@ class RestorableIndex:
         return None
 
     def _recompute(self, state: _PodState, first: bytes) -> list[Event]:
-        old = state.trees.pop(first, {})
         new = self._advertised(state, first)
-        if new:
-            state.trees[first] = new
+        old = state.replace_tree(first, new)
         events: list[Event] = []
         for key in reversed(old):  # deepest first: a removal never leaves a child without its parent
             before, after = old[key], new.get(key)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Protocol, Sequence
 
 from tiercache.errors import InvalidArgument
-from tiercache.prefix.hashes import HASH_BYTES, InsideChunk
+from tiercache.prefix.hashes import HASH_BYTES, InsideChunk, PrefixHashes
 from tiercache.prefix.hit import checkpoint_objects, tokens_by_tier
 from tiercache.prefix.layout import GroupKind
 from tiercache.prefix.objects import ChainShape, ObjectKind, object_key
@@ -127,6 +127,27 @@ def find_hit(query: Query, view: ChainView) -> LookupHit:
                 return LookupHit(p, chains.objects_at(p, checkpoints), chains.reach, tuple(unverified),
                              tuple(r.key for r in refs))
     return LookupHit(0, (), chains.reach, tuple(unverified))
+
+
+def prompt_query(shape: ChainShape, hashes: PrefixHashes, positions: Mapping[int, bytes] | None = None) -> Query:
+    """The query a connector sends for a whole prompt (connector.prefix_cache.PrefixCache.lookup), built where its
+    tokens are: h(0) .. h(KN) with K = (L-1)//N, the tokens of [KN, L-1), and the positions asked for. (L >= 1.)"""
+    deepest = (hashes.length - 1) // shape.chunk_tokens
+    data = hashes.boundaries(deepest)
+    boundaries = [data[i:i + HASH_BYTES] for i in range(0, len(data), HASH_BYTES)]
+    last_chunk = InsideChunk(boundaries[-1], hashes.chunk_tokens_bytes(deepest, hashes.length - 1), hashes.u)
+    return Query(shape, hashes.length, boundaries, dict(positions or {}), last_chunk)
+
+
+def find_prompt_hit(shape: ChainShape, hashes: PrefixHashes, view: ChainView) -> LookupHit:
+    """The search for a prompt whose tokens are at hand (a router's query on the server): the positions the first
+    pass names `unverified` are hashed and asked at once, as the client's second Lookup call does."""
+    if hashes.length < 2:
+        return LookupHit(0)
+    hit = find_hit(prompt_query(shape, hashes), view)
+    if hit.unverified:
+        hit = find_hit(prompt_query(shape, hashes, {p: hashes.at(p) for p in hit.unverified}), view)
+    return hit
 
 
 class _KvChains:

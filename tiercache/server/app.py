@@ -22,6 +22,7 @@ from tiercache.server.intake import Intake
 from tiercache.server.leases import LeaseTable
 from tiercache.server.limits import StreamLimits
 from tiercache.server.metrics import Metrics
+from tiercache.server.query_http import QueryHttpServer
 from tiercache.server.rpc import service_handler
 from tiercache.server.servicer import TierCacheServicer
 from tiercache.server.stats_log import StatsLog
@@ -84,7 +85,8 @@ def check_ports_free(config: Config) -> None:
     for what, host, port in (("gRPC (--port)", cfg.host, cfg.port),
                              ("the data channel (--data-port)", cfg.host, cfg.data_port if cfg.data_channel else 0),
                              ("health (--health-port)", cfg.host, config.security.health_port),
-                             ("metrics (--metrics-port)", cfg.metrics_host, cfg.metrics_port)):
+                             ("metrics (--metrics-port)", cfg.metrics_host, cfg.metrics_port),
+                             ("the pod query (--events-query-port)", config.events.host, config.events.query_port)):
         if port:
             _check_free(host, port, what)
 
@@ -141,6 +143,8 @@ class CacheServer:
         self.port = 0
         self.health_port: int | None = None
         self.metrics_port: int | None = None
+        self.query_port: int | None = None  # the pod query's HTTP port (events.query_port), once serving
+        self.query_http: QueryHttpServer | None = None
         self.stats_log: StatsLog | None = None
         self.events = None  # tiercache.events.publisher.EventStreams, made by start() when events.enabled
 
@@ -181,6 +185,8 @@ class CacheServer:
         try:
             self._on_loop(self._start())
         except BaseException:
+            if self.query_http is not None:
+                self.query_http.stop()
             self._stop_loop()
             if self.data_listener is not None:
                 self.data_listener.stop(grace_s=0)
@@ -201,6 +207,7 @@ class CacheServer:
         servicer = TierCacheServicer(self.intake, self.config, self.metrics, self.leases, self._blocking,
                                      data_channel=self._data_channel, events=self.events)
         server.add_generic_rpc_handlers((service_handler(servicer),))
+        self._serve_query(servicer)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.port = _listen(server, _address(cfg.host, cfg.port), self._credentials)
         if cfg.unix_socket:
@@ -217,6 +224,18 @@ class CacheServer:
             await self._health_server.start()
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+    def _serve_query(self, servicer: TierCacheServicer) -> None:
+        """The pod query over HTTP (events.query_port), before gRPC listens: a server reported ready answers both."""
+        events = self.config.events
+        if self.events is None or events.query_port is None:
+            return
+        self.query_http = QueryHttpServer(self.intake.tenant, servicer.query_pods)
+        try:
+            self.query_port = self.query_http.start(events.host, events.query_port)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve the pod query on {events.host}:{events.query_port}: "
+                              f"{exc.strerror}") from None
 
     def _data_channel(self) -> tuple[int, str]:
         """(port, unix socket path) of the data channel for Attach; (0, "") when there is none."""
@@ -240,6 +259,8 @@ class CacheServer:
         self._stopped.set()
         if self.stats_log is not None:
             self.stats_log.stop()
+        if self.query_http is not None:
+            self.query_http.stop()
         if self._loop_thread is not None and self._loop_thread.is_alive():
             self._on_loop(self._stop(grace_s))
             self._stop_loop()

@@ -11,11 +11,12 @@ import dataclasses
 import functools
 import time
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence, TypeVar
 
 from tiercache import __version__
 from tiercache.config import Config
 from tiercache.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+from tiercache.events.query import PodHit, query_hashes, query_tokens
 from tiercache.events.restorable import Pod
 from tiercache.prefix.lookup import find_hit
 from tiercache.protocol.data_channel import PutEntry
@@ -26,32 +27,13 @@ from tiercache.server.intake import InArena, Incoming, Intake, Served, batches
 from tiercache.server.leases import LeaseTable
 from tiercache.server.metrics import Metrics
 from tiercache.server.rpc import rpc
+from tiercache.store.chain import StoreChain
 from tiercache.store.stats import StoreStats
-from tiercache.store.tiered import TieredStore
 
 if TYPE_CHECKING:
     from tiercache.events.publisher import EventStreams
 
 T = TypeVar("T")
-
-
-class _StoreChain:
-    """The store seen by the Lookup search (tiercache.prefix.lookup.ChainView), in one namespace or in every
-    tensor-parallel rank's: an object counts only when each rank holds its shard; the directory is the first's."""
-
-    def __init__(self, store: TieredStore, namespaces: list[str]) -> None:
-        self.store = store
-        self.namespaces = namespaces
-
-    def locate(self, keys):
-        where = self.store.locate([ChunkKey(self.namespaces[0], k) for k in keys])
-        for namespace in self.namespaces[1:]:
-            other = self.store.locate([ChunkKey(namespace, k) for k in keys])
-            where = [tier if also else None for tier, also in zip(where, other)]
-        return where
-
-    def children(self, parent: bytes):
-        return [(key.key, meta) for key, meta in self.store.children(ChunkKey(self.namespaces[0], parent))]
 
 
 def _stats_message(stats: StoreStats, *, version: str, uptime_s: float, max_chunk_bytes: int) -> pb.StatsResponse:
@@ -213,7 +195,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                                  chain_chunks=found.chain_chunks)
 
     def _lookup(self, query, namespaces: list[str], report: bool):
-        found = find_hit(query, _StoreChain(self.store, namespaces))
+        found = find_hit(query, StoreChain(self.store, namespaces))
         if found.checkpoints:  # the load that follows promotes the kv chunks; their demotions must not evict these
             self.store.touch([ChunkKey(ns, key) for ns in namespaces for key in found.checkpoints])
         if report and not found.unverified:  # a lookup with unverified positions is asked again
@@ -231,8 +213,11 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                 or request.chunk_tokens <= 0 or len(request.engine_groups) != len(shape.kinds):
             raise InvalidArgument("a pod names its id, model, namespaces, N, and an engine group for each layer group")
         self._claim_pod(tenant, request.pod_id)
+        unit = request.match_unit or (16 if request.chunk_tokens % 16 == 0 else request.chunk_tokens)
+        if request.chunk_tokens % unit:
+            raise InvalidArgument(f"the match unit u={unit} must divide N={request.chunk_tokens}")
         pod = Pod(request.pod_id, request.model_name, namespaces, shape, tuple(request.engine_groups),
-                  request.dp_rank, same_node=not request.remote)
+                  request.dp_rank, same_node=not request.remote, match_unit=unit)
         endpoints = await self._run(streams.register, pod)
         return pb.RegisterPodResponse(endpoint=endpoints.endpoint, replay_endpoint=endpoints.replay_endpoint,
                                       topic=endpoints.topic)
@@ -245,6 +230,39 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         await self._run(streams.unregister, request.pod_id)
         self._pod_tenants.pop(request.pod_id, None)
         return pb.UnregisterPodResponse()
+
+    @rpc
+    async def QueryPods(self, request: pb.QueryPodsRequest, context, tenant: Tenant) -> pb.QueryPodsResponse:
+        if request.token_ids and request.block_hashes:
+            raise InvalidArgument("a pod query names token ids or block hashes, not both")
+        answers = await self._run(self.query_pods, tenant, request.model_name, list(request.token_ids),
+                                  list(request.block_hashes) if request.block_hashes else None, list(request.pod_ids))
+        return pb.QueryPodsResponse(pods=[
+            pb.PodQueryHit(pod_id=hit.pod.pod_id, model_name=hit.pod.model_name, dp_rank=hit.pod.dp_rank,
+                           matched_tokens=hit.tokens, tokens_by_tier=hit.tokens_by_tier(), tenant=owner,
+                           block_tokens=hit.pod.shape.chunk_tokens)
+            for owner, hit in answers])
+
+    def query_pods(self, tenant: Tenant, model_name: str, token_ids: Sequence[int],
+                   block_hashes: Sequence[int] | None = None, pod_ids: Sequence[str] = (),
+                   owner: str | None = None) -> list[tuple[str, PodHit]]:
+        """(owning tenant, answer) for each pod the caller may see (its tenant's; every pod for an admin) of the model
+        ("": any), among `pod_ids` and of `owner`'s when given: the hit of the prompt `token_ids`, or of the prompt
+        starting with the blocks `block_hashes` name. Blocking (the store): the QueryPods RPC and the HTTP query
+        (server.query_http) call it."""
+        streams = self._streams()
+        wanted = set(pod_ids)
+        owners = dict(self._pod_tenants)
+        pods = [pod for pod in streams.index.pods()
+                if (tenant.admin or owners.get(pod.pod_id) == tenant.name)
+                and (owner is None or owners.get(pod.pod_id) == owner)
+                and (not model_name or pod.model_name == model_name) and (not wanted or pod.pod_id in wanted)]
+        pods.sort(key=lambda pod: pod.pod_id)
+        if block_hashes is None:
+            hits = query_tokens(self.store, pods, token_ids)
+        else:
+            hits = query_hashes(self.store, streams.index, pods, block_hashes)
+        return [(owners.get(hit.pod.pod_id, ""), hit) for hit in hits]
 
     def _streams(self) -> "EventStreams":
         if self._events is None:

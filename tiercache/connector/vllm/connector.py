@@ -177,7 +177,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         name = model_name[0] if isinstance(model_name, (list, tuple)) else str(model_name)
         try:  # one try: a server that is down costs the engine's start no more than a refused connection
             with Client(self.settings.connection, timeout_s=10.0, retry=RetryPolicy(attempts=1)) as client:
-                endpoints = client.register_pod(pod_id, name, namespaces, self.spec.shape, groups, dp_rank=dp_rank)
+                endpoints = client.register_pod(pod_id, name, namespaces, self.spec.shape, groups, dp_rank=dp_rank,
+                                                   match_unit=self.spec.match_unit)
         except TierCacheError as exc:
             log.warning("TierCacheConnector: the server publishes no KV events for pod %s: %s", pod_id, exc)
             return
