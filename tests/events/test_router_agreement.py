@@ -213,3 +213,14 @@ def test_a_router_index_agrees_with_lookup_on_every_prompt_of_an_attention_model
 @pytest.mark.slow
 def test_a_router_index_agrees_with_lookup_on_a_longer_trace_slice_of_a_hybrid_model(pods):
     check_hybrid(pods, trace_slice(120, 128, 2000))
+
+
+def test_the_router_reads_the_array_encoding_as_it_reads_maps(pods):
+    requests = trace_slice(8, 128, 1000)
+    maps, arrays = pods(HYBRID), pods(HYBRID, "--events-encoding", "array")
+    by_maps, by_arrays = serve_slice(requests, maps, arrays)
+    assert by_arrays.router == by_maps.router == by_maps.predicted and sum(by_maps.router) > 0
+    maps.caught_up()
+    arrays.caught_up()
+    assert arrays.feeds.index.holders == maps.feeds.index.holders and not arrays.feeds.index.skipped.get(
+        "undecodable_batch")
