@@ -126,12 +126,15 @@ class Agreement:
     lookup: list[int] = field(default_factory=list)
     router: list[int] = field(default_factory=list)
     predicted: list[int] = field(default_factory=list)
+    expected: list[int] = field(default_factory=list)  # what a router with an `expected` method says it should count
 
     def note(self, pod: Pod, tokens: np.ndarray, saved: list[np.ndarray]) -> None:
         n = pod.n
         hit = pod.reach(tokens) // n
         self.lookup.append(hit)
         self.router.append(pod.router_blocks(tokens))
+        if hasattr(pod.router, "expected"):
+            self.expected.append(pod.router.expected(tokens))
         # The prediction is at least Lookup's own (the checkpoint it resumes at lies on some saved sequence through
         # the prompt); only a sequence sharing more blocks than that can raise it (Lookup calls for those alone).
         predicted = hit
