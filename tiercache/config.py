@@ -246,6 +246,14 @@ class EventsConfig:
     flush_interval_s: float = 0.1  # the store's changes become one batch per pod at most this often
     heartbeat_s: float = 1.0  # an empty batch when a pod's stream was silent this long (Dynamo replays on traffic)
     query_port: int | None = None  # the pod query over HTTP (POST /query, /query_by_hash) on `host`; off unless set
+    encoding: str = "map"  # events as maps tagged "type" (vLLM >= #42892), or "array": positional (older vLLMs)
+    # What a pod's blocks are labelled: "" the tier's honest medium (CPU, STORAGE), or e.g. "GPU" for routers that
+    # score only device blocks (Dynamo 1.6.1's standalone indexer): a pod beside its tiercache is in effect its cache.
+    medium_override: str = ""
+    # "restorable": blocks a checkpoint at or after them makes restorable (the Lookup rule); "attention": every saved
+    # attention block with its chain, regardless of checkpoints (what an engine's own events would say; for
+    # comparisons, never for routing a hybrid model).
+    advertise: str = "restorable"
 
     def __post_init__(self) -> None:
         _require(self.base_port == 0 or 1024 <= self.base_port <= 65_000,
@@ -258,6 +266,11 @@ class EventsConfig:
                  f"events.query_port must be 0..65535, got {self.query_port}")
         _require(self.query_port is None or self.enabled,
                  "events.query_port needs events.enabled (the query answers for the pods registered for events)")
+        _require(self.encoding in ("map", "array"), f"events.encoding must be map or array, got {self.encoding!r}")
+        _require(self.advertise in ("restorable", "attention"),
+                 f"events.advertise must be restorable or attention, got {self.advertise!r}")
+        _require(self.medium_override == "" or self.medium_override.isalnum() and len(self.medium_override) <= 32,
+                 f"events.medium_override must be empty or a medium name such as GPU, got {self.medium_override!r}")
 
 
 @dataclass(frozen=True)

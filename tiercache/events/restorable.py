@@ -136,8 +136,17 @@ def _blocks(tree: dict[tuple[bytes, int], _Advert]) -> dict[int, tuple[int | Non
 
 
 class RestorableIndex:
-    def __init__(self, store: TieredStore) -> None:
+    """`advertise="attention"` (events.advertise, for comparisons): every attention block whose kv chain is held
+    from the root, in every attention group and rank, is advertised, with no regard to checkpoints: what an engine's
+    own events say of the blocks it saved. `medium_override`: the medium every block is labelled with instead of its
+    tier's (events.medium_override)."""
+
+    def __init__(self, store: TieredStore, advertise: str = "restorable", medium_override: str = "") -> None:
+        if advertise not in ("restorable", "attention"):
+            raise ValueError(f"advertise must be restorable or attention, not {advertise!r}")
         self._store = store
+        self._attention_only = advertise == "attention"
+        self._medium_override = medium_override
         self._levels = {tier.name: level for level, tier in enumerate(store.tiers)}
         self._shared = {tier.name for tier in store.tiers if tier.shared_by_nodes}
         self._pods: dict[str, _PodState] = {}
@@ -346,6 +355,8 @@ class RestorableIndex:
             up = nodes[index][3]
             if advertised[index] and up >= 0:
                 advertised[up] = True
+        if self._attention_only:  # held in every rank, whatever the checkpoints (the parent check below: from root)
+            advertised = [view.tier(key) is not None for key, *_ in nodes]
         adverts: dict[tuple[bytes, int], _Advert] = {}
         hashes: dict[int, int] = {}  # node index -> its published hash
         for index, (key, meta, depth, up, path) in enumerate(nodes):
@@ -379,15 +390,17 @@ class RestorableIndex:
 
     def _mamba(self, state: _PodState, view: "_View", checkpoint: bytes, position: int, depth: int, block_hash: int,
                parent_hash: int | None, meta: ChunkMeta) -> dict[tuple[bytes, int], _Advert]:
-        """The checkpoint's own `mamba` blocks, one per recurrent group: at a boundary, the block's hash and tokens;
-        inside a block, a hash of its own, the block's as parent, and the tokens since the boundary (the anchor
-        tail's)."""
+        """The checkpoint's own `mamba` blocks, one per recurrent group: a hash of its own, the block that ends at or
+        before it as parent, and the tokens since that block's end (the anchor tail's; none at a boundary). Never
+        the attention block's hash or tokens: Dynamo 1.6.1 indexes mamba blocks like attention ones, by their
+        tokens, and applies a BlockRemoved to a hash whatever its group, so a checkpoint named or spelled like its
+        block would merge with it, and a lost state would take the block with it."""
         pod, shape = state.pod, state.pod.shape
         n = shape.chunk_tokens
         if not shape.recurrent or not checkpoint:
             return {}
         if position == depth * n:
-            own, parent, tokens, size = block_hash, parent_hash, _token_ids(meta.tokens), n
+            own, parent, tokens, size = _state_hash(checkpoint), block_hash, (), 0
         else:
             tail = view.meta_of(checkpoint + bytes((ObjectKind.TAIL, state.anchor)))
             if tail is None or not tail.tokens:
@@ -406,7 +419,7 @@ class RestorableIndex:
 
     def _medium(self, pod: Pod, tier: str) -> tuple[str, str]:
         local = pod.same_node and tier not in self._shared
-        return MEDIUM_BY_TIER.get(tier, "STORAGE"), "LOCAL" if local else "REMOTE"
+        return self._medium_override or MEDIUM_BY_TIER.get(tier, "STORAGE"), "LOCAL" if local else "REMOTE"
 
 
 def _resumes_at(shape: ChainShape, path: list[bytes], p: int, checkpoint: bytes, view: "_View") -> bool:
@@ -427,6 +440,11 @@ def _published_hash(engine_hash: int, key: bytes) -> int:
     """The engine's hash, or the first 8 bytes of tiercache's chain hash; never 0 (llm-d's "no parent")."""
     value = engine_hash or int.from_bytes(key[:8], "big")
     return value or 1
+
+
+def _state_hash(checkpoint: bytes) -> int:
+    """The published hash of a checkpoint at a block boundary: not its block's (see _mamba), never 0."""
+    return xxhash.xxh3_64_intdigest(checkpoint + b"state") or 1
 
 
 def _token_ids(tokens: bytes) -> tuple[int, ...]:

@@ -1,0 +1,97 @@
+"""A router index built from a real server's KV events agrees with Lookup on every prompt of a slice of the Mooncake
+conversation trace (issue 27's "Done when"), for a hybrid model and an attention-only one.
+
+The saves are a connector's (tiercache.bench.SimulatedEngine through PrefixCache: every full kv chunk of the prompt
+and of prompt + output, with tokens and the engine's block hashes on the anchor group's chunks, a state at every
+chunk boundary of the prompt, tail + state at the prompt's end and at the output's) into `tiercache serve --events`
+with host and disk tiers small enough that chains are demoted and lost during the slice. The router is
+benchmarks/fleet/llmd_index.py (llm-d's rules) fed from the pod's real ZMQ sockets; it has caught up when it holds a
+marker chain whose last object was the last put (a flush takes every change noted before it).
+
+What must agree, and why (N: the events' block size; counts are whole N blocks, as the router's key matches inside
+a block count nothing here: its partial keys are rounded down):
+- Lookup's `hit` of the prompt followed by one token it does not know (the router counts the prompt's last token
+  too; the engine always computes it, so Lookup of the bare prompt stops one token short);
+- the router counts block k of the prompt iff some checkpoint at or after block k, on a branch through it, is
+  restorable (docs/events.md). So where the prompt leaves a cached branch between a block and that branch's next
+  restorable checkpoint, the router counts blocks the engine cannot resume from: it overcounts by less than the
+  distance to that checkpoint. The test predicts this exactly from Lookup alone: with reach(S) = Lookup's hit of a
+  saved sequence S (prompt + output) followed by an unknown token, the router's count of a prompt P is
+  N * max over S of floor(min(common prefix of P and S, reach(S)) / N). It asserts that on every prompt, that it is
+  never below Lookup's (it never undercounts), equal to Lookup's on most, and that hits are not rare.
+- For an attention-only model there is no checkpoint to miss: the router's count equals Lookup's on every prompt.
+- A router fed what an engine's own events say (events.advertise: attention: every saved attention block) ignores
+  the recurrent state: on the hybrid model it disagrees with Lookup on some prompts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.serving import trace
+from tests.events.agreement import HYBRID, Agreement, Pod, evicted_and_lost, serve_slice, start_pod, trace_slice
+from tests.prefix.chains import ATTENTION
+
+
+@pytest.fixture
+def pods(tmp_path):
+    """pods(layout, *serve flags) -> a Pod on a fresh server, with an llm-d-rules router; all closed afterwards."""
+    started: list[Pod] = []
+
+    def start(layout, *flags: str) -> Pod:
+        folder = tmp_path / f"pod{len(started)}"
+        folder.mkdir()
+        started.append(start_pod(folder, layout, *flags))
+        return started[-1]
+
+    yield start
+    for pod in started:
+        pod.close()
+
+
+def check_hybrid(pods, requests: list[trace.TraceRequest]) -> tuple[Agreement, Agreement]:
+    restorable = pods(HYBRID)
+    attention = pods(HYBRID, "--events-advertise", "attention")
+    exact, ignorant = serve_slice(requests, restorable, attention)
+    host_evictions, disk_evictions = evicted_and_lost(restorable)
+    assert host_evictions > 0 and disk_evictions > 0  # chains were demoted and lost during the slice
+    assert exact.router == exact.predicted  # on every prompt
+    assert all(r >= h for r, h in zip(exact.router, exact.lookup))  # never below what the engine can resume
+    assert exact.agreeing() >= 0.9 * len(requests)
+    assert sum(h > 0 for h in exact.lookup) >= len(requests) // 2  # not vacuous: hits are common
+    assert ignorant.lookup == exact.lookup  # the same saves: the same store
+    assert ignorant.agreeing() < exact.agreeing()  # counting attention blocks alone is wrong more often
+    assert all(i >= r for i, r in zip(ignorant.router, exact.router))
+    return exact, ignorant
+
+
+def test_a_router_index_agrees_with_lookup_on_a_trace_slice_of_a_hybrid_model(pods):
+    exact, ignorant = check_hybrid(pods, trace_slice(32, 128, 1000))
+    print(f"hybrid: {exact.agreeing()} of {len(exact.lookup)} prompts agree with Lookup ({ignorant.agreeing()} "
+          f"attention blocks only); blocks hit {sum(exact.lookup)}, router {sum(exact.router)}, attention "
+          f"{sum(ignorant.router)}")
+
+
+def test_a_router_index_agrees_with_lookup_on_every_prompt_of_an_attention_model(pods):
+    requests = trace_slice(32, 128, 1000)
+    pod = pods(ATTENTION)
+    (result,) = serve_slice(requests, pod)
+    assert evicted_and_lost(pod)[0] > 0
+    assert result.router == result.lookup == result.predicted
+    assert sum(h > 0 for h in result.lookup) >= len(requests) // 2
+
+
+@pytest.mark.slow
+def test_a_router_index_agrees_with_lookup_on_a_longer_trace_slice_of_a_hybrid_model(pods):
+    check_hybrid(pods, trace_slice(120, 128, 2000))
+
+
+def test_the_router_reads_the_array_encoding_as_it_reads_maps(pods):
+    requests = trace_slice(8, 128, 1000)
+    maps, arrays = pods(HYBRID), pods(HYBRID, "--events-encoding", "array")
+    by_maps, by_arrays = serve_slice(requests, maps, arrays)
+    assert by_arrays.router == by_maps.router == by_maps.predicted and sum(by_maps.router) > 0
+    maps.caught_up()
+    arrays.caught_up()
+    index_of_maps, index_of_arrays = maps.router.feeds.index, arrays.router.feeds.index
+    assert index_of_arrays.holders == index_of_maps.holders and not index_of_arrays.skipped.get("undecodable_batch")
