@@ -22,13 +22,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import numpy as np
+import xxhash
 from tqdm import tqdm
 
 from tiercache.client import Client
 from tiercache.client.probe import require_server
 from tiercache.connector.limits import check_spec
-from tiercache.connector.prefix_cache import PrefixCache
-from tiercache.prefix.objects import CacheSpec, ObjectRef
+from tiercache.connector.prefix_cache import EngineBlock, PrefixCache, WithEngineBlock
+from tiercache.prefix.hashes import token_bytes
+from tiercache.prefix.objects import CacheSpec, ObjectKind, ObjectRef
 from tiercache.prefix.presets import preset
 
 REPEATED_LENGTHS = (32, 64, 128, 256, 384, 479, 512, 527, 528, 529, 543, 544, 545, 552, 600, 800, 979, 1024,
@@ -48,11 +50,16 @@ class RequestResult:
 
 
 class SimulatedEngine:
-    """Runs requests through PrefixCache; payloads are views into one random buffer (random bytes, no alloc)."""
+    """Runs requests through PrefixCache; payloads are views into one random buffer (random bytes, no alloc).
 
-    def __init__(self, cache: PrefixCache, seed: int) -> None:
+    `engine_blocks`: the anchor group's kv chunks and tails carry their tokens, and kv chunks a stand-in for the
+    engine's block hash (an xxh64 of the whole prefix up to the chunk's end), as the vLLM connector sends them from
+    rank 0 to a server that publishes KV events (docs/events.md)."""
+
+    def __init__(self, cache: PrefixCache, seed: int, engine_blocks: bool = False) -> None:
         self.cache = cache
         self.spec = cache.spec
+        self.engine_blocks = engine_blocks
         largest = max(self.spec.layout.state_bytes, self.spec.layout.kv_bytes_per_token * self.spec.chunk_tokens)
         self._noise = memoryview(np.random.default_rng(seed).integers(0, 256, 2 * largest, dtype=np.uint8).data)
         self._offset = 0
@@ -67,19 +74,29 @@ class SimulatedEngine:
             result.hit_tokens = 0
         else:
             result.loaded_objects, result.loaded_bytes_by_tier = len(loaded[0]), loaded[1]
-        self._save(self.cache.plan_prompt(lookup).objects, result)
+        self._save(self.cache.plan_prompt(lookup).objects, result, prompt)
         if output is not None and len(output):
-            plan = self.cache.plan_finish(np.concatenate([prompt, output]), len(prompt))
-            self._save(plan.objects, result)
+            tokens = np.concatenate([prompt, output])
+            self._save(self.cache.plan_finish(tokens, len(prompt)).objects, result, tokens)
         return result
 
-    def _save(self, refs: Sequence[ObjectRef], result: RequestResult) -> None:
+    def _save(self, refs: Sequence[ObjectRef], result: RequestResult, tokens: np.ndarray) -> None:
         if not refs:
             return
-        saved = self.cache.save({ref: self._payload(self.spec.object_bytes(ref)) for ref in refs})
+        saved = self.cache.save({ref: self._with_engine_block(ref, tokens, self._payload(self.spec.object_bytes(ref)))
+                                 for ref in refs})
         result.saved_objects += saved.objects
         for tier, n in saved.bytes_by_tier.items():
             result.saved_bytes_by_tier[tier] = result.saved_bytes_by_tier.get(tier, 0) + n
+
+    def _with_engine_block(self, ref: ObjectRef, tokens: np.ndarray, payload: memoryview):
+        if not self.engine_blocks or ref.group != self.spec.shape.anchor or ref.kind is ObjectKind.STATE:
+            return payload
+        block = token_bytes(tokens[ref.start:ref.position])
+        engine_hash = 0  # a tail: vLLM hashes no block there
+        if ref.kind is ObjectKind.KV:
+            engine_hash = xxhash.xxh64_intdigest(token_bytes(tokens[:ref.position])) or 1  # 0 is "no parent"
+        return WithEngineBlock(payload, EngineBlock(block, engine_hash))
 
     def _payload(self, size: int) -> memoryview:
         self._offset = (self._offset + 4099) % (len(self._noise) - size + 1)

@@ -94,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--events", dest="events", action="store_true", default=None,
                        help="publish KV events for routers, per registered pod (docs/events.md; default: off)")
     serve.add_argument("--events-host", metavar="ADDR", help="address of the pods' event sockets (default 127.0.0.1)")
+    serve.add_argument("--events-encoding", choices=["map", "array"],
+                       help="events as maps tagged 'type' (default, vLLM >= #42892) or positional arrays (older vLLMs)")
+    serve.add_argument("--events-medium", metavar="MEDIUM",
+                       help="label every advertised block with this medium (e.g. GPU, for routers that score only "
+                            "device blocks; default: the tier's own, CPU or STORAGE)")
+    serve.add_argument("--events-advertise", choices=["restorable", "attention"],
+                       help="restorable (default): blocks a checkpoint makes restorable; attention: every saved "
+                            "attention block (what an engine's own events say; for comparisons only)")
     serve.add_argument("--stats-log-interval", type=_seconds, metavar="SECONDS",
                        help="log lookups and hit %% this often when there was traffic (default 60; 0: off)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -163,7 +171,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "security.tls_cert_file": args.tls_cert, "security.tls_key_file": args.tls_key,
         "security.tls_client_ca_file": args.tls_client_ca, "security.tenants_file": args.tenants_file,
         "security.health_port": args.health_port, "server.stats_log_interval_s": args.stats_log_interval,
-        "events.enabled": args.events, "events.host": args.events_host,
+        "events.enabled": args.events, "events.host": args.events_host, "events.encoding": args.events_encoding,
+        "events.medium_override": args.events_medium, "events.advertise": args.events_advertise,
     })
 
 

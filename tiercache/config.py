@@ -245,6 +245,14 @@ class EventsConfig:
     base_port: int = 0  # pod i's PUB on base_port + 2i, its ROUTER on base_port + 2i + 1; 0: free ports
     flush_interval_s: float = 0.1  # the store's changes become one batch per pod at most this often
     heartbeat_s: float = 1.0  # an empty batch when a pod's stream was silent this long (Dynamo replays on traffic)
+    encoding: str = "map"  # events as maps tagged "type" (vLLM >= #42892), or "array": positional (older vLLMs)
+    # What a pod's blocks are labelled: "" the tier's honest medium (CPU, STORAGE), or e.g. "GPU" for routers that
+    # score only device blocks (Dynamo 1.6.1's standalone indexer): a pod beside its tiercache is in effect its cache.
+    medium_override: str = ""
+    # "restorable": blocks a checkpoint at or after them makes restorable (the Lookup rule); "attention": every saved
+    # attention block with its chain, regardless of checkpoints (what an engine's own events would say; for
+    # comparisons, never for routing a hybrid model).
+    advertise: str = "restorable"
 
     def __post_init__(self) -> None:
         _require(self.base_port == 0 or 1024 <= self.base_port <= 65_000,
@@ -253,6 +261,11 @@ class EventsConfig:
                  f"{self.flush_interval_s}")
         _require(self.heartbeat_s >= self.flush_interval_s,
                  "events.heartbeat_s must be at least events.flush_interval_s")
+        _require(self.encoding in ("map", "array"), f"events.encoding must be map or array, got {self.encoding!r}")
+        _require(self.advertise in ("restorable", "attention"),
+                 f"events.advertise must be restorable or attention, got {self.advertise!r}")
+        _require(self.medium_override == "" or self.medium_override.isalnum() and len(self.medium_override) <= 32,
+                 f"events.medium_override must be empty or a medium name such as GPU, got {self.medium_override!r}")
 
 
 @dataclass(frozen=True)

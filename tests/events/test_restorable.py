@@ -62,10 +62,10 @@ def index_for(tmp_path):
     """index_for(layout, ranks=1) -> (store, saver, index, router): a pod registered, its events applied by flush()."""
     made = []
 
-    def make(layout, ranks: int = 1, **store_options):
+    def make(layout, ranks: int = 1, advertise: str = "restorable", medium_override: str = "", **store_options):
         store = make_store(tmp_path, **store_options)
         saver = Saver(store, layout, ranks)
-        index = RestorableIndex(store)
+        index = RestorableIndex(store, advertise=advertise, medium_override=medium_override)
         router = Router()
         router.apply(index.add_pod(pod_of(saver)))
         made.append(store)
@@ -105,6 +105,22 @@ def test_a_hybrid_block_is_advertised_only_with_a_checkpoint_at_or_after_it(inde
     assert [(e.kind, e.block_hashes) for e in events] == [("full_attention", (engine_hash(tokens, 96),)),
                                                          ("mamba", (engine_hash(tokens, 96),))]
     assert flush(index, router) == []
+
+
+def test_advertising_attention_blocks_ignores_checkpoints_as_an_engines_own_events_do(index_for):
+    store, saver, index, router = index_for(HYBRID, advertise="attention", medium_override="GPU")
+    tokens = prompt(1, 100)
+    saver.save(tokens, kv=3)
+    events = flush(index, router)  # kv chunks alone: what the engine held, not what it can resume from
+    assert [e.block_hashes for e in events] == [(engine_hash(tokens, k * N),) for k in (1, 2, 3)]
+    assert {e.medium for e in events} == {"GPU"}  # every block labelled with the override
+    saver.save(tokens, states=[64])
+    assert [e.kind for e in flush(index, router)] == ["mamba"]  # the checkpoint's own block, nothing more
+    saver.delete(tokens, kv_at=64)
+    removed = [e.block_hashes for e in flush(index, router) if isinstance(e, BlockRemoved) and e.group_idx == 0]
+    assert removed == [(engine_hash(tokens, 96),), (engine_hash(tokens, 64),)]  # the chain broke at block 2
+    with pytest.raises(ValueError, match="advertise"):
+        RestorableIndex(store, advertise="everything")
 
 
 def test_a_checkpoint_inside_a_block_needs_its_tail_and_advertises_the_blocks_before_it(index_for):

@@ -1,8 +1,11 @@
 """tiercache's KV events decoded by vLLM's own classes (vllm.distributed.kv_events, the vLLM of this venv): every live
 batch and every replayed one of a real server process, over real ZMQ sockets, for a hybrid and an attention-only pod,
-through puts, a replay from 0 and eviction."""
+through puts, a replay from 0 and eviction; and the positional form (events.encoding: array, older vLLMs) decoded by
+mirrors of vLLM's classes with `array_like=True` (how older vLLMs encoded them)."""
 
 from __future__ import annotations
+
+from typing import Union
 
 import msgspec
 import pytest
@@ -18,6 +21,34 @@ from tiercache.client import Client
 from tiercache.config import EventsConfig
 
 decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+
+
+def array_like(cls: type) -> type:
+    """A mirror of one of vLLM's event classes, same name (the tag), fields, order and defaults, encoded as a
+    positional array: what vLLM's classes were before vllm#42892 (issue 27's memo, A1)."""
+    fields = []
+    for f in msgspec.structs.fields(cls):
+        if f.default is not msgspec.NODEFAULT:
+            fields.append((f.name, f.type, f.default))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            fields.append((f.name, f.type, msgspec.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, f.type))
+    return msgspec.defstruct(cls.__name__, fields, array_like=True, tag=True, omit_defaults=True)
+
+
+ARRAY_EVENTS = {cls: array_like(cls) for cls in (BlockStored, BlockRemoved, AllBlocksCleared)}
+ArrayBatch = msgspec.defstruct("KVEventBatch", [("ts", float), ("events", list[Union[tuple(ARRAY_EVENTS.values())]]),
+                                                ("data_parallel_rank", int | None, None)], array_like=True)
+array_decoder = msgspec.msgpack.Decoder(ArrayBatch)
+
+
+def decode_array(payload: bytes) -> KVEventBatch:
+    """A positional batch, read with the mirrors, as vLLM's own classes (to check it as the map form is)."""
+    batch = array_decoder.decode(payload)
+    classes = {mirror: cls for cls, mirror in ARRAY_EVENTS.items()}
+    events = [classes[type(e)](**msgspec.structs.asdict(e)) for e in batch.events]
+    return KVEventBatch(batch.ts, events, batch.data_parallel_rank)
 
 
 @pytest.fixture
@@ -71,6 +102,40 @@ def test_every_event_decodes_with_vllms_classes(server, layout):
                 check(batch)
         finally:
             subscriber.close()
+
+
+def test_the_array_encoding_decodes_with_mirrors_of_vllms_classes_and_not_as_maps():
+    spec = spec_of(HYBRID)
+    tokens = prompt(1, 100)
+    flags = ("--events", "--events-encoding", "array", "--host-mem", "256KiB", "--no-data-channel")
+    with ServerProcess(*flags) as server, Client.from_url(server.url, same_host=False) as client:
+        endpoints = client.register_pod("pod-a", "tiny", [spec.namespace], spec.shape, range(len(spec.shape.kinds)))
+        raw = Subscriber(endpoints.endpoint, endpoints.replay_endpoint, lambda payload: payload).ready()
+        try:
+            client.put_many(spec.namespace, chunks(spec, tokens, kv=3, states=[64, 96]))
+            stored = []
+            while len(stored) < 5:
+                _, _, payload = raw.next()
+                batch = decode_array(payload)
+                check(batch)
+                stored += [e for e in batch.events if isinstance(e, BlockStored)]
+                if batch.events:
+                    with pytest.raises(msgspec.ValidationError, match="Expected `object`, got `array`"):
+                        decode(payload)  # positional, not maps
+            attention = [e for e in stored if e.kv_cache_spec_kind == "full_attention"]
+            assert [e.block_hashes for e in attention] == [[engine_hash(tokens, k * 32)] for k in (1, 2, 3)]
+            assert attention[2].token_ids == tokens[64:96] and attention[2].locality == "LOCAL"
+            first = decode_array(raw.replay(0)[0][2]).events
+            assert isinstance(first[0], AllBlocksCleared) and first[1:] == stored
+            client.delete(spec.namespace, [chunks(spec, tokens, kv=3)[2].key])  # the third block: a BlockRemoved
+            while True:
+                events = decode_array(raw.next()[2]).events
+                removed = {e.group_idx: e.block_hashes for e in events if isinstance(e, BlockRemoved)}
+                if removed:  # the block, and the checkpoint at its end (the recurrent group's mamba block)
+                    assert removed == {0: [engine_hash(tokens, 96)], 1: [engine_hash(tokens, 96)]}
+                    break
+        finally:
+            raw.close()
 
 
 def test_the_connector_registers_its_engine_and_its_blocks_carry_vllms_hashes(start_server):

@@ -46,8 +46,10 @@ class Endpoints:
 
 
 class _Stream:
-    def __init__(self, context: zmq.Context, pod: Pod, host: str, ports: tuple[int, int] | None) -> None:
+    def __init__(self, context: zmq.Context, pod: Pod, host: str, ports: tuple[int, int] | None,
+                 encoding: str = "map") -> None:
         self.pod = pod
+        self.encoding = encoding
         self.topic = f"kv@{pod.pod_id}@{pod.model_name}".encode()
         self.pub = context.socket(zmq.PUB)
         self.replay = context.socket(zmq.ROUTER)
@@ -68,7 +70,8 @@ class _Stream:
 
     def publish(self, events: list[Event]) -> None:
         self.seq += 1
-        self.pub.send_multipart((self.topic, self.seq.to_bytes(8, "big"), batch_payload(events, self.pod.dp_rank)))
+        payload = batch_payload(events, self.pod.dp_rank, encoding=self.encoding)
+        self.pub.send_multipart((self.topic, self.seq.to_bytes(8, "big"), payload))
         self.sent_at = time.monotonic()
 
     def answer(self, request: list[bytes], snapshot: list[Event]) -> None:
@@ -77,7 +80,8 @@ class _Stream:
             return
         identity, start = request[0], int.from_bytes(request[2], "big")
         for seq in range(start, self.seq + 1):
-            payload = batch_payload(snapshot if seq == start else [], self.pod.dp_rank)
+            events = snapshot if seq == start else []
+            payload = batch_payload(events, self.pod.dp_rank, encoding=self.encoding)
             self.replay.send_multipart((identity, b"", self.topic, seq.to_bytes(8, "big"), payload))
         self.replay.send_multipart((identity, b"", b"", END_SEQ, b""))
 
@@ -176,7 +180,8 @@ class EventStreams:
             if self._config.base_port:
                 ports = (self._config.base_port + 2 * self._slots, self._config.base_port + 2 * self._slots + 1)
                 self._slots += 1
-            stream = self._streams[pod.pod_id] = _Stream(self._context, pod, self._config.host, ports)
+            stream = self._streams[pod.pod_id] = _Stream(self._context, pod, self._config.host, ports,
+                                                         self._config.encoding)
             poller.register(stream.replay, zmq.POLLIN)
         stream.pod = pod
         stream.publish(self._index.add_pod(pod))

@@ -115,8 +115,17 @@ class _PodState:
 
 
 class RestorableIndex:
-    def __init__(self, store: TieredStore) -> None:
+    """`advertise="attention"` (events.advertise, for comparisons): every attention block whose kv chain is held
+    from the root, in every attention group and rank, is advertised, with no regard to checkpoints: what an engine's
+    own events say of the blocks it saved. `medium_override`: the medium every block is labelled with instead of its
+    tier's (events.medium_override)."""
+
+    def __init__(self, store: TieredStore, advertise: str = "restorable", medium_override: str = "") -> None:
+        if advertise not in ("restorable", "attention"):
+            raise ValueError(f"advertise must be restorable or attention, not {advertise!r}")
         self._store = store
+        self._attention_only = advertise == "attention"
+        self._medium_override = medium_override
         self._levels = {tier.name: level for level, tier in enumerate(store.tiers)}
         self._shared = {tier.name for tier in store.tiers if tier.shared_by_nodes}
         self._pods: dict[str, _PodState] = {}
@@ -311,6 +320,8 @@ class RestorableIndex:
             up = nodes[index][3]
             if advertised[index] and up >= 0:
                 advertised[up] = True
+        if self._attention_only:  # held in every rank, whatever the checkpoints (the parent check below: from root)
+            advertised = [view.tier(key) is not None for key, *_ in nodes]
         adverts: dict[tuple[bytes, int], _Advert] = {}
         hashes: dict[int, int] = {}  # node index -> its published hash
         for index, (key, meta, depth, up, path) in enumerate(nodes):
@@ -371,7 +382,7 @@ class RestorableIndex:
 
     def _medium(self, pod: Pod, tier: str) -> tuple[str, str]:
         local = pod.same_node and tier not in self._shared
-        return MEDIUM_BY_TIER.get(tier, "STORAGE"), "LOCAL" if local else "REMOTE"
+        return self._medium_override or MEDIUM_BY_TIER.get(tier, "STORAGE"), "LOCAL" if local else "REMOTE"
 
 
 def _resumes_at(shape: ChainShape, path: list[bytes], p: int, checkpoint: bytes, view: "_View") -> bool:

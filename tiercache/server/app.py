@@ -153,7 +153,9 @@ class CacheServer:
             from tiercache.events.publisher import EventStreams
             from tiercache.events.restorable import RestorableIndex
 
-            self.events = EventStreams(RestorableIndex(self.store), self.config.events)
+            self.events = EventStreams(RestorableIndex(self.store, advertise=self.config.events.advertise,
+                                                       medium_override=self.config.events.medium_override),
+                                      self.config.events)
         try:
             return self._start_serving()
         except BaseException:
