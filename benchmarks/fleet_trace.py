@@ -91,7 +91,7 @@ def run_policy(policy: str, requests: list[trace.TraceRequest], args) -> dict:
     advertise = "attention" if policy == "attention" else "restorable"
     events = EventSettings(args.flush_interval, args.flush_interval)
     pods = {}
-    router = Router(policy, names, MODEL, args.load_weight)
+    router = Router(policy, names, MODEL, args.load_weight, args.prefill_ms_per_token / 1e3)
     try:
         for k, name in enumerate(names):
             pods[name] = SimulatedPod(name, MODEL, spec, advertise=advertise, host_mem=args.host_mem,
@@ -128,8 +128,8 @@ def run_policy(policy: str, requests: list[trace.TraceRequest], args) -> dict:
             pod.close()
 
 
-def percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
+def percentile(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 2) if values else None
 
 
 def summarize(policy: str, run: dict, requests: list[trace.TraceRequest], pods: list[str], n: int) -> dict:
@@ -152,14 +152,19 @@ def summarize(policy: str, run: dict, requests: list[trace.TraceRequest], pods: 
         "busiest_over_mean": max(per_pod.values()) / (len(rows) / len(pods)) if rows else None,
         "prompt_tokens_per_pod": {pod: sum(r["prompt_tokens"] for r in rows if r["pod"] == pod) for pod in pods},
         "ttft_ms": {"p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "p99": percentile(ttft, 99),
-                    "mean": statistics.fmean(ttft) if ttft else float("nan")},
-        "queue_ms": {"p50": percentile(queue, 50), "p90": percentile(queue, 90), "mean":
-                     statistics.fmean(queue) if queue else float("nan")},
+                    "mean": round(statistics.fmean(ttft), 2) if ttft else None},
+        "queue_ms": {"p50": percentile(queue, 50), "p90": percentile(queue, 90),
+                     "mean": round(statistics.fmean(queue), 2) if queue else None},
         "wait_ms_mean": statistics.fmean(r["wait_ms"] for r in rows) if simulated and rows else None,
         "router_tokens": sum(r["router_tokens"] for r in rows),
         # tokens the router counted on the pod it chose that the request did not hit there
         "router_over": sum(max(0, b - h) for b, h in believed) if simulated else None,
         "router_overcounted_requests": sum(b > h for b, h in believed) if simulated else None,
+        # the router counted at least a block more than the pod could restore (not just a shared partial block)
+        "router_over_by_a_block": ({"requests": sum(b - h >= n for b, h in believed),
+                                    "tokens": sum(b - h for b, h in believed if b - h >= n),
+                                    "requests_hit_nothing": sum(b - h >= n and h == 0 for b, h in believed)}
+                                   if simulated else None),
         **{k: v for k, v in run.items() if k not in ("rows", "hit_tokens")},
     }
 
@@ -185,14 +190,17 @@ def print_report(result: dict) -> None:
           f"{result['host_mem']} per pod; load weight {result['load_weight']}")
     print(f"shared with an earlier prompt: {s['shared_tokens']:,} tokens; ideal (one pod that never forgets, "
           f"resuming at N = {s['N']} or an earlier prompt's end): {s['ideal_tokens']:,} ({s['ideal_share']:.1%})")
-    print(f"\n{'policy':<12} {'hit tokens':>12} {'hit %':>6} {'ideal|routing':>13} {'router over':>11} "
+    print(f"\n{'policy':<12} {'hit tokens':>12} {'hit %':>6} {'ideal|routing':>13} {'over >= N':>14} "
           f"{'TTFT p50':>9} {'p90':>8} {'p99':>8} {'mean':>8}  requests per pod")
     for p in result["policies"].values():
         t = p["ttft_ms"]
-        over = f"{p['router_over']:,}" if p["router_over"] is not None else "-"
+        over = p["router_over_by_a_block"]
+        over = f"{over['requests']} / {over['tokens']:,}" if over is not None else "-"
         print(f"{p['policy']:<12} {p['hit_tokens']:>12,} {p['hit_share']:>6.1%} {p['ideal_given_routing']:>13,} "
-              f"{over:>11} {t['p50']:>7.0f}ms {t['p90']:>6.0f}ms {t['p99']:>6.0f}ms {t['mean']:>6.0f}ms  "
+              f"{over:>14} {t['p50']:>7.0f}ms {t['p90']:>6.0f}ms {t['p99']:>6.0f}ms {t['mean']:>6.0f}ms  "
               + "/".join(str(n) for n in p["requests_per_pod"].values()))
+    print("(over >= N: requests, and their tokens, for which the router counted at least a block more than the pod "
+          "it chose could restore)")
 
 
 def plot(result: dict, path: str) -> None:
@@ -255,7 +263,8 @@ def parse_args(argv=None):
     parser.add_argument("--flush-interval", type=float, default=0.01,
                         help="the servers' events flush interval and heartbeat (s)")
     parser.add_argument("--load-weight", type=float, default=1.0,
-                        help="the event routers' queue score weight next to the prefix score (0: prefix only)")
+                        help="the event routers' weight of a pod's queued work next to the prefill it would save "
+                             "(0: longest prefix, ties to the least loaded)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="a line on stderr every --progress-every requests")

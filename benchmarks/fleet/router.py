@@ -6,13 +6,13 @@ Policies:
   (events.advertise: attention): what a router reading a hybrid engine's own KV events sees (llm-d and Dynamo index
   only attention kinds; an attention block without a checkpoint at or after it cannot be resumed from).
 - `restorable`: the longest prefix tiercache can restore, from its default events (docs/events.md).
-Both event policies keep an index following llm-d's rules (benchmarks/fleet/llmd_index.py: canonical 16-token keys,
-LongestPrefixScorer's tier weights) fed from every pod's real ZMQ sockets (benchmarks/fleet/llmd_subscriber.py).
-A pod's score is its prefix score relative to the best pod's (0..1) plus `load_weight` x a queue score (1 for the
-least loaded pod, 0 for the most: its queue at the request's arrival, benchmarks/fleet/clock.py), as a scheduler
-that sums normalized scorers does (llm-d's); the highest wins, ties go to the least loaded pod, then in turn. With
-load_weight 0 the longest prefix always wins: the pod that first held a prefix every request shares (a system
-prompt) then takes every new conversation.
+Both event policies keep an index following llm-d's rules (benchmarks/fleet/llmd_index.py: canonical 16-token keys)
+fed from every pod's real ZMQ sockets (benchmarks/fleet/llmd_subscriber.py), and send a request where it is expected
+to cost least, weighing the prefill a pod would still have to do against the work it already has (as cost-based KV
+routers do; Dynamo's weighs the blocks to prefill against a worker's load), in seconds of the simulated clock:
+cost = load_weight x the pod's backlog (queued work, benchmarks/fleet/clock.py) + the prompt tokens the index says it
+does not hold x the per-token prefill cost. Ties go to the least loaded pod, then in turn (a new conversation on idle
+pods). load_weight 0 is a longest-prefix router (llm-d's LongestPrefixScorer alone).
 
 Catching up. Before a request is routed the index must hold the events of every request already served. A pod's
 server stamps each batch with the time it was published (the payload's `ts`, time.time() on the same machine), and
@@ -67,12 +67,12 @@ class StampedFeeds(Feeds):
 
 
 class Router:
-    def __init__(self, policy: str, pods: Sequence[str], model: str, load_weight: float = 0.0,
-                 catch_up_timeout_s: float = 60.0) -> None:
+    def __init__(self, policy: str, pods: Sequence[str], model: str, load_weight: float = 1.0,
+                 prefill_s_per_token: float = 78e-6, catch_up_timeout_s: float = 60.0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
         self.policy, self.pods, self.model = policy, list(pods), model
-        self.load_weight = load_weight
+        self.load_weight, self.prefill_s_per_token = load_weight, prefill_s_per_token
         self.catch_up_timeout_s = catch_up_timeout_s
         self.turn = 0
         self.feeds = StampedFeeds(LlmdIndex()) if policy in EVENT_POLICIES else None
@@ -103,31 +103,27 @@ class Router:
         return self.feeds.index.score(prompt, self.model, self.pods)
 
     def pick(self, prompt: Sequence[int], backlog: dict[str, float]) -> tuple[str, int]:
-        """The pod for `prompt`, and the tokens the router believes it holds there. `backlog`: each pod's load (queued
-        seconds, or requests in flight). Each pod scores its prefix score over the best pod's (0..1) + load_weight x
-        its load score (1 for the least loaded, 0 for the most, linear between: a queue scorer)."""
+        """The pod for `prompt`, and the tokens the router believes it holds there. `backlog`: the seconds of work
+        each pod has queued. The event routers pick the least expected cost: load_weight x backlog + the prompt
+        tokens the pod does not hold x prefill_s_per_token (see the module docstring)."""
         if self.feeds is None:
             pod = self.pods[self.turn % len(self.pods)]
             self.turn += 1
             return pod, 0
         scores = self.scores(prompt)
-        best = max((weighted for _, weighted in scores.values()), default=0.0)
-        low = min(backlog.get(p, 0.0) for p in self.pods)
-        high = max(backlog.get(p, 0.0) for p in self.pods)
+        matched = {p: min(scores.get(p, (0, 0.0))[0], len(prompt)) for p in self.pods}
 
-        def total(pod: str) -> float:
-            prefix = scores.get(pod, (0, 0.0))[1] / best if best > 0 else 0.0
-            load = 1.0 - (backlog.get(pod, 0.0) - low) / (high - low) if high > low else 1.0
-            return prefix + self.load_weight * load
+        def cost(pod: str) -> float:
+            return self.load_weight * backlog.get(pod, 0.0) + (len(prompt) - matched[pod]) * self.prefill_s_per_token
 
-        totals = {p: total(p) for p in self.pods}
-        top = max(totals.values())
-        tied = [p for p in self.pods if totals[p] == top]
-        least = min(backlog.get(p, 0.0) for p in tied)
-        tied = [p for p in tied if backlog.get(p, 0.0) == least]
+        costs = {p: cost(p) for p in self.pods}
+        least = min(costs.values())
+        tied = [p for p in self.pods if costs[p] == least]
+        idlest = min(backlog.get(p, 0.0) for p in tied)
+        tied = [p for p in tied if backlog.get(p, 0.0) == idlest]
         pod = tied[self.turn % len(tied)]
         self.turn += 1
-        return pod, scores.get(pod, (0, 0.0))[0]
+        return pod, matched[pod]
 
     def skipped(self) -> dict[str, int]:
         """What the index skipped, by llm-d's reasons (mamba events, for one)."""

@@ -8,7 +8,8 @@ loaded).
 
 Unlike the simulated mode, requests overlap and the connector saves in the background (batched every 50 ms), so
 nothing says when a request's saves are in: the router reads whatever its streams have delivered when a request
-arrives, as a deployed router does. Ties go to the pod with the fewest requests in flight, then in turn.
+arrives, as a deployed router does. A pod's backlog is the estimated prefill (prompt tokens not matched x
+--prefill-ms-per-token) of its requests in flight.
 
 On a 2-core machine each engine computes on one core and shares it with the other's scheduler (serve_trace.py's
 `two` arm): a smoke run of a few dozen requests, not a measurement of a fleet.
@@ -93,7 +94,7 @@ async def _routed(requests, urls: dict[str, str], model: str, router: Router, pr
     """Send every request at its arrival time to the pod the router picks then; one row per request."""
     import aiohttp
 
-    in_flight = {pod: 0 for pod in urls}
+    in_flight = {pod: 0.0 for pod in urls}  # the estimated prefill seconds of each pod's requests in flight
     limits = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=limits, timeout=aiohttp.ClientTimeout(total=600)) as session:
         started = time.perf_counter()
@@ -103,12 +104,13 @@ async def _routed(requests, urls: dict[str, str], model: str, router: Router, pr
             if delay > 0:
                 await asyncio.sleep(delay)
             router.refresh()
-            pod, believed = router.pick(request.prompt, {p: float(n) for p, n in in_flight.items()})
-            in_flight[pod] += 1
+            pod, believed = router.pick(request.prompt, dict(in_flight))
+            work = (len(request.prompt) - believed) * router.prefill_s_per_token
+            in_flight[pod] += work
             try:
                 outcome = await complete(session, urls[pod], model, request)
             finally:
-                in_flight[pod] -= 1
+                in_flight[pod] -= work
             progress()
             return {"i": request.index, "arrival_s": round(request.arrival_s, 3), "pod": pod,
                     "prompt_tokens": len(request.prompt), "hit_tokens": None, "router_tokens": believed,
@@ -137,7 +139,7 @@ def run_policy(policy: str, requests: list[trace.TraceRequest], args) -> dict:
     advertise = "attention" if policy == "attention" else "restorable"
     cores = _cores(args.pods)
     caches, engines = {}, {}
-    router = Router(policy, names, model_dir, args.load_weight)
+    router = Router(policy, names, model_dir, args.load_weight, args.prefill_ms_per_token / 1e3)
     try:
         for k, name in enumerate(names):
             caches[name] = _cache_server(work, f"{policy}-{name}", advertise, args,
