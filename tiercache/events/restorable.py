@@ -355,15 +355,17 @@ class RestorableIndex:
 
     def _mamba(self, state: _PodState, view: "_View", checkpoint: bytes, position: int, depth: int, block_hash: int,
                parent_hash: int | None, meta: ChunkMeta) -> dict[tuple[bytes, int], _Advert]:
-        """The checkpoint's own `mamba` blocks, one per recurrent group: at a boundary, the block's hash and tokens;
-        inside a block, a hash of its own, the block's as parent, and the tokens since the boundary (the anchor
-        tail's)."""
+        """The checkpoint's own `mamba` blocks, one per recurrent group: a hash of its own, the block that ends at or
+        before it as parent, and the tokens since that block's end (the anchor tail's; none at a boundary). Never
+        the attention block's hash or tokens: Dynamo 1.6.1 indexes mamba blocks like attention ones, by their
+        tokens, and applies a BlockRemoved to a hash whatever its group, so a checkpoint named or spelled like its
+        block would merge with it, and a lost state would take the block with it."""
         pod, shape = state.pod, state.pod.shape
         n = shape.chunk_tokens
         if not shape.recurrent or not checkpoint:
             return {}
         if position == depth * n:
-            own, parent, tokens, size = block_hash, parent_hash, _token_ids(meta.tokens), n
+            own, parent, tokens, size = _state_hash(checkpoint), block_hash, (), 0
         else:
             tail = view.meta_of(checkpoint + bytes((ObjectKind.TAIL, state.anchor)))
             if tail is None or not tail.tokens:
@@ -403,6 +405,11 @@ def _published_hash(engine_hash: int, key: bytes) -> int:
     """The engine's hash, or the first 8 bytes of tiercache's chain hash; never 0 (llm-d's "no parent")."""
     value = engine_hash or int.from_bytes(key[:8], "big")
     return value or 1
+
+
+def _state_hash(checkpoint: bytes) -> int:
+    """The published hash of a checkpoint at a block boundary: not its block's (see _mamba), never 0."""
+    return xxhash.xxh3_64_intdigest(checkpoint + b"state") or 1
 
 
 def _token_ids(tokens: bytes) -> tuple[int, ...]:
