@@ -204,6 +204,7 @@ class RestorableIndex:
         self._by_namespace: dict[str, list[_PodState]] = {}
         self._parents: dict[ChunkKey, ChunkKey | None] = {}  # every watched key's parent (a lost key's too, briefly)
         self._first_metas: dict[ChunkKey, ChunkMeta] = {}  # the first chunks' metas (their tokens)
+        self._held: dict[ChunkKey, bool] = {}  # whether the last search that asked found each key held
         self._lock = threading.Lock()  # guards _pending and _watched, which the store's threads write
         self._pending: list[tuple[ChunkKey, ChunkMeta | None]] = []
         self._watched: frozenset[str] = frozenset()
@@ -265,6 +266,8 @@ class RestorableIndex:
         for key in [k for k in self._parents if k.namespace not in watched]:
             del self._parents[key]
             self._first_metas.pop(key, None)
+        for key in [k for k in self._held if k.namespace not in watched]:
+            del self._held[key]
         return [AllBlocksCleared()]
 
     def pods(self) -> list[Pod]:
@@ -302,9 +305,12 @@ class RestorableIndex:
         last: dict[ChunkKey, ChunkMeta | None] = {}
         for key, meta in pending:
             last[key] = meta
-        # A key held at the last flush and held now has only moved (demoted, promoted, put again): the hit rule asks
-        # whether a key is held, never where, so only the medium of its own adverts can change.
-        moved = {key for key, meta in last.items() if meta is not None and key in self._parents}
+        # A key that every search so far saw held, and that is held now, has only moved (demoted, promoted, put
+        # again): the hit rule asks whether a key is held, never where. (Not "noted as placed before": a key on its
+        # way down a tier can be missed by a search between its placement's note and its demotion's.)
+        candidates = [key for key, meta in last.items() if meta is not None and self._held.get(key)]
+        moved = {key for key, where in zip(candidates, self._store.locate(candidates) if candidates else [])
+                 if where is not None}
         for key, meta in pending:  # first every parent, so that each change below finds its tree
             if meta is not None:
                 self._learn(key, meta)
@@ -313,7 +319,7 @@ class RestorableIndex:
                 first = self._first_of(state, key)
                 if first is not None:
                     changes = dirty.setdefault(state.pod.pod_id, {}).setdefault(first, _Changes())
-                    self._mark(state, key, key in moved, changes)
+                    self._mark(state, key, key in moved, changes, state.trees.get(first, {}))
         # Keys gone for good: their trees are marked, nothing needs their parents any more. (A corrupt copy that was
         # dropped may leave another below: such a key stays known.)
         gone = [key for key, meta in last.items() if meta is None]
@@ -321,6 +327,7 @@ class RestorableIndex:
             if where is None:
                 self._parents.pop(key, None)
                 self._first_metas.pop(key, None)
+                self._held.pop(key, None)
         events: dict[str, list[Event]] = {}
         for pod_id, trees in dirty.items():
             state = self._pods[pod_id]
@@ -374,15 +381,15 @@ class RestorableIndex:
             node = parent
         return None
 
-    def _mark(self, state: _PodState, key: ChunkKey, moved: bool, changes: _Changes) -> None:
+    def _mark(self, state: _PodState, key: ChunkKey, moved: bool, changes: _Changes, tree: dict[bytes, _Node]) -> None:
         """Note in `changes` what a change at `key` can alter: a kv chunk placed or lost (any group, any rank) every
-        hit through its node, so the node's subtree; a tail or state only its own node's checkpoints; a key that
-        only moved, the adverts of its node. An anchor kv chunk placed or lost in the first namespace also adds or
-        removes a child of its parent node."""
+        hit through its node, so the node's subtree, or when it only moved and its node is in the tree, the node's
+        adverts; a tail or state its own node's checkpoints (cheap: they are read again, moved or not). An anchor
+        kv chunk placed or lost in the first namespace also adds or removes a child of its parent node."""
         node = state.node_of(key.key)
         parent = self._parents.get(key)
-        if moved:
-            changes.adverts.add(node if key.key[-2] == ObjectKind.KV or parent is None else state.node_of(parent.key))
+        if moved and key.key[-2] == ObjectKind.KV and node in tree:
+            changes.adverts.add(node)
         elif key.key[-2] == ObjectKind.KV:
             changes.subtrees.add(node)
             if key.namespace == state.pod.namespaces[0] and key.key == node and parent is not None \
@@ -395,7 +402,7 @@ class RestorableIndex:
         """Redo what `changes` can alter in one tree, then diff the adverts of the nodes that may have changed: the
         events a recompute of the whole tree would send (removals deepest first, then stores parents first)."""
         pod = state.pod
-        view = _View(self._store, pod.namespaces, self._levels)
+        view = _View(self._store, pod.namespaces, self._levels, self._held)
         tree = state.trees.setdefault(first, {})
         first_meta = self._first_metas.get(ChunkKey(pod.namespaces[0], first))
         touched: dict[bytes, _Node] = {}  # nodes whose adverts may change
@@ -683,8 +690,10 @@ class _View:
     """The store as one recompute sees it, over every rank namespace of a pod (tiercache.prefix.lookup.ChainView):
     a key is held when every rank holds it, in the slowest of their tiers; answers are kept for the recompute."""
 
-    def __init__(self, store: TieredStore, namespaces: Sequence[str], levels: dict[str, int]) -> None:
+    def __init__(self, store: TieredStore, namespaces: Sequence[str], levels: dict[str, int],
+                 held: dict[ChunkKey, bool]) -> None:
         self._store = store
+        self._held = held  # the index's record of what searches saw, written through
         self._namespaces = namespaces
         self._levels = levels
         self._tiers: dict[bytes, str | None] = {}
@@ -694,9 +703,13 @@ class _View:
     def locate(self, keys: Sequence[bytes]) -> list[str | None]:
         missing = [k for k in dict.fromkeys(keys) if k not in self._tiers]
         if missing:
-            where = self._store.locate([ChunkKey(self._namespaces[0], k) for k in missing])
+            asked = [ChunkKey(self._namespaces[0], k) for k in missing]
+            where = self._store.locate(asked)
+            self._held.update((key, tier is not None) for key, tier in zip(asked, where))
             for namespace in self._namespaces[1:]:
-                other = self._store.locate([ChunkKey(namespace, k) for k in missing])
+                asked = [ChunkKey(namespace, k) for k in missing]
+                other = self._store.locate(asked)
+                self._held.update((key, tier is not None) for key, tier in zip(asked, other))
                 where = [None if a is None or b is None else max(a, b, key=self._levels.__getitem__)
                          for a, b in zip(where, other)]
             self._tiers.update(zip(missing, where))
