@@ -96,8 +96,8 @@ class Pod:
 
 def start_pod(folder: Path, layout, *flags: str, router=LlmdRouter, flush_interval_s: float = 0.01) -> Pod:
     """A Pod on a fresh `tiercache serve --events` (host and disk tiers of 256 KiB and 1 MiB, its disk in `folder`,
-    events flushed every `flush_interval_s`: the server's default is 0.01), the pod registered, `router(endpoints, N)`
-    following it."""
+    events flushed every `flush_interval_s`: 10 ms, a busy server's setting; the default is 0.1), the pod
+    registered, `router(endpoints, N)` following it."""
     config = folder / "events.yaml"
     config.write_text(f"events:\n  flush_interval_s: {flush_interval_s}\n")
     server = ServerProcess("--config", str(config), "--disk-dir", str(folder / "disk"), "--events", "--no-data-channel",

@@ -19,17 +19,17 @@ flag, published hash and adverts) as the last flush left them. A change at key X
   parent's children (a lost one takes its subtree out of the tree);
 - the advertised flag of the ancestors of what was redone (a block is advertised iff a restorable checkpoint is at
   or below it): redone from the node up until a flag stays as it was;
-- when X only moved (held at the last flush and now, in another tier: demoted, promoted, put again), the media of
-  its own node's adverts alone (the hit rule asks whether a key is held, never where).
+- when X, a kv chunk whose node is in the tree, only moved (every search so far saw it held and it is held now, in
+  whatever tier: demoted, promoted, put again), the media of its own node's adverts alone (the hit rule asks whether
+  a key is held, never where). A tail or state is always read again with its node (a few searches).
 Then the adverts of just those nodes are redone, parents first, and compared with their old ones; the difference
 becomes events, ordered as a walk of the whole tree would order them: BlockStored for a (block, group) that becomes
 advertised, BlockRemoved for one that stops being so, both (removed from the old medium, stored in the new) for one
 whose medium or locality changes, removals deepest first, then stores parents first. So every transition is sent
 exactly once, as llm-d's refcounted removals need. What a flush costs: for a put at a leaf, reading the leaf and its
 parent (a find_hit per checkpoint there) and a walk up its path; a chunk placed or lost high in a tree re-reads the
-subtree below it (as it must: every hit through it changed). `work` counts it.
-Checkpoints themselves are published as `mamba` blocks
-(vLLM's kind for recurrent groups) for routers that learn to read them.
+subtree below it (as it must: every hit through it changed). `work` counts it. Checkpoints themselves are published
+as `mamba` blocks (vLLM's kind for recurrent groups) for routers that learn to read them.
 
 What a block is called: the engine's own block hash and token ids, which connectors send with the anchor group's kv
 chunks in rank 0 (ChunkMeta.tokens, engine_hash). Without an engine hash, the first 8 bytes of tiercache's chain
