@@ -94,11 +94,12 @@ class Pod:
         self.server.kill()
 
 
-def start_pod(folder: Path, layout, *flags: str, router=LlmdRouter) -> Pod:
-    """A Pod on a fresh `tiercache serve --events` (host and disk tiers of 256 KiB and 1 MiB, its disk in `folder`), the
-    pod registered, `router(endpoints, N)` following it."""
+def start_pod(folder: Path, layout, *flags: str, router=LlmdRouter, flush_interval_s: float = 0.01) -> Pod:
+    """A Pod on a fresh `tiercache serve --events` (host and disk tiers of 256 KiB and 1 MiB, its disk in `folder`,
+    events flushed every `flush_interval_s`: 10 ms, a busy server's setting; the default is 0.1), the pod
+    registered, `router(endpoints, N)` following it."""
     config = folder / "events.yaml"
-    config.write_text("events:\n  flush_interval_s: 0.05\n")  # a router catches up sooner: the test runs sooner
+    config.write_text(f"events:\n  flush_interval_s: {flush_interval_s}\n")
     server = ServerProcess("--config", str(config), "--disk-dir", str(folder / "disk"), "--events", "--no-data-channel",
                            "--host-mem", "256KiB", "--disk-size", "1MiB", *flags).start()
     try:

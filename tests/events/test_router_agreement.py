@@ -66,14 +66,14 @@ def check_hybrid(pods, requests: list[trace.TraceRequest]) -> tuple[Agreement, A
 
 
 def test_a_router_index_agrees_with_lookup_on_a_trace_slice_of_a_hybrid_model(pods):
-    exact, ignorant = check_hybrid(pods, trace_slice(32, 128, 1000))
+    exact, ignorant = check_hybrid(pods, trace_slice(48, 128, 1000))
     print(f"hybrid: {exact.agreeing()} of {len(exact.lookup)} prompts agree with Lookup ({ignorant.agreeing()} "
           f"attention blocks only); blocks hit {sum(exact.lookup)}, router {sum(exact.router)}, attention "
           f"{sum(ignorant.router)}")
 
 
 def test_a_router_index_agrees_with_lookup_on_every_prompt_of_an_attention_model(pods):
-    requests = trace_slice(32, 128, 1000)
+    requests = trace_slice(48, 128, 1000)
     pod = pods(ATTENTION)
     (result,) = serve_slice(requests, pod)
     assert evicted_and_lost(pod)[0] > 0

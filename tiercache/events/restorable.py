@@ -9,13 +9,27 @@ p?"), never by a second hit rule. A pure-attention model has no checkpoints: a b
 is complete (its boundary resumes). Issue 27's memo, B1/B2.
 
 How it stays current. The store tells the index of every change of where a key is held (TieredStore.watch); the
-index notes them and, at each `flush`, recomputes the trees the changes touched: a tree is everything under one first
-chunk (the anchor group's kv object at N of the pod's first namespace), walked through the store's directory
-(children by parent). The new advertised set of a tree is compared with the old one, and the difference becomes
-events: BlockStored for a (block, group) that becomes advertised, BlockRemoved for one that stops being so, both
-(removed from the old medium, stored in the new) for one whose medium or locality changes. So every transition is
-sent exactly once, as llm-d's refcounted removals need. Checkpoints themselves are published as `mamba` blocks
-(vLLM's kind for recurrent groups) for routers that learn to read them.
+index notes them and, at each `flush`, redoes only what those changes can alter. A tree is everything under one first
+chunk (the anchor group's kv object at N of the pod's first namespace), read from the store's directory (children by
+parent); the index keeps each tree's nodes (one per anchor kv chunk: its children, restorable checkpoints, advertised
+flag, published hash and adverts) as the last flush left them. A change at key X can alter:
+- when X was placed or lost: if X is a kv chunk (any group, any rank: the hit rule needs the whole chain), the
+  restorable checkpoints of every node whose path holds X's node, so X's node's subtree is read again; if X is a
+  tail or a state, the checkpoints of its own node only; and if X is an anchor kv chunk of the first namespace, its
+  parent's children (a lost one takes its subtree out of the tree);
+- the advertised flag of the ancestors of what was redone (a block is advertised iff a restorable checkpoint is at
+  or below it): redone from the node up until a flag stays as it was;
+- when X, a kv chunk whose node is in the tree, only moved (every search so far saw it held and it is held now, in
+  whatever tier: demoted, promoted, put again), the media of its own node's adverts alone (the hit rule asks whether
+  a key is held, never where). A tail or state is always read again with its node (a few searches).
+Then the adverts of just those nodes are redone, parents first, and compared with their old ones; the difference
+becomes events, ordered as a walk of the whole tree would order them: BlockStored for a (block, group) that becomes
+advertised, BlockRemoved for one that stops being so, both (removed from the old medium, stored in the new) for one
+whose medium or locality changes, removals deepest first, then stores parents first. So every transition is sent
+exactly once, as llm-d's refcounted removals need. What a flush costs: for a put at a leaf, reading the leaf and its
+parent (a find_hit per checkpoint there) and a walk up its path; a chunk placed or lost high in a tree re-reads the
+subtree below it (as it must: every hit through it changed). `work` counts it. Checkpoints themselves are published
+as `mamba` blocks (vLLM's kind for recurrent groups) for routers that learn to read them.
 
 What a block is called: the engine's own block hash and token ids, which connectors send with the anchor group's kv
 chunks in rank 0 (ChunkMeta.tokens, engine_hash). Without an engine hash, the first 8 bytes of tiercache's chain
@@ -108,31 +122,68 @@ class _Advert:
         return BlockRemoved(s.block_hashes, s.medium, s.group_idx, s.locality)
 
 
+class _Node:
+    """One kv node of a tree (the anchor group's kv chunk ending at depth*N, in the pod's first namespace) as the last
+    flush left it: its meta, its parent node, its anchor children (sorted: the walk visits the last first), its
+    restorable checkpoints, whether it is advertised (a restorable checkpoint at or below it), its published hash
+    (None when not published) and its adverts (its attention groups', then its checkpoints' mamba blocks)."""
+
+    __slots__ = ("key", "meta", "depth", "up", "kids", "restorable", "advertised", "published", "adverts")
+
+    def __init__(self, key: bytes, meta: ChunkMeta, depth: int, up: "_Node | None") -> None:
+        self.key, self.meta, self.depth, self.up = key, meta, depth, up
+        self.kids: list[bytes] = []
+        self.restorable: list[tuple[int, bytes]] = []
+        self.advertised = False
+        self.published: int | None = None
+        self.adverts: dict[tuple[bytes, int], _Advert] = {}
+
+    def path(self, root: bytes) -> list[bytes]:
+        """The chain hashes from the namespace's root down to this node (what find_hit is asked with)."""
+        hashes, node = [], self
+        while node is not None:
+            hashes.append(node.key[:16])
+            node = node.up
+        return [root[:16], *reversed(hashes)]
+
+
+class _Changes:
+    """What a flush must redo in one tree: the nodes whose whole subtree depends on a changed kv chunk, the nodes
+    whose own checkpoints or children changed (a tail, a state, or an anchor kv child placed or lost), and the nodes
+    whose adverts alone may change (a key of theirs moved to another tier)."""
+
+    def __init__(self) -> None:
+        self.subtrees: set[bytes] = set()
+        self.nodes: set[bytes] = set()
+        self.adverts: set[bytes] = set()  # nodes whose keys only moved: their media
+
+
 class _PodState:
     def __init__(self, pod: Pod) -> None:
         self.pod = pod
         anchor = pod.shape.anchor
         self.anchor = anchor
         self.root = object_key(_root_hash(pod.namespaces[0]), ObjectKind.KV, anchor)
-        self.trees: dict[bytes, dict[tuple[bytes, int], _Advert]] = {}  # first chunk's key -> adverts, pre-order
+        self.trees: dict[bytes, dict[bytes, _Node]] = {}  # first chunk's key -> the tree's nodes by key
         self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # advertised block hash -> (parent, tokens)
 
-    def replace_tree(self, first: bytes, new: dict[tuple[bytes, int], _Advert]) -> dict[tuple[bytes, int], _Advert]:
-        """Make `new` the tree's adverts (and its blocks findable by hash); the old adverts."""
-        old = self.trees.pop(first, {})
-        if new:
-            self.trees[first] = new
-        before, after = _blocks(old), _blocks(new)
-        for block_hash in before.keys() - after.keys():
-            del self.blocks[block_hash]
-        self.blocks.update(after)
-        return old
+    def node_of(self, key: bytes) -> bytes:
+        """The anchor kv node of a chain hash (or of an object key), in the pod's first namespace."""
+        return key[:16] + bytes((ObjectKind.KV, self.anchor))
 
 
-def _blocks(tree: dict[tuple[bytes, int], _Advert]) -> dict[int, tuple[int | None, tuple[int, ...]]]:
-    """The attention blocks of a tree's adverts by hash (every group's advert of a block has the block's hash)."""
-    return {a.stored.block_hashes[0]: (a.stored.parent_block_hash, a.stored.token_ids)
-            for a in tree.values() if a.stored.kind != "mamba"}
+_INVERT = bytes(range(255, -1, -1))
+
+
+class Work:
+    """What the index has done since it started (for tests and profiles): nodes recomputed (children read,
+    checkpoints tried), find_hit searches, and nodes whose adverts were redone (each asks where its objects are). A
+    flush after one put costs O(depth) of them, not O(tree)."""
+
+    def __init__(self) -> None:
+        self.nodes = 0
+        self.searches = 0
+        self.adverts = 0
 
 
 class RestorableIndex:
@@ -153,9 +204,11 @@ class RestorableIndex:
         self._by_namespace: dict[str, list[_PodState]] = {}
         self._parents: dict[ChunkKey, ChunkKey | None] = {}  # every watched key's parent (a lost key's too, briefly)
         self._first_metas: dict[ChunkKey, ChunkMeta] = {}  # the first chunks' metas (their tokens)
+        self._held: dict[ChunkKey, bool] = {}  # whether the last search that asked found each key held
         self._lock = threading.Lock()  # guards _pending and _watched, which the store's threads write
         self._pending: list[tuple[ChunkKey, ChunkMeta | None]] = []
         self._watched: frozenset[str] = frozenset()
+        self.work = Work()
         self._work = threading.RLock()  # one pod change, flush or snapshot at a time (RPC threads and the publisher)
         store.watch(self.note)
 
@@ -189,7 +242,9 @@ class RestorableIndex:
                   if key.namespace == pod.namespaces[0] and parent is not None and parent.key == state.root}
         events: list[Event] = [AllBlocksCleared()]
         for first in sorted(firsts):
-            events += self._recompute(state, first)
+            changes = _Changes()
+            changes.subtrees.add(first)
+            events += self._update(state, first, changes)
         return events
 
     def remove_pod(self, pod_id: str) -> list[Event]:
@@ -211,6 +266,8 @@ class RestorableIndex:
         for key in [k for k in self._parents if k.namespace not in watched]:
             del self._parents[key]
             self._first_metas.pop(key, None)
+        for key in [k for k in self._held if k.namespace not in watched]:
+            del self._held[key]
         return [AllBlocksCleared()]
 
     def pods(self) -> list[Pod]:
@@ -244,17 +301,25 @@ class RestorableIndex:
             pending, self._pending = self._pending, []
         if not pending:
             return {}
-        dirty: dict[str, set[bytes]] = {}
+        dirty: dict[str, dict[bytes, _Changes]] = {}
         last: dict[ChunkKey, ChunkMeta | None] = {}
-        for key, meta in pending:  # first every parent, so that each change below finds its tree
+        for key, meta in pending:
             last[key] = meta
+        # A key that every search so far saw held, and that is held now, has only moved (demoted, promoted, put
+        # again): the hit rule asks whether a key is held, never where. (Not "noted as placed before": a key on its
+        # way down a tier can be missed by a search between its placement's note and its demotion's.)
+        candidates = [key for key, meta in last.items() if meta is not None and self._held.get(key)]
+        moved = {key for key, where in zip(candidates, self._store.locate(candidates) if candidates else [])
+                 if where is not None}
+        for key, meta in pending:  # first every parent, so that each change below finds its tree
             if meta is not None:
                 self._learn(key, meta)
         for key in last:
             for state in self._by_namespace.get(key.namespace, ()):
                 first = self._first_of(state, key)
                 if first is not None:
-                    dirty.setdefault(state.pod.pod_id, set()).add(first)
+                    changes = dirty.setdefault(state.pod.pod_id, {}).setdefault(first, _Changes())
+                    self._mark(state, key, key in moved, changes, state.trees.get(first, {}))
         # Keys gone for good: their trees are marked, nothing needs their parents any more. (A corrupt copy that was
         # dropped may leave another below: such a key stays known.)
         gone = [key for key, meta in last.items() if meta is None]
@@ -262,10 +327,11 @@ class RestorableIndex:
             if where is None:
                 self._parents.pop(key, None)
                 self._first_metas.pop(key, None)
+                self._held.pop(key, None)
         events: dict[str, list[Event]] = {}
-        for pod_id, firsts in dirty.items():
+        for pod_id, trees in dirty.items():
             state = self._pods[pod_id]
-            out = [event for first in sorted(firsts) for event in self._recompute(state, first)]
+            out = [event for first in sorted(trees) for event in self._update(state, first, trees[first])]
             if out:
                 events[pod_id] = out
         return events
@@ -279,7 +345,8 @@ class RestorableIndex:
         state = self._pods.get(pod_id)
         if state is None:
             return [AllBlocksCleared()]
-        return [AllBlocksCleared(), *(advert.stored for tree in state.trees.values() for advert in tree.values())]
+        return [AllBlocksCleared(), *(advert.stored for first, tree in state.trees.items()
+                                      for node in _preorder(tree, first) for advert in node.adverts.values())]
 
     # -- the trees --------------------------------------------------------------------------------------------------
 
@@ -314,67 +381,183 @@ class RestorableIndex:
             node = parent
         return None
 
-    def _recompute(self, state: _PodState, first: bytes) -> list[Event]:
-        new = self._advertised(state, first)
-        old = state.replace_tree(first, new)
-        events: list[Event] = []
-        for key in reversed(old):  # deepest first: a removal never leaves a child without its parent
-            before, after = old[key], new.get(key)
-            if after is None or after.stored != before.stored:
-                events.append(before.removed())
-        for key, advert in new.items():  # parents first: a router knows a block's parent before the block
-            before = old.get(key)
-            if before is None or before.stored != advert.stored:
-                events.append(advert.stored)
-        return events
+    def _mark(self, state: _PodState, key: ChunkKey, moved: bool, changes: _Changes, tree: dict[bytes, _Node]) -> None:
+        """Note in `changes` what a change at `key` can alter: a kv chunk placed or lost (any group, any rank) every
+        hit through its node, so the node's subtree, or when it only moved and its node is in the tree, the node's
+        adverts; a tail or state its own node's checkpoints (cheap: they are read again, moved or not). An anchor
+        kv chunk placed or lost in the first namespace also adds or removes a child of its parent node."""
+        node = state.node_of(key.key)
+        parent = self._parents.get(key)
+        if moved and key.key[-2] == ObjectKind.KV and node in tree:
+            changes.adverts.add(node)
+        elif key.key[-2] == ObjectKind.KV:
+            changes.subtrees.add(node)
+            if key.namespace == state.pod.namespaces[0] and key.key == node and parent is not None \
+                    and parent.key != state.root:
+                changes.nodes.add(state.node_of(parent.key))
+        elif parent is not None:
+            changes.nodes.add(state.node_of(parent.key))
 
-    def _advertised(self, state: _PodState, first: bytes) -> dict[tuple[bytes, int], _Advert]:
-        """The tree's advertised (block, group)s and checkpoints, in pre-order."""
-        pod, shape = state.pod, state.pod.shape
-        n = shape.chunk_tokens
-        view = _View(self._store, pod.namespaces, self._levels)
+    def _update(self, state: _PodState, first: bytes, changes: _Changes) -> list[Event]:
+        """Redo what `changes` can alter in one tree, then diff the adverts of the nodes that may have changed: the
+        events a recompute of the whole tree would send (removals deepest first, then stores parents first)."""
+        pod = state.pod
+        view = _View(self._store, pod.namespaces, self._levels, self._held)
+        tree = state.trees.setdefault(first, {})
         first_meta = self._first_metas.get(ChunkKey(pod.namespaces[0], first))
+        touched: dict[bytes, _Node] = {}  # nodes whose adverts may change
+        dropped: list[_Node] = []  # nodes no longer in the tree
         if first_meta is None:
-            return {}
-        # Pre-order walk: (key, meta, depth, index of the parent node, path of chain hashes down to it).
-        nodes: list[tuple[bytes, ChunkMeta, int, int, list[bytes]]] = []
-        stack = [(first, first_meta, 1, -1, [state.root[:16], first[:16]])]
-        restorable: list[list[tuple[int, bytes]]] = []  # per node: (position, hash) of its restorable checkpoints
+            dropped = _drop(tree, first)
+        else:
+            if first not in tree:
+                changes.subtrees.add(first)
+            # Nodes whose own checkpoints or children changed, shallowest first (a lost child takes its subtree).
+            for key in sorted(changes.nodes & tree.keys(), key=lambda k: tree[k].depth):
+                node = tree.get(key)
+                if node is None:
+                    continue  # it went with an ancestor's lost child
+                kids = node.kids
+                self._read(state, view, node, node.path(state.root))
+                for kid in set(kids).difference(node.kids):
+                    dropped += _drop(tree, kid)
+                changes.subtrees.update(set(node.kids).difference(kids))
+                touched[key] = node
+            # Subtrees under a changed kv chunk, shallowest first (one inside another is walked once).
+            roots: list[tuple[int, bytes, _Node | None]] = []
+            for key in changes.subtrees:
+                node = tree.get(key)
+                if key == first:
+                    roots.append((1, key, None))
+                elif node is not None:
+                    roots.append((node.depth, key, node.up))
+                else:
+                    parent = self._parents.get(ChunkKey(pod.namespaces[0], key))
+                    up = tree.get(state.node_of(parent.key)) if parent is not None else None
+                    if up is not None and key in up.kids:
+                        roots.append((up.depth + 1, key, up))
+            walked: dict[bytes, _Node] = {}
+            for depth, key, up in sorted(roots, key=lambda r: (r[0], r[1])):
+                if key in walked:
+                    continue
+                meta = first_meta if up is None else _listed(view, up.key, key)
+                if meta is None:
+                    dropped += _drop(tree, key)
+                    continue
+                before = {node.key: node for node in _preorder(tree, key)}
+                walk = self._walk(state, view, tree, key, meta, depth, up)
+                walked.update((node.key, node) for node in walk)
+                dropped += [node for k, node in before.items() if k not in walked and tree.pop(k, None) is node]
+                for node in reversed(walk):  # children first
+                    node.advertised = self._flag(view, tree, node)
+                touched[key] = walk[0]
+            touched.update(walked)
+            touched.update((key, tree[key]) for key in changes.adverts if key in tree)
+            touched = {key: node for key, node in touched.items() if tree.get(key) is node}
+            # A block is advertised iff a restorable checkpoint is at or below it: up from each changed node until
+            # a flag stays as it was (deepest first, so that every child's flag is final when its parent's is read).
+            for node in sorted(touched.values(), key=lambda n: n.depth, reverse=True):
+                node.advertised = self._flag(view, tree, node)
+                up = node.up
+                while up is not None:
+                    flag = self._flag(view, tree, up)
+                    if flag == up.advertised:
+                        break
+                    up.advertised = flag
+                    touched[up.key] = up
+                    up = up.up
+        if not tree:
+            del state.trees[first]
+        return self._diff(state, view, touched.values(), dropped)
+
+    def _walk(self, state: _PodState, view: "_View", tree: dict[bytes, _Node], key: bytes, meta: ChunkMeta,
+              depth: int, up: _Node | None) -> list[_Node]:
+        """Recompute the subtree at `key` from the store's directory: its nodes, in pre-order."""
+        walk: list[_Node] = []
+        stack = [(key, meta, depth, up)]
         while stack:
-            key, meta, depth, up, path = stack.pop()
-            index = len(nodes)
-            nodes.append((key, meta, depth, up, path))
-            children = view.children(key)
-            checkpoints = self._checkpoints(state, depth, children)
-            restorable.append([(p, ck) for p, ck in checkpoints if _resumes_at(shape, path, p, ck, view)])
-            for child, child_meta in children:
-                if child[-2:] == bytes((ObjectKind.KV, state.anchor)) and depth < _MAX_DEPTH:
-                    stack.append((child, child_meta, depth + 1, index, path + [child[:16]]))
-        advertised = [bool(r) for r in restorable]
-        for index in range(len(nodes) - 1, -1, -1):  # a block is advertised when anything under it resumes
-            up = nodes[index][3]
-            if advertised[index] and up >= 0:
-                advertised[up] = True
-        if self._attention_only:  # held in every rank, whatever the checkpoints (the parent check below: from root)
-            advertised = [view.tier(key) is not None for key, *_ in nodes]
+            key, meta, depth, up = stack.pop()
+            node = tree.get(key)
+            if node is None:
+                node = tree[key] = _Node(key, meta, depth, up)
+            else:
+                node.meta, node.depth, node.up = meta, depth, up
+            self._read(state, view, node, node.path(state.root))
+            walk.append(node)
+            stack += [(kid, view.meta_of(kid), depth + 1, node) for kid in node.kids]
+        return walk
+
+    def _read(self, state: _PodState, view: "_View", node: _Node, path: list[bytes]) -> None:
+        """A node's children and restorable checkpoints, from the store."""
+        self.work.nodes += 1
+        anchor = bytes((ObjectKind.KV, state.anchor))
+        children = view.children(node.key)
+        node.kids = [child for child, _ in children if child[-2:] == anchor and node.depth < _MAX_DEPTH]
+        node.restorable = []
+        for position, checkpoint in self._checkpoints(state, node.depth, children):
+            self.work.searches += 1
+            if _resumes_at(state.pod.shape, path, position, checkpoint, view):
+                node.restorable.append((position, checkpoint))
+
+    def _flag(self, view: "_View", tree: dict[bytes, _Node], node: _Node) -> bool:
+        """Whether a node is advertised, its children's flags being final."""
+        if self._attention_only:  # held in every rank, whatever the checkpoints (published only from the root)
+            return view.tier(node.key) is not None
+        return bool(node.restorable) or any(tree[kid].advertised for kid in node.kids if kid in tree)
+
+    def _diff(self, state: _PodState, view: "_View", touched, dropped: list[_Node]) -> list[Event]:
+        """The new adverts of the touched nodes (in pre-order: a parent's published hash first), and the events that
+        turn the old adverts of the touched and dropped nodes into them."""
+        orders: dict[int, tuple[bytes, ...]] = {}
+        removals: list[tuple[tuple[bytes, ...], int, Event]] = []
+        stores: list[tuple[tuple[bytes, ...], int, Event]] = []
+        for node in dropped:
+            order = _order(node, orders)
+            removals += [(order, i, advert.removed()) for i, advert in enumerate(node.adverts.values())]
+            _set_block(state, node, {})
+        for node in sorted(touched, key=lambda n: _order(n, orders)):
+            order = _order(node, orders)
+            new = self._adverts(state, view, node)
+            old = node.adverts
+            for i, (key, advert) in enumerate(old.items()):
+                after = new.get(key)
+                if after is None or after.stored != advert.stored:
+                    removals.append((order, i, advert.removed()))
+            for i, (key, advert) in enumerate(new.items()):
+                before = old.get(key)
+                if before is None or before.stored != advert.stored:
+                    stores.append((order, i, advert.stored))
+            _set_block(state, node, new)
+        # Deepest first: a removal never leaves a child without its parent; parents first: a router knows a block's
+        # parent before the block.
+        removals.sort(key=lambda r: (r[0], r[1]), reverse=True)
+        stores.sort(key=lambda r: (r[0], r[1]))
+        return [event for *_, event in removals] + [event for *_, event in stores]
+
+    def _adverts(self, state: _PodState, view: "_View", node: _Node) -> dict[tuple[bytes, int], _Advert]:
+        """A node's adverts (its parent's published hash being current), and its own published hash set."""
+        pod, shape = state.pod, state.pod.shape
+        up, meta = node.up, node.meta
+        self.work.adverts += 1
+        if not node.advertised or not meta.tokens or (up is not None and up.published is None):
+            node.published = None
+            return {}
+        block_hash = node.published = _published_hash(meta.engine_hash, node.key)
+        view.children(node.key)  # the metas of its tails (_mamba)
+        parent_hash = up.published if up is not None else None
+        tokens = _token_ids(meta.tokens)
         adverts: dict[tuple[bytes, int], _Advert] = {}
-        hashes: dict[int, int] = {}  # node index -> its published hash
-        for index, (key, meta, depth, up, path) in enumerate(nodes):
-            if not advertised[index] or not meta.tokens or (up >= 0 and up not in hashes):
-                continue
-            block_hash = hashes[index] = _published_hash(meta.engine_hash, key)
-            parent_hash = hashes[up] if up >= 0 else None
-            tokens = _token_ids(meta.tokens)
-            for group in shape.attention:
-                where = view.tier(path[-1] + bytes((ObjectKind.KV, group)))
-                if where is None:
-                    continue  # a sliding-window chunk out of every hit's window: held or not, nothing to say
-                medium, locality = self._medium(pod, where)
-                stored = BlockStored((block_hash,), parent_hash, tokens, n, medium, pod.engine_groups[group],
-                                     KIND_BY_GROUP[shape.kinds[group]], locality, shape.windows[group])
-                adverts[(key, group)] = _Advert(stored)
-            for position, checkpoint in restorable[index]:
-                adverts.update(self._mamba(state, view, checkpoint, position, depth, block_hash, parent_hash, meta))
+        for group in shape.attention:
+            where = view.tier(node.key[:16] + bytes((ObjectKind.KV, group)))
+            if where is None:
+                continue  # a sliding-window chunk out of every hit's window: held or not, nothing to say
+            medium, locality = self._medium(pod, where)
+            stored = BlockStored((block_hash,), parent_hash, tokens, shape.chunk_tokens, medium,
+                                 pod.engine_groups[group], KIND_BY_GROUP[shape.kinds[group]], locality,
+                                 shape.windows[group])
+            adverts[(node.key, group)] = _Advert(stored)
+        for position, checkpoint in node.restorable:
+            adverts.update(self._mamba(state, view, checkpoint, position, node.depth, block_hash, parent_hash, meta))
         return adverts
 
     @staticmethod
@@ -430,6 +613,58 @@ def _resumes_at(shape: ChainShape, path: list[bytes], p: int, checkpoint: bytes,
     return find_hit(Query(shape, p + 1, path[:p // n + 1], positions), view).tokens == p
 
 
+def _preorder(tree: dict[bytes, _Node], key: bytes) -> list[_Node]:
+    """The nodes of the subtree at `key` in the walk's order (children pushed sorted, so the last is visited first)."""
+    out: list[_Node] = []
+    stack = [key]
+    while stack:
+        node = tree.get(stack.pop())
+        if node is not None:
+            out.append(node)
+            stack += node.kids
+    return out
+
+
+def _drop(tree: dict[bytes, _Node], key: bytes) -> list[_Node]:
+    """Take the subtree at `key` out of the tree; its nodes."""
+    nodes = _preorder(tree, key)
+    for node in nodes:
+        del tree[node.key]
+    return nodes
+
+
+def _order(node: _Node, orders: dict[int, tuple[bytes, ...]]) -> tuple[bytes, ...]:
+    """A node's place in the walk's pre-order, as a sortable key: its path of keys from the first chunk, each
+    inverted (siblings are visited largest first); `orders` keeps those computed by one diff."""
+    chain = []
+    while node is not None and id(node) not in orders:
+        chain.append(node)
+        node = node.up
+    order = orders[id(node)] if node is not None else ()
+    for node in reversed(chain):
+        order = orders[id(node)] = order + (node.key.translate(_INVERT),)
+    return order
+
+
+def _listed(view: "_View", parent: bytes, key: bytes) -> ChunkMeta | None:
+    """The meta of `key` if the store lists it among `parent`'s children now."""
+    view.children(parent)
+    return view.meta_of(key)
+
+
+def _set_block(state: _PodState, node: _Node, adverts: dict[tuple[bytes, int], _Advert]) -> None:
+    """Replace a node's adverts, and its attention block in the pod's blocks by hash (RestorableIndex.tokens_of)."""
+    for advert in node.adverts.values():
+        if advert.stored.kind != "mamba":
+            state.blocks.pop(advert.stored.block_hashes[0], None)
+            break
+    for advert in adverts.values():
+        if advert.stored.kind != "mamba":
+            state.blocks[advert.stored.block_hashes[0]] = (advert.stored.parent_block_hash, advert.stored.token_ids)
+            break
+    node.adverts = adverts
+
+
 @functools.lru_cache(maxsize=1024)
 def _root_hash(namespace: str) -> bytes:
     """h(0) of a namespace (tiercache.prefix.hashes): the parent of every first chunk, never stored."""
@@ -455,8 +690,10 @@ class _View:
     """The store as one recompute sees it, over every rank namespace of a pod (tiercache.prefix.lookup.ChainView):
     a key is held when every rank holds it, in the slowest of their tiers; answers are kept for the recompute."""
 
-    def __init__(self, store: TieredStore, namespaces: Sequence[str], levels: dict[str, int]) -> None:
+    def __init__(self, store: TieredStore, namespaces: Sequence[str], levels: dict[str, int],
+                 held: dict[ChunkKey, bool]) -> None:
         self._store = store
+        self._held = held  # the index's record of what searches saw, written through
         self._namespaces = namespaces
         self._levels = levels
         self._tiers: dict[bytes, str | None] = {}
@@ -466,9 +703,13 @@ class _View:
     def locate(self, keys: Sequence[bytes]) -> list[str | None]:
         missing = [k for k in dict.fromkeys(keys) if k not in self._tiers]
         if missing:
-            where = self._store.locate([ChunkKey(self._namespaces[0], k) for k in missing])
+            asked = [ChunkKey(self._namespaces[0], k) for k in missing]
+            where = self._store.locate(asked)
+            self._held.update((key, tier is not None) for key, tier in zip(asked, where))
             for namespace in self._namespaces[1:]:
-                other = self._store.locate([ChunkKey(namespace, k) for k in missing])
+                asked = [ChunkKey(namespace, k) for k in missing]
+                other = self._store.locate(asked)
+                self._held.update((key, tier is not None) for key, tier in zip(asked, other))
                 where = [None if a is None or b is None else max(a, b, key=self._levels.__getitem__)
                          for a, b in zip(where, other)]
             self._tiers.update(zip(missing, where))
