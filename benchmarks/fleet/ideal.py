@@ -1,6 +1,6 @@
 """Ideal hit tokens of a trace slice for a hybrid engine: what a pod whose cache never forgets could resume from.
 
-trace.shared_prefix_tokens counts every token a prompt shares with an earlier one. A hybrid engine resumes only where
+trace.shared_prefixes counts every token a prompt shares with an earlier one. A hybrid engine resumes only where
 a recurrent checkpoint was saved: at a multiple of N (the connector saves a state at each block boundary of a
 prompt) or at an earlier prompt's end (a state and the tail there). So per request the shared prefix counts when it
 ends where an earlier prompt ended, and is rounded down to a multiple of N otherwise; at most the prompt's length - 1
@@ -9,29 +9,16 @@ ends where an earlier prompt ended, and is rounded down to a multiple of N other
 
 from __future__ import annotations
 
-from benchmarks.serving.trace import BLOCK_TOKENS, TraceRequest
+from benchmarks.serving.trace import BLOCK_TOKENS, TraceRequest, shared_prefixes
 
 
 def resumable_prefix(requests: list[TraceRequest], n: int) -> list[int]:
     """Per request, in order: the tokens an unbounded cache holding every earlier request of `requests` resumes."""
-    covered: dict[tuple[int, ...], int] = {}  # block-id prefix -> most tokens an earlier prompt had of its last block
     ends: set[tuple[tuple[int, ...], int]] = set()  # (block ids, length) of every earlier prompt
     out = []
-    for request in requests:
+    for request, reuse in zip(requests, shared_prefixes(requests)):
         ids, length = request.hash_ids, len(request.prompt)
-        reuse = 0
-        for i in range(len(ids)):
-            earlier = covered.get(ids[:i + 1])
-            if earlier is None:
-                break
-            reuse = min(earlier, length)
-            if earlier < (i + 1) * BLOCK_TOKENS:  # the earlier prompt ended inside this block
-                break
-        reuse = min(reuse, max(length - 1, 0))
         at_an_end = reuse > 0 and (ids[:-(-reuse // BLOCK_TOKENS)], reuse) in ends
         out.append(reuse if at_an_end else reuse // n * n)
-        for i in range(len(ids)):
-            end = min(length, (i + 1) * BLOCK_TOKENS)
-            covered[ids[:i + 1]] = max(covered.get(ids[:i + 1], 0), end)
         ends.add((ids, length))
     return out

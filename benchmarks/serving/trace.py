@@ -72,8 +72,14 @@ def shared_prefix_tokens(requests: list[TraceRequest]) -> int:
     """Prompt tokens each request shares with the longest matching prefix of an earlier request of the slice (at
     most its length - 1: the engine computes the last token): what a cache that never forgets could reuse, an upper
     bound on hit tokens before the engine's own rules (states only at some positions)."""
+    return sum(shared_prefixes(requests))
+
+
+def shared_prefixes(requests: list[TraceRequest]) -> list[int]:
+    """Per request, in order: the tokens it shares with the longest matching prefix of an earlier request (at most
+    its length - 1)."""
     covered: dict[tuple[int, ...], int] = {}  # block-id prefix -> most tokens an earlier prompt had of its last block
-    shared = 0
+    shared = []
     for request in requests:
         ids, length = request.hash_ids, len(request.prompt)
         reuse = 0
@@ -84,7 +90,7 @@ def shared_prefix_tokens(requests: list[TraceRequest]) -> int:
             reuse = min(earlier, length)
             if earlier < (i + 1) * BLOCK_TOKENS:  # the earlier prompt ended inside this block
                 break
-        shared += min(reuse, max(length - 1, 0))
+        shared.append(min(reuse, max(length - 1, 0)))
         for i in range(len(ids)):
             end = min(length, (i + 1) * BLOCK_TOKENS)
             covered[ids[:i + 1]] = max(covered.get(ids[:i + 1], 0), end)
