@@ -150,6 +150,29 @@ def pods(tmp_path):
         pod.close()
 
 
+def _settled_inventory(router: "DynamoRouter") -> tuple[dict, Counter]:
+    """What tiercache advertises once the puts' changes are all published ({block hash: medium}, blocks per Dynamo
+    tier), with Dynamo's index caught up to it. The replay answers the index as of its last flush, so first two live
+    batches sent after the puts (each flush takes every change noted before it), then snapshots until one is the same
+    as the one before it once Dynamo has caught up with that (nothing moved in between)."""
+    subscriber = Subscriber(router.endpoints.endpoint, router.endpoints.replay_endpoint).ready()
+    try:
+        done = time.time()
+        for _ in range(2):
+            subscriber.until(lambda batch: batch[0] > done)
+        previous = None
+        while True:
+            (_, _, batch), *_ = subscriber.replay(0)
+            medium = {e["block_hashes"][0]: e["medium"] for e in batch[1] if e["type"] == "BlockStored"}
+            advertised = Counter({"CPU": "host_pinned", "STORAGE": "disk"}[m] for m in medium.values())
+            router.until(lambda: router.blocks_by_tier() == advertised)
+            if medium == previous:
+                return medium, advertised
+            previous = medium
+    finally:
+        subscriber.close()
+
+
 def test_dynamo_indexes_the_advertised_blocks_by_tier_and_scores_device_blocks_only_in_scores(pods):
     pod = pods(ATTENTION)  # the tiers' own media: CPU and STORAGE
     spec = spec_of(ATTENTION)
@@ -158,15 +181,8 @@ def test_dynamo_indexes_the_advertised_blocks_by_tier_and_scores_device_blocks_o
         pod.client.put_many(spec.namespace, chunks(spec, tokens, kv=3, payload_bytes=40 << 10))
     assert evicted_and_lost(pod) >= (1, 1)
     router: DynamoRouter = pod.router
-    subscriber = Subscriber(router.endpoints.endpoint, router.endpoints.replay_endpoint)
-    try:
-        (_, _, batch), *_ = subscriber.replay(0)  # what tiercache advertises now, and where
-    finally:
-        subscriber.close()
-    medium = {e["block_hashes"][0]: e["medium"] for e in batch[1] if e["type"] == "BlockStored"}
-    advertised = Counter({"CPU": "host_pinned", "STORAGE": "disk"}[m] for m in medium.values())
+    medium, advertised = _settled_inventory(router)
     assert set(advertised) == {"host_pinned", "disk"}
-    router.until(lambda: router.blocks_by_tier() == advertised)
     for tokens in prompts:
         media = [medium.get(engine_hash(tokens, k * N)) for k in (1, 2, 3)]
         held = (media + [None]).index(None)  # the chain's blocks from the first one
