@@ -29,7 +29,7 @@ from collections import Counter
 
 import pytest
 
-from tests.events.agreement import HYBRID, MODEL, LlmdRouter, Pod, evicted_and_lost, serve_slice, start_pod, trace_slice
+from tests.events.agreement import HYBRID, MODEL, LlmdRouter, evicted_and_lost, pods_in, serve_slice, trace_slice
 from tests.events.saves import N, chunks, engine_hash, prompt, spec_of
 from tests.events.subscriber import Subscriber
 from tests.helpers import free_port
@@ -137,17 +137,8 @@ class DynamoRouter:
 @pytest.fixture
 def pods(tmp_path):
     """pods(layout, *serve flags) -> a Pod on a fresh server followed by Dynamo's indexer; all closed afterwards."""
-    started: list[Pod] = []
-
-    def start(layout, *flags: str) -> Pod:
-        folder = tmp_path / f"pod{len(started)}"
-        folder.mkdir()
-        started.append(start_pod(folder, layout, *flags, router=DynamoRouter))
-        return started[-1]
-
-    yield start
-    for pod in started:
-        pod.close()
+    with pods_in(tmp_path, DynamoRouter) as start:
+        yield start
 
 
 def _settled_inventory(router: "DynamoRouter") -> tuple[dict, Counter]:

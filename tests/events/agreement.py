@@ -5,6 +5,7 @@ and what the router should say (test_router_agreement's docstring: why)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,6 +112,25 @@ def start_pod(folder: Path, layout, *flags: str, router=LlmdRouter, flush_interv
     except BaseException:
         server.kill()
         raise
+
+
+@contextlib.contextmanager
+def pods_in(tmp_path: Path, router=LlmdRouter):
+    """start(layout, *serve flags) -> a Pod (start_pod) in its own folder under `tmp_path`, with `router` following
+    it; every pod started is closed on leaving (the `pods` fixtures of the router tests)."""
+    started: list[Pod] = []
+
+    def start(layout, *flags: str) -> Pod:
+        folder = tmp_path / f"pod{len(started)}"
+        folder.mkdir()
+        started.append(start_pod(folder, layout, *flags, router=router))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for pod in started:
+            pod.close()
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:

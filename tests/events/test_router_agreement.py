@@ -29,24 +29,15 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.serving import trace
-from tests.events.agreement import HYBRID, Agreement, Pod, evicted_and_lost, serve_slice, start_pod, trace_slice
+from tests.events.agreement import HYBRID, Agreement, evicted_and_lost, pods_in, serve_slice, trace_slice
 from tests.prefix.chains import ATTENTION
 
 
 @pytest.fixture
 def pods(tmp_path):
     """pods(layout, *serve flags) -> a Pod on a fresh server, with an llm-d-rules router; all closed afterwards."""
-    started: list[Pod] = []
-
-    def start(layout, *flags: str) -> Pod:
-        folder = tmp_path / f"pod{len(started)}"
-        folder.mkdir()
-        started.append(start_pod(folder, layout, *flags))
-        return started[-1]
-
-    yield start
-    for pod in started:
-        pod.close()
+    with pods_in(tmp_path) as start:
+        yield start
 
 
 def check_hybrid(pods, requests: list[trace.TraceRequest]) -> tuple[Agreement, Agreement]:
