@@ -41,6 +41,7 @@ from tiercache.client import BreakerPolicy, Client, ConnectionSettings, RetryPol
 from tiercache.connector.limits import check_spec
 from tiercache.connector.prefix_cache import PrefixCache
 from tiercache.connector.vllm.identity import engine_identity
+from tiercache.connector.vllm.cores import born_off_compute_cores
 from tiercache.connector.vllm.layout import engine_groups, model_layout, paged_views
 from tiercache.connector.vllm.plan import Planner, StepPlan
 from tiercache.connector.vllm.transfer import Transfers
@@ -137,7 +138,10 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.spec = CacheSpec(self.layout, block, unit, salt=settings.salt,
                               max_boundary_states=settings.max_boundary_states)
         breaker = BreakerPolicy.probing_at_most(settings.offline_backoff_s)
-        self.client = Client(settings.connection, timeout_s=settings.timeout_s, breaker=breaker)
+        # A worker's client is made off its compute cores: gRPC's threads, born with the process's first channel,
+        # would otherwise take their CPU time from the forward pass (cores.py).
+        self.client = born_off_compute_cores(
+            lambda: Client(settings.connection, timeout_s=settings.timeout_s, breaker=breaker))
         self._planner: Planner | None = None
         self._transfers: Transfers | None = None
         self._reported: dict[str, int] = {}

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,6 +35,7 @@ import torch
 from tiercache import kernels
 from tiercache.client import Client
 from tiercache.connector.prefix_cache import WithEngineBlock
+from tiercache.connector.vllm.cores import off_compute_cores
 from tiercache.connector.vllm.layout import EngineGroups, PagedViews
 from tiercache.connector.vllm.plan import Job, Transfer
 from tiercache.connector.vllm.put_queue import Put, PutQueue
@@ -96,10 +96,8 @@ class Transfers:
 
     def register(self, views: PagedViews) -> None:
         self.views = views
-        # vLLM's CPU backend binds the worker's compute threads to cores, and threads inherit the binding: the
-        # fetching and putting threads would take their CPU time from the forward pass. They run on the other cores
-        # of the machine when there are any (with nothing bound, as on GPU workers, nothing changes).
-        elsewhere = _off_compute_cores()
+        # The fetching, gathering and putting threads run off the cores vLLM's CPU backend computes on (cores.py).
+        elsewhere = off_compute_cores()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tiercache-load", initializer=elsewhere)
         self._gatherer = ThreadPoolExecutor(1, thread_name_prefix="tiercache-gather", initializer=elsewhere)
         cuda = views.device.type == "cuda"
@@ -514,22 +512,3 @@ def _by_pools(transfers) -> list[list[int]]:
 def _pool_key(transfer: Transfer) -> tuple:
     """Which pools an object lives in: the states (-1), or one attention group's pages (its group)."""
     return (-1,) if transfer.ref.kind is ObjectKind.STATE else (transfer.ref.group,)
-
-
-def _off_compute_cores():
-    """A thread initializer that moves a thread off the cores this thread is bound to, or None when it is bound to
-    every core there is (or the platform has no affinity calls)."""
-    try:
-        bound = os.sched_getaffinity(0)
-        others = set(range(os.cpu_count() or 1)) - bound
-    except (AttributeError, OSError):
-        return None
-    if not others:
-        return None
-
-    def move() -> None:
-        try:
-            os.sched_setaffinity(0, others)
-        except OSError:  # a cpuset that excludes them: stay where vLLM put us
-            pass
-    return move
