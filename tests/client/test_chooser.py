@@ -13,6 +13,7 @@ import pytest
 from tests.server.test_data_channel import _wait_served
 from tiercache.client import Client, RetryPolicy
 from tiercache.client.arena_path import ArenaPath
+from tiercache.client.chooser import ARENA_MIN_BYTES
 from tiercache.client.data_channel import DataChannelPath
 from tiercache.config import MiB
 from tiercache.errors import InvalidArgument, TimedOut
@@ -20,21 +21,49 @@ from tiercache.errors import InvalidArgument, TimedOut
 NS = "model@main#fp"
 
 
-@pytest.mark.parametrize("options, puts, gets", [
-    ({}, ["Reserve", "Commit"], ["Acquire"]),  # on the server's host: in place through its arena
-    ({"same_host": False}, ["DataPut"], ["DataGet"]),  # elsewhere: the data channel
-    ({"same_host": False, "data_channel": False}, ["Put"], ["Get"]),  # told not to: gRPC streams
+@pytest.mark.parametrize("options, size, puts, gets", [
+    # On the server's host: in place through its arena, where a call moves ARENA_MIN_BYTES or more...
+    ({}, ARENA_MIN_BYTES, ["Reserve", "Commit"], ["Acquire"]),
+    # ...and below that over the data channel, whose one round trip costs less (a get without the caller's buffers
+    # has no size to go by: the arena)...
+    ({}, MiB + 7, ["DataPut"], ["Acquire"]),
+    ({"same_host": True}, MiB + 7, ["Reserve", "Commit"], ["Acquire"]),  # ...unless told to use the arena
+    ({"same_host": False}, MiB + 7, ["DataPut"], ["DataGet"]),  # elsewhere: the data channel
+    ({"same_host": False, "data_channel": False}, MiB + 7, ["Put"], ["Get"]),  # told not to: gRPC streams
 ])
-def test_each_call_takes_the_path_the_chooser_picks(start_server, options, puts, gets):
+def test_each_call_takes_the_path_the_chooser_picks(start_server, options, size, puts, gets):
     server = start_server()
-    data = os.urandom(MiB + 7)
+    data = os.urandom(size)
     with Client.from_url(server.url, **options) as client:
         assert client.put(NS, b"k", data) == "host"
         assert client.get(NS, b"k") == data
-        assert isinstance(client.paths.arena(time.monotonic() + 5), ArenaPath) == ("same_host" not in options)
-        assert isinstance(client.paths.data_channel, DataChannelPath) == (options == {"same_host": False})
+        mapped = isinstance(client.paths.arena(time.monotonic() + 5), ArenaPath)
+        assert mapped == (options.get("same_host") is not False)
+        assert isinstance(client.paths.data_channel, DataChannelPath) == ("DataPut" in puts or "DataGet" in gets)
     others = {"Reserve", "Commit", "Acquire", "DataPut", "DataGet", "Put", "Get"} - {*puts, *gets}
     _wait_served(server, {**{(m, "OK"): 1 for m in (*puts, *gets)}, **{(m, "OK"): 0 for m in others}})
+
+
+def test_small_same_host_reads_into_the_callers_buffers_go_over_the_data_channel(start_server):
+    server = start_server()
+    small, big = os.urandom(1000), os.urandom(ARENA_MIN_BYTES)
+    with Client.from_url(server.url) as client:
+        client.put_many(NS, [(b"small", small), (b"big", big)])  # together: ARENA_MIN_BYTES and more, the arena
+        (got,) = client.get_many(NS, [b"small"], [bytearray(4096)])
+        assert got.data == small and got.tier == "host"
+        (got,) = client.get_many(NS, [b"big"], [bytearray(ARENA_MIN_BYTES)])
+        assert got.data == big
+    _wait_served(server, {("Reserve", "OK"): 1, ("Commit", "OK"): 1, ("DataGet", "OK"): 1, ("Acquire", "OK"): 1,
+                          ("DataPut", "OK"): 0})
+
+
+def test_without_a_data_channel_small_same_host_calls_go_through_the_arena(start_server):
+    server = start_server(data_channel=False)
+    with Client.from_url(server.url) as client:
+        assert client.put(NS, b"k", b"small") == "host"
+        assert client.get_many(NS, [b"k"], [bytearray(16)])[0].data == b"small"
+    _wait_served(server, {("Reserve", "OK"): 1, ("Commit", "OK"): 1, ("Acquire", "OK"): 1, ("DataPut", "OK"): 0,
+                          ("DataGet", "OK"): 0})
 
 
 def test_a_read_the_arena_carries_in_part_comes_back_whole_and_in_order(start_server):
@@ -42,7 +71,7 @@ def test_a_read_the_arena_carries_in_part_comes_back_whole_and_in_order(start_se
     # and the chooser fetches it over the data channel, into the caller's buffer, in its place in the batch.
     server = start_server(host_bytes=2 * MiB, disk_bytes=32 * MiB)
     small, big = os.urandom(1000), os.urandom(3 * MiB)
-    with Client.from_url(server.url) as client:
+    with Client.from_url(server.url, same_host=True) as client:  # the arena, however small the call
         assert client.put_many(NS, [(b"small", small), (b"big", big)]) == ["host", "disk"]
         buffers = [bytearray(3 * MiB) for _ in range(3)]
         got = client.get_many(NS, [b"big", b"missing", b"small"], buffers)

@@ -1,4 +1,5 @@
-"""The same-host path: payloads through the server's shared-memory arena, leases that expire, pins that hold."""
+"""The same-host path: payloads through the server's shared-memory arena, leases that expire, pins that hold. A client
+chooses the arena for large calls only (client.chooser): these tests insist on it (same_host=True)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_no_arena_means_grpc_and_same_host_true_is_an_error(start_server):
 
 def test_get_many_fills_caller_buffers(start_server):
     server = start_server()
-    with Client.from_url(server.url) as client:
+    with Client.from_url(server.url, same_host=True) as client:
         chunks = {b"a": os.urandom(MiB), b"b": os.urandom(1000)}
         client.put_many(NS, [(k, v) for k, v in chunks.items()])
         buffers = [bytearray(MiB), bytearray(MiB), bytearray(10)]
@@ -62,7 +63,7 @@ def test_get_many_fills_caller_buffers(start_server):
 
 def test_acquire_promotes_from_disk(start_server):
     server = start_server(host_bytes=2 * MiB, disk_bytes=16 * MiB)
-    with Client.from_url(server.url) as client:
+    with Client.from_url(server.url, same_host=True) as client:
         chunks = {b"c%d" % i: os.urandom(MiB - 100) for i in range(5)}
         for k, v in chunks.items():
             client.put(NS, k, v)
@@ -73,7 +74,7 @@ def test_acquire_promotes_from_disk(start_server):
 
 def test_chunk_too_large_for_the_arena_goes_the_remote_way(start_server):
     server = start_server(host_bytes=1 * MiB, disk_bytes=16 * MiB)
-    with Client.from_url(server.url) as client:
+    with Client.from_url(server.url, same_host=True) as client:
         big = os.urandom(3 * MiB)
         assert client.put(NS, b"big", big) == "disk"  # Reserve refused: sent over the data channel instead
         assert client.get(NS, b"big") == big  # found but not leasable: received over the data channel instead
@@ -84,7 +85,7 @@ def test_abandoned_reservation_is_taken_back_when_its_lease_expires(start_server
     stub = raw_stub(server)
     header = pb.ChunkHeader(namespace=NS, key=b"crashed", size_bytes=3 * MiB)
     stub.Reserve(pb.ReserveRequest(namespace=NS, chunks=[header]))  # ...and the client "crashes"
-    with Client.from_url(server.url) as client:
+    with Client.from_url(server.url, same_host=True) as client:
         assert client.put(NS, b"next", os.urandom(3 * MiB)) == "disk"  # the arena is still held
         wait_for(lambda: len(server.leases) == 0, timeout_s=5, what="the reservation to expire")
         assert client.put(NS, b"after", os.urandom(3 * MiB)) == "host"
@@ -104,13 +105,13 @@ def test_a_commit_naming_an_unknown_lease_loses_none_of_the_others(start_server)
         stub.Commit(pb.LeaseIds(lease_ids=[reservation.lease_id, 12345]))
     assert refused.value.code() == grpc.StatusCode.NOT_FOUND
     assert len(server.leases) == 0  # the first was committed before the unknown id was refused, not dropped
-    with Client.from_url(server.url) as client:
+    with Client.from_url(server.url, same_host=True) as client:
         assert client.get(NS, b"committed") == data
 
 
 def test_a_chunk_under_a_read_lease_is_never_overwritten(start_server):
     server = start_server(host_bytes=4 * MiB, disk_bytes=32 * MiB, lease_ttl_s=60)
-    with Client.from_url(server.url) as client:
+    with Client.from_url(server.url, same_host=True) as client:
         original = os.urandom(MiB)
         client.put(NS, b"held", original)
         stub = raw_stub(server)
@@ -131,7 +132,7 @@ def test_a_chunk_under_a_read_lease_is_never_overwritten(start_server):
 
 def test_expired_read_lease_releases_the_pin(start_server):
     server = start_server(host_bytes=2 * MiB, disk_bytes=16 * MiB, lease_ttl_s=0.3)
-    with Client.from_url(server.url) as client:
+    with Client.from_url(server.url, same_host=True) as client:
         client.put(NS, b"held", os.urandom(MiB - 100))
         raw_stub(server).Acquire(pb.KeysRequest(namespace=NS, keys=[b"held"]))  # never released
         wait_for(lambda: len(server.leases) == 0, timeout_s=5, what="the read lease to expire")
@@ -160,7 +161,7 @@ def test_unix_socket_urls(start_server, tmp_path):
 
 def test_a_copy_made_after_the_read_lease_lapsed_is_discarded_and_refetched(start_server, monkeypatch):
     server = start_server(lease_ttl_s=0.2)
-    with Client.from_url(server.url) as client:
+    with Client.from_url(server.url, same_host=True) as client:
         data = os.urandom(MiB)
         client.put(NS, b"k", data)
         real_read = SharedArena.read
@@ -175,7 +176,7 @@ def test_a_copy_made_after_the_read_lease_lapsed_is_discarded_and_refetched(star
 
 def test_a_reservation_that_lapsed_cannot_be_committed(start_server, monkeypatch):
     server = start_server(lease_ttl_s=0.2)
-    with Client.from_url(server.url) as client:
+    with Client.from_url(server.url, same_host=True) as client:
         real_write = SharedArena.write
 
         def stalled_write(self, ranges, payload):  # fault injection: the writer stalls past its lease
@@ -210,7 +211,7 @@ def test_lease_table_quarantines_expired_reservations_and_reports_lapsed_reads()
 
 def test_reads_copied_well_inside_their_leases_release_them_off_the_callers_path(start_server):
     server = start_server(lease_ttl_s=60)
-    with Client.from_url(server.url) as client:
+    with Client.from_url(server.url, same_host=True) as client:
         data = os.urandom(2 * MiB)
         client.put(NS, b"k", data)
         for _ in range(5):

@@ -2,7 +2,9 @@
 server's Attach and falls back from one path to another.
 
 - On the server's host (its arena maps here: same inode), payloads are copied in place through the arena. A chunk the
-  arena cannot take (full) or bring (not leasable, a lease that lapsed) goes by a remote path.
+  arena cannot take (full) or bring (not leasable, a lease that lapsed) goes by a remote path. A call that moves less
+  than ARENA_MIN_BYTES goes over the data channel instead when the server has one: for small payloads one round trip
+  on a local socket costs less CPU, on both sides, than the arena's two gRPC calls (same_host=True: always the arena).
 - Elsewhere, over the data channel the server announces, when `data_channel` is not False.
 - Else, or when the data channel cannot carry this call, over gRPC streams.
 
@@ -34,6 +36,9 @@ from tiercache.protocol.wire import pb, pb_grpc
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 DATA_CHANNEL_RETRY_S = 60
+# Same-host calls that move fewer payload bytes than this go over the data channel (when the server has one), larger
+# ones through the arena: measured by benchmarks/path_cost.py (docs/benchmarks.md).
+ARENA_MIN_BYTES = 4 << 20
 
 
 class PathChooser:
@@ -42,7 +47,8 @@ class PathChooser:
     the PayloadPath contract; the lock guards which paths exist, never an RPC or a copy."""
 
     def __init__(self, stub: pb_grpc.TierCacheStub, settings: ConnectionSettings, *, same_host: bool | None,
-                 data_channel: bool | None, frame_bytes: int, max_chunk_bytes: int, timeout_s: float) -> None:
+                 data_channel: bool | None, frame_bytes: int, max_chunk_bytes: int, timeout_s: float,
+                 arena_min_bytes: int = ARENA_MIN_BYTES) -> None:
         self._stub = stub
         self._settings = settings
         self._same_host = same_host
@@ -56,12 +62,21 @@ class PathChooser:
         self._arena: ArenaPath | None = None
         self._data: DataChannelPath | None = None
         self._data_retry_at = 0.0  # while the data channel is unreachable or absent: streams until then
+        self._arena_min_bytes = arena_min_bytes
+        self._local_retry_at = 0.0  # while the data channel refuses same-host calls: the arena carries them all
         self.clock: Callable[[], float] = time.monotonic  # what DATA_CHANNEL_RETRY_S is measured by (tests set it)
 
     # -- the payload path of each try -------------------------------------------------------------------------------
 
     def put(self, namespace: str, chunks: Sequence[Chunk], deadline: float) -> list[str]:
         arena = self.arena(deadline)
+        if arena is not None and self._small(sum(len(payload) for _, payload, _ in chunks)):
+            channel = self._local_data_channel(deadline)
+            if channel is not None:
+                try:
+                    return channel.put(namespace, chunks, deadline)
+                except (ConnectFailed, Busy) as exc:
+                    self._refuse_local(channel, exc)
         if arena is not None:
             try:
                 return arena.put(namespace, chunks, deadline)
@@ -72,6 +87,13 @@ class PathChooser:
     def get(self, namespace: str, keys: Sequence[bytes], outs: Sequence[memoryview | None],
             deadline: float) -> list[Fetched | None]:
         arena = self.arena(deadline)
+        if arena is not None and all(out is not None for out in outs) and self._small(sum(len(o) for o in outs)):
+            channel = self._local_data_channel(deadline)
+            if channel is not None:
+                try:
+                    return channel.get(namespace, keys, outs, deadline)
+                except (ConnectFailed, Busy) as exc:
+                    self._refuse_local(channel, exc)
         if arena is None:
             return self._remote(deadline, lambda path: path.get(namespace, keys, outs, deadline))
         results = arena.get(namespace, keys, outs, deadline)
@@ -102,6 +124,28 @@ class PathChooser:
         except Busy as exc:  # at the data channel's limits (a quota or a full store is no Busy: gRPC would fail too)
             log.debug("data channel at its limits (%s): this call goes over gRPC", exc)
             return send(self.streams)
+
+    def _small(self, size: int) -> bool:
+        """A same-host call this small costs less CPU (the client's and the server's) and time as one round trip over
+        the data channel than through the arena, whose two gRPC calls (Reserve and Commit, Acquire and Release) cost
+        more than the socket's copies below ARENA_MIN_BYTES. same_host=True insists on the arena for every call."""
+        return self._same_host is None and size < self._arena_min_bytes
+
+    def _local_data_channel(self, deadline: float) -> DataChannelPath | None:
+        """The data channel for a same-host call, when the server has one and it has not been refused lately."""
+        if self.clock() < self._local_retry_at:
+            return None
+        channel, _ = self._data_channel(deadline)
+        return channel
+
+    def _refuse_local(self, channel: DataChannelPath, exc: Exception) -> None:
+        """The data channel cannot carry same-host calls now (unreachable on this host, or at its limits): the arena
+        carries them until DATA_CHANNEL_RETRY_S has passed."""
+        log.debug("same-host calls go through the arena for %d s: the data channel answered %s",
+                  DATA_CHANNEL_RETRY_S, exc)
+        if isinstance(exc, ConnectFailed):
+            self._forget(channel)
+        self._local_retry_at = self.clock() + DATA_CHANNEL_RETRY_S
 
     # -- Attach, and the paths it opens -----------------------------------------------------------------------------
 
