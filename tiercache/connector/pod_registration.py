@@ -61,6 +61,11 @@ class PodRegistration:
             self._in_flight = threading.Thread(target=self._again, name="tiercache-register-pod", daemon=True)
             self._in_flight.start()
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a background registration is under way."""
+        return self._in_flight is not None
+
     def close(self) -> None:
         """No further registrations (one in flight ends on its own deadline; its answer is dropped)."""
         with self._lock:
