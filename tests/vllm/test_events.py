@@ -217,9 +217,11 @@ def test_the_connector_registers_its_engine_again_after_a_server_restart(tmp_pat
                 first_batch = frames[0][2].events
                 assert isinstance(first_batch[0], AllBlocksCleared)
                 after = first_batch[1:]
-                assert all(e in after for e in before)  # everything advertised before the restart is on disk
-                assert [e.block_hashes for e in after if e.kv_cache_spec_kind == "full_attention"] == \
-                    [[h] for h in expected] and {e.medium for e in after} == {"STORAGE"}
+                # Everything advertised before the restart is on disk, and advertised again (with what request b
+                # saved since, on the new server).
+                assert [e.block_hashes for e in before if e.kv_cache_spec_kind == "full_attention"] == \
+                    [[h] for h in expected]
+                assert all(e in after for e in before) and {e.medium for e in after} == {"STORAGE"}
                 engine.generate("c", prompt(7, 40), 1)  # later lookups find the pod known: no second registration
                 assert registration.registered_again == 1
             again = [r for r in caplog.records if "registered it again" in r.getMessage()]
