@@ -5,6 +5,7 @@ mirrors of vLLM's classes with `array_like=True` (how older vLLMs encoded them).
 
 from __future__ import annotations
 
+import logging
 from typing import Union
 
 import msgspec
@@ -13,7 +14,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 
 from tests.events.saves import chunks, engine_hash, prompt, spec_of
 from tests.events.subscriber import Subscriber
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, wait_for
 from tests.prefix.chains import ATTENTION, HYBRID
 from tests.vllm.engine import ATTENTION as ENGINE_ATTENTION
 from tests.vllm.engine import BLOCK, GDN, HASH_BLOCK, Engine
@@ -179,3 +180,56 @@ def test_the_connector_registers_its_engine_and_its_blocks_carry_vllms_hashes(st
             subscriber.close()
     finally:
         engine.close()
+
+
+def test_the_connector_registers_its_engine_again_after_a_server_restart(tmp_path, caplog):
+    """A deploy restarts `tiercache serve` (same port, same disk directory) while vLLM runs on. The next request's
+    lookup tells vLLM's scheduler that the server does not know its pod; the scheduler registers it again in the
+    background, asking for its old ports, so a router's subscriber that stayed connected receives AllBlocksCleared and
+    then the inventory that survived on disk."""
+    flags = ("--events", "--host-mem", "0", "--disk-dir", str(tmp_path / "disk"), "--no-data-channel")
+    first = ServerProcess(*flags).start()
+    second = None
+    engine = Engine(first.url, extra={"events_pod_id": "pod-v"})
+    try:
+        registration = engine.connector.pod_registration
+        endpoints = registration.endpoints
+        subscriber = Subscriber(endpoints.endpoint, endpoints.replay_endpoint, decode).ready()
+        try:
+            tokens = prompt(5, 100)
+            request = engine.add("a", tokens, 3)
+            engine.run("a")
+            expected = [int.from_bytes(request.block_hashes[k * BLOCK // HASH_BLOCK - 1], "big") & (2**64 - 1)
+                        for k in (1, 2, 3)]
+            stored: list[BlockStored] = []
+            while len([e for e in stored if e.kv_cache_spec_kind == "full_attention"]) < 3:
+                stored += [e for e in subscriber.next()[2].events if isinstance(e, BlockStored)]
+            before = subscriber.replay(0)[0][2].events[1:]
+            first.terminate()
+            second = ServerProcess(*flags, port=first.port).start()
+            with caplog.at_level(logging.INFO, logger="tiercache.connector.pod_registration"):
+                engine.generate("b", prompt(6, 40), 1)  # its lookup finds the pod unknown
+                wait_for(lambda: registration.registered_again == 1, what="the engine registered again")
+                assert registration.endpoints == endpoints  # its old ports: the SUB reconnects by itself
+                subscriber.next()  # the new server's stream, on the socket that stayed connected
+                frames = subscriber.replay(0)  # a router that sees the seq go back replays from 0
+                check(frames[0][2])
+                first_batch = frames[0][2].events
+                assert isinstance(first_batch[0], AllBlocksCleared)
+                after = first_batch[1:]
+                # Everything advertised before the restart is on disk, and advertised again (with what request b
+                # saved since, on the new server).
+                assert [e.block_hashes for e in before if e.kv_cache_spec_kind == "full_attention"] == \
+                    [[h] for h in expected]
+                assert all(e in after for e in before) and {e.medium for e in after} == {"STORAGE"}
+                engine.generate("c", prompt(7, 40), 1)  # later lookups find the pod known: no second registration
+                assert registration.registered_again == 1
+            again = [r for r in caplog.records if "registered it again" in r.getMessage()]
+            assert len(again) == 1 and again[0].levelno == logging.INFO
+        finally:
+            subscriber.close()
+    finally:
+        engine.close()
+        first.kill()
+        if second is not None:
+            second.kill()

@@ -29,6 +29,9 @@ from tiercache.record.keys import validate_key, validate_namespace
 
 T = TypeVar("T")
 
+# LookupResponse.pod as LookupAnswer.pod_registered: UNSPECIFIED (no pod named, an older server) says nothing.
+_POD_REGISTERED = {pb.POD_REGISTRATION_REGISTERED: True, pb.POD_REGISTRATION_NOT_REGISTERED: False}
+
 
 class PodEndpoints(NamedTuple):
     """Where a router reads a pod's KV events: its ZMQ PUB, its replay ROUTER, and the topic."""
@@ -36,6 +39,10 @@ class PodEndpoints(NamedTuple):
     endpoint: str
     replay_endpoint: str
     topic: str
+
+    def ports(self) -> tuple[int, int]:
+        """(PUB port, ROUTER port): what a pod registering again after a server restart asks to keep."""
+        return int(self.endpoint.rsplit(":", 1)[1]), int(self.replay_endpoint.rsplit(":", 1)[1])
 
 
 class PodQueryHit(NamedTuple):
@@ -56,6 +63,9 @@ class LookupAnswer(NamedTuple):
     tiers: list[str]  # where each object of the hit lies, in tiercache.prefix.hit.required_objects order
     unverified: tuple[int, ...]  # ask again with these positions' hashes
     chain_chunks: int  # kv chunks every attention group holds from the prompt's start
+    # Whether the pod the lookup named is registered for KV events (False: the server does not know it, e.g. it
+    # restarted); None when no pod was named or the server does not say (older, or without events).
+    pod_registered: bool | None = None
 
 
 class Client:
@@ -151,16 +161,17 @@ class Client:
 
     def lookup(self, namespace: str, shape: ChainShape, prompt_tokens: int, boundaries: bytes,
                positions: Mapping[int, bytes], *, rank_namespaces: Sequence[str] = (), report: bool = True,
-               last_chunk_tokens: bytes = b"", match_unit: int = 0) -> LookupAnswer:
+               last_chunk_tokens: bytes = b"", match_unit: int = 0, pod_id: str = "") -> LookupAnswer:
         """The server's hit for a prompt under the hybrid hit rule (see tiercache.prefix.lookup; PrefixCache is the
         usual caller): `boundaries` = h(0), h(N), ... h(KN) concatenated, `positions` other hashes it may check,
-        `last_chunk_tokens` the token bytes of [KN, L-1) with u (the server hashes positions there itself)."""
+        `last_chunk_tokens` the token bytes of [KN, L-1) with u (the server hashes positions there itself).
+        `pod_id`: the engine's pod for KV events; the answer's `pod_registered` says whether the server knows it."""
         request = lookup_request(validate_namespace(namespace), shape, prompt_tokens, boundaries, positions,
-                                 rank_namespaces, report, last_chunk_tokens, match_unit)
+                                 rank_namespaces, report, last_chunk_tokens, match_unit, pod_id)
         response = self._call(call, self._stub.Lookup, request)
         names = list(response.tier_names)
         return LookupAnswer(response.hit_tokens, [names[i] for i in response.tiers], tuple(response.unverified),
-                            response.chain_chunks)
+                            response.chain_chunks, _POD_REGISTERED.get(response.pod))
 
     def report_lookup(self, namespace: str, requested_tokens: int, hit_tokens_by_tier: Mapping[str, int]) -> None:
         """Tell the server how a prefix lookup went, for its metrics (`tiercache_lookup_*`) and stats."""
@@ -170,15 +181,18 @@ class Client:
 
     def register_pod(self, pod_id: str, model_name: str, namespaces: Sequence[str], shape: ChainShape,
                      engine_groups: Sequence[int], *, dp_rank: int = 0, remote: bool = False,
-                     match_unit: int = 0) -> PodEndpoints:
+                     match_unit: int = 0, ports: tuple[int, int] | None = None) -> PodEndpoints:
         """Have the server publish KV events for an engine instance (docs/events.md): its rank namespaces (rank 0
         first), its layout's shape and the engine's KV cache group index of each layout group. Registering again
         restarts the pod's stream. `match_unit`: u of the namespaces (0: 16, or N when 16 does not divide it), which
-        the server's pod query hashes prompts with. NotFound from a server without events."""
+        the server's pod query hashes prompts with. `ports`: the (PUB, ROUTER) ports an earlier registration was
+        answered (`PodEndpoints.ports()`), kept when the server can (see RegisterPodRequest). NotFound from a server
+        without events."""
+        pub_port, replay_port = ports or (0, 0)
         request = pb.RegisterPodRequest(pod_id=pod_id, model_name=model_name, namespaces=list(namespaces),
                                         chunk_tokens=shape.chunk_tokens, groups=layer_groups(shape),
                                         engine_groups=list(engine_groups), dp_rank=dp_rank, remote=remote,
-                                        match_unit=match_unit)
+                                        match_unit=match_unit, pub_port=pub_port, replay_port=replay_port)
         response = self._call(call, self._stub.RegisterPod, request)
         return PodEndpoints(response.endpoint, response.replay_endpoint, response.topic)
 

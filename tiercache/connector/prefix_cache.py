@@ -38,6 +38,9 @@ class Lookup:
     hit: Hit
     reached: bool = True
     attention_groups: tuple[int, ...] = ()
+    # The server's word on the cache's pod (PrefixCache's pod_id): False when it does not know it (it restarted and
+    # lost the registration); None when it was not asked or does not say.
+    pod_registered: bool | None = None
 
     @functools.cached_property
     def present(self) -> frozenset[bytes]:
@@ -58,8 +61,12 @@ class SaveResult:
 
 
 class PrefixCache:
-    def __init__(self, client: Client, spec: CacheSpec, *, report: bool = True, all_ranks: bool = False) -> None:
+    def __init__(self, client: Client, spec: CacheSpec, *, report: bool = True, all_ranks: bool = False,
+                 pod_id: str = "") -> None:
         """`report`: the server counts this cache's lookups in its statistics.
+
+        `pod_id`: the engine's pod for KV events; every lookup names it, and its answer says whether the server still
+        has the pod registered (Lookup.pod_registered): how an engine notices a server that restarted.
 
         `all_ranks`: the lookup is for every tensor-parallel rank of the layout (an engine's scheduler, whose
         workers each load their own rank's shard): an object counts as present only when every rank's shard is, so
@@ -71,6 +78,7 @@ class PrefixCache:
         self.namespace = spec.namespace
         self._report = report
         self._all_ranks = all_ranks
+        self.pod_id = pod_id
         layout = spec.layout
         self._other_ranks = [dataclasses.replace(spec, layout=dataclasses.replace(layout, tp_rank=rank)).namespace
                              for rank in range(layout.tp_size) if rank != layout.tp_rank] if all_ranks else []
@@ -83,7 +91,7 @@ class PrefixCache:
 
     def with_spec(self, spec: CacheSpec) -> "PrefixCache":
         """The same client and settings for another spec (a request's own salt)."""
-        return PrefixCache(self.client, spec, report=self._report, all_ranks=self._all_ranks)
+        return PrefixCache(self.client, spec, report=self._report, all_ranks=self._all_ranks, pod_id=self.pod_id)
 
     def lookup(self, tokens) -> Lookup:
         hashes = self.spec.hashes(tokens)
@@ -102,7 +110,7 @@ class PrefixCache:
         refs = required_objects(self.spec, hashes, answer.hit_tokens) if answer.hit_tokens else []
         located = tuple(Located(ref, tier) for ref, tier in zip(refs, answer.tiers))
         return Lookup(hashes, Hit(answer.hit_tokens, length, located, answer.chain_chunks),
-                      attention_groups=self.spec.shape.attention)
+                      attention_groups=self.spec.shape.attention, pod_registered=answer.pod_registered)
 
     def _ask(self, hashes: PrefixHashes, positions: dict[int, bytes]) -> LookupAnswer:
         last = hashes.length - 1
@@ -110,7 +118,7 @@ class PrefixCache:
         return self.client.lookup(self.namespace, self.spec.shape, hashes.length, hashes.boundaries(deepest),
                                   positions, rank_namespaces=self._other_ranks, report=self._report,
                                   last_chunk_tokens=hashes.chunk_tokens_bytes(deepest, last),
-                                  match_unit=self.spec.match_unit)
+                                  match_unit=self.spec.match_unit, pod_id=self.pod_id)
 
     def load(self, hit: Hit) -> dict[ObjectRef, bytes] | None:
         """The bytes of every object of the hit, or None when any is gone or failed its checksum (then recompute)."""

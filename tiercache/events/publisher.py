@@ -47,7 +47,9 @@ class Endpoints:
 
 class _Stream:
     def __init__(self, context: zmq.Context, pod: Pod, host: str, ports: tuple[int, int] | None,
-                 encoding: str = "map") -> None:
+                 encoding: str = "map", ports_required: bool = True) -> None:
+        """`ports`: (pub, replay) to bind, None: free ones. `ports_required=False`: free ones when those cannot
+        be bound (ports a pod had before a restart, wished for on a server that hands out free ones)."""
         self.pod = pod
         self.encoding = encoding
         self.topic = f"kv@{pod.pod_id}@{pod.model_name}".encode()
@@ -57,16 +59,31 @@ class _Stream:
         self.pub.setsockopt(zmq.SNDHWM, 0)
         for sock in (self.pub, self.replay):
             sock.setsockopt(zmq.LINGER, 0)
+        if ports is not None and not self._bind(host, ports, ports_required):
+            ports = None
         if ports is None:
             pub_port = self.pub.bind_to_random_port(f"tcp://{host}")
             replay_port = self.replay.bind_to_random_port(f"tcp://{host}")
         else:
             pub_port, replay_port = ports
-            self.pub.bind(f"tcp://{host}:{pub_port}")
-            self.replay.bind(f"tcp://{host}:{replay_port}")
         self.endpoints = Endpoints(f"tcp://{host}:{pub_port}", f"tcp://{host}:{replay_port}", self.topic.decode())
         self.seq = -1  # the last seq sent
         self.sent_at = 0.0
+
+    def _bind(self, host: str, ports: tuple[int, int], required: bool) -> bool:
+        """Bind both sockets to `ports`; False (neither bound) when one is taken and they are not required."""
+        bound = []
+        try:
+            for sock, port in zip((self.pub, self.replay), ports):
+                sock.bind(f"tcp://{host}:{port}")
+                bound.append((sock, port))
+        except zmq.ZMQError:
+            if required:
+                raise
+            for sock, port in bound:
+                sock.unbind(f"tcp://{host}:{port}")
+            return False
+        return True
 
     def publish(self, events: list[Event]) -> None:
         self.seq += 1
@@ -97,15 +114,21 @@ class EventStreams:
         self._context = zmq.Context()
         self._streams: dict[str, _Stream] = {}
         self._commands: queue.Queue = queue.Queue()
-        self._slots = 0  # pods given fixed ports so far (base_port + 2 * slot)
+        # With base_port, pod slots: slot i is PUB base_port + 2i and ROUTER base_port + 2i + 1. A new pod takes the
+        # next slot never given; a pod registering again after a server restart asks for the one it had.
+        self._slots: dict[str, int] = {}
+        self._next_slot = 0
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tiercache-kv-events", daemon=True)
         self._thread.start()
 
-    def register(self, pod: Pod, timeout_s: float = 30.0) -> Endpoints:
+    def register(self, pod: Pod, timeout_s: float = 30.0, ports: tuple[int, int] | None = None) -> Endpoints:
         """Start (or restart) the pod's stream; its endpoints. A pod registered again keeps its sockets and its
-        sequence, and its next batch starts over with AllBlocksCleared (the engine behind it restarted)."""
-        return self._ask(("register", pod), timeout_s)
+        sequence, and its next batch starts over with AllBlocksCleared (the engine behind it restarted). `ports`:
+        the (pub, replay) ports a new stream should have if it can (what the pod was answered before this server
+        restarted): with base_port, when they are a slot of its range that no pod holds; without, when they are
+        free. Otherwise the pod gets ports as any new pod does."""
+        return self._ask(("register", (pod, ports)), timeout_s)
 
     def unregister(self, pod_id: str, timeout_s: float = 30.0) -> None:
         """End the pod's stream: a last AllBlocksCleared, then its sockets close."""
@@ -115,6 +138,10 @@ class EventStreams:
     def index(self) -> RestorableIndex:
         """The restorable index behind the streams (its reads take its own lock: callable from any thread)."""
         return self._index
+
+    def registered(self, pod_id: str) -> bool:
+        """Whether the pod has a stream (callable from any thread: one read of a dict)."""
+        return pod_id in self._streams
 
     def endpoints(self) -> dict[str, Endpoints]:
         return {pod_id: stream.endpoints for pod_id, stream in list(self._streams.items())}
@@ -171,29 +198,46 @@ class EventStreams:
                 return
             try:
                 if verb == "register":
-                    answer.set_result(self._register(argument, poller))
+                    answer.set_result(self._register(*argument, poller))
                 else:
                     answer.set_result(self._unregister(argument, poller))
             except Exception as exc:  # noqa: BLE001 - the caller's to report
                 answer.set_exception(exc)
 
-    def _register(self, pod: Pod, poller: zmq.Poller) -> Endpoints:
+    def _register(self, pod: Pod, wanted: tuple[int, int] | None, poller: zmq.Poller) -> Endpoints:
         self._flush()  # what changed before the pod (re)starts goes out under the old registration
         stream = self._streams.get(pod.pod_id)
         if stream is None:
-            ports = None
-            if self._config.base_port:
-                ports = (self._config.base_port + 2 * self._slots, self._config.base_port + 2 * self._slots + 1)
-                self._slots += 1
-            stream = self._streams[pod.pod_id] = _Stream(self._context, pod, self._config.host, ports,
-                                                         self._config.encoding)
+            base = self._config.base_port
+            if base:
+                slot = self._slot(pod.pod_id, wanted)
+                ports, required = (base + 2 * slot, base + 2 * slot + 1), True
+            else:
+                ports, required = wanted, False
+            stream = _Stream(self._context, pod, self._config.host, ports, self._config.encoding, required)
+            self._streams[pod.pod_id] = stream
             poller.register(stream.replay, zmq.POLLIN)
         stream.pod = pod
         stream.publish(self._index.add_pod(pod))
         return stream.endpoints
 
+    def _slot(self, pod_id: str, wanted: tuple[int, int] | None) -> int:
+        """The base_port slot of a new stream: the one `wanted` names when it is a slot no other pod holds, else the
+        next one never given (above every slot given: a slot a pod left is not handed to a new pod, as routers may
+        still point at it for the old one)."""
+        held = {slot for pod, slot in self._slots.items() if pod != pod_id}
+        offset = wanted[0] - self._config.base_port if wanted else -1
+        if wanted and offset >= 0 and offset % 2 == 0 and wanted[1] == wanted[0] + 1 and offset // 2 not in held:
+            slot = offset // 2
+        else:
+            slot = self._next_slot
+        self._next_slot = max(self._next_slot, slot + 1)
+        self._slots[pod_id] = slot
+        return slot
+
     def _unregister(self, pod_id: str, poller: zmq.Poller) -> None:
         self._index.remove_pod(pod_id)
+        self._slots.pop(pod_id, None)
         stream = self._streams.pop(pod_id, None)
         if stream is not None:
             stream.publish([AllBlocksCleared()])

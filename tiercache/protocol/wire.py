@@ -123,12 +123,12 @@ MAX_RANK_NAMESPACES = 256
 
 def lookup_request(namespace: str, shape: ChainShape, prompt_tokens: int, boundaries: bytes,
                    positions: Mapping[int, bytes], rank_namespaces: Sequence[str] = (), report: bool = True,
-                   last_chunk_tokens: bytes = b"", match_unit: int = 0) -> pb.LookupRequest:
+                   last_chunk_tokens: bytes = b"", match_unit: int = 0, pod_id: str = "") -> pb.LookupRequest:
     groups = layer_groups(shape)
     return pb.LookupRequest(namespace=namespace, rank_namespaces=list(rank_namespaces),
                             chunk_tokens=shape.chunk_tokens, groups=groups, prompt_tokens=prompt_tokens,
                             boundaries=boundaries, report=report, last_chunk_tokens=last_chunk_tokens,
-                            match_unit=match_unit,
+                            match_unit=match_unit, pod_id=pod_id,
                             positions=[pb.PositionHash(position=p, hash=h) for p, h in positions.items()])
 
 

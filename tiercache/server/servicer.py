@@ -192,7 +192,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         index = {name: i for i, name in enumerate(names)}
         return pb.LookupResponse(hit_tokens=found.tokens, tier_names=names,
                                  tiers=bytes(index[tier] for tier in tiers), unverified=found.unverified,
-                                 chain_chunks=found.chain_chunks)
+                                 chain_chunks=found.chain_chunks, pod=self._pod_registration(tenant, request.pod_id))
 
     def _lookup(self, query, namespaces: list[str], report: bool):
         found = find_hit(query, StoreChain(self.store, namespaces))
@@ -218,7 +218,10 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             raise InvalidArgument(f"the match unit u={unit} must divide N={request.chunk_tokens}")
         pod = Pod(request.pod_id, request.model_name, namespaces, shape, tuple(request.engine_groups),
                   request.dp_rank, same_node=not request.remote, match_unit=unit)
-        endpoints = await self._run(streams.register, pod)
+        wanted = (request.pub_port, request.replay_port) if request.pub_port and request.replay_port else None
+        if wanted and not all(0 < port < 65536 for port in wanted):
+            raise InvalidArgument(f"ports {wanted} are not TCP ports")
+        endpoints = await self._run(functools.partial(streams.register, pod, ports=wanted))
         return pb.RegisterPodResponse(endpoint=endpoints.endpoint, replay_endpoint=endpoints.replay_endpoint,
                                       topic=endpoints.topic)
 
@@ -268,6 +271,15 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         if self._events is None:
             raise NotFound("this server publishes no KV events (start it with events.enabled)")
         return self._events
+
+    def _pod_registration(self, tenant: Tenant, pod_id: str) -> int:
+        """What a lookup made for `pod_id` is told of its registration (proto: PodRegistration): an engine whose pod
+        this server does not know (it restarted) registers again. Another tenant's pod is not this caller's: it is
+        NOT_REGISTERED, as for a pod nobody registered, so the answer reveals nothing of other tenants."""
+        if not pod_id or self._events is None:  # no pod named; or no events, where registering would be refused
+            return pb.POD_REGISTRATION_UNSPECIFIED
+        mine = self._events.registered(pod_id) and (tenant.admin or self._pod_tenants.get(pod_id) == tenant.name)
+        return pb.POD_REGISTRATION_REGISTERED if mine else pb.POD_REGISTRATION_NOT_REGISTERED
 
     def _claim_pod(self, tenant: Tenant, pod_id: str) -> None:
         """A pod id is its first registrant's: another tenant can neither take over its stream nor end it."""

@@ -38,7 +38,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiercache.client import BreakerPolicy, Client, ConnectionSettings, RetryPolicy
+from tiercache.client.client import PodEndpoints
 from tiercache.connector.limits import check_spec
+from tiercache.connector.pod_registration import PodRegistration
 from tiercache.connector.prefix_cache import PrefixCache
 from tiercache.connector.vllm.identity import engine_identity
 from tiercache.connector.vllm.cores import born_off_compute_cores
@@ -46,7 +48,7 @@ from tiercache.connector.vllm.layout import engine_groups, model_layout, paged_v
 from tiercache.connector.vllm.plan import Planner, StepPlan
 from tiercache.connector.vllm.transfer import Transfers
 from tiercache.config import refuse_unknown
-from tiercache.errors import InvalidArgument, TierCacheError
+from tiercache.errors import InvalidArgument
 from tiercache.prefix.objects import CacheSpec
 
 log = logging.getLogger(__name__)
@@ -146,6 +148,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._transfers: Transfers | None = None
         self._reported: dict[str, int] = {}
         self._reported_at = float("-inf")
+        self._registration: PodRegistration | None = None
         if role == KVConnectorRole.SCHEDULER:
             # One try within a short deadline: a lookup that cannot be answered quickly is a miss, not a stall, and
             # the breaker makes every later one an instant miss until the server answers again. The server counts
@@ -154,14 +157,18 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                              breaker=breaker)
             # Every rank's objects are the same size: the scheduler checks them once, before the engine serves.
             check_spec(lookups, self.spec, "TierCacheConnector")
-            cache = PrefixCache(lookups, self.spec, all_ranks=True)
+            # With events, every lookup names the pod: its answer says whether the server still knows it.
+            cache = PrefixCache(lookups, self.spec, all_ranks=True, pod_id=settings.events_pod_id or "")
+            if settings.events_pod_id:
+                self._registration = self._pod_registration(settings.events_pod_id,
+                                                            model.served_model_name or model.model,
+                                                            cache.rank_namespaces(), parallel.data_parallel_rank)
+                self._registration.register()
             # Token ids and vLLM's hashes go with the kv saves only for an engine that has the server publish its KV
             # events: elsewhere they would cost the scheduler's step and the worker's metadata for nothing.
-            self._planner = Planner(cache, self.groups, engine_blocks=bool(settings.events_pod_id))
+            self._planner = Planner(cache, self.groups, engine_blocks=bool(settings.events_pod_id),
+                                    registration=self._registration)
             _SCHEDULERS.add(self)
-            if settings.events_pod_id:
-                self._register_pod(settings.events_pod_id, model.served_model_name or model.model,
-                                   cache.rank_namespaces(), parallel.data_parallel_rank)
         else:
             self._transfers = Transfers(self.client, self.groups, self.spec, settings.max_pending_save_bytes,
                                          settings.save_batch_s)
@@ -173,21 +180,26 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                         "recurrent state below a block, so prompts shorter than N=%d get no hit and hits end on "
                         "block boundaries. Start vLLM with --prefix-match-unit 16.", vllm_unit or block, block)
 
-    def _register_pod(self, pod_id: str, model_name, namespaces: list[str], dp_rank: int) -> None:
-        """Have the server publish this engine's KV events: its rank namespaces, its layout and vLLM's group index
-        of each layout group (Mamba groups share the recurrent one: the first names it). A failure is a warning: the
-        engine serves without events."""
+    def _pod_registration(self, pod_id: str, model_name, namespaces: list[str], dp_rank: int) -> PodRegistration:
+        """This engine's registration for KV events: its rank namespaces, its layout and vLLM's group index of each
+        layout group (Mamba groups share the recurrent one: the first names it). Made at the start and again
+        whenever a lookup finds that the server lost it (tiercache.connector.pod_registration); a failure is a
+        warning: the engine serves without events."""
         groups = [*self.groups.attention, *self.groups.mamba[:1]]
         name = model_name[0] if isinstance(model_name, (list, tuple)) else str(model_name)
-        try:  # one try: a server that is down costs the engine's start no more than a refused connection
+
+        def register(ports: tuple[int, int] | None) -> PodEndpoints:
+            # One try: a server that is down costs the engine's start no more than a refused connection.
             with Client(self.settings.connection, timeout_s=10.0, retry=RetryPolicy(attempts=1)) as client:
-                endpoints = client.register_pod(pod_id, name, namespaces, self.spec.shape, groups, dp_rank=dp_rank,
-                                                   match_unit=self.spec.match_unit)
-        except TierCacheError as exc:
-            log.warning("TierCacheConnector: the server publishes no KV events for pod %s: %s", pod_id, exc)
-            return
-        log.info("TierCacheConnector: KV events of pod %s on %s (replay %s, topic %s)", pod_id, endpoints.endpoint,
-                 endpoints.replay_endpoint, endpoints.topic)
+                return client.register_pod(pod_id, name, namespaces, self.spec.shape, groups, dp_rank=dp_rank,
+                                           match_unit=self.spec.match_unit, ports=ports)
+
+        return PodRegistration(pod_id, register)
+
+    @property
+    def pod_registration(self) -> PodRegistration | None:
+        """The scheduler's registration for KV events (None without `events_pod_id`, and in a worker)."""
+        return self._registration
 
     @property
     def planner(self) -> Planner | None:
@@ -287,6 +299,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 if scheduler._vllm_config is self._vllm_config and self._transfers.views is not None:
                     self._transfers.save(scheduler._planner.take_finishes(), inline=True)
             self._transfers.shutdown()
+        if self._registration is not None:
+            self._registration.close()
         if self._planner is not None:
             self._planner.cache.client.close()
         self.client.close()

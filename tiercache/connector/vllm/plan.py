@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 
+from tiercache.connector.pod_registration import PodRegistration
 from tiercache.connector.prefix_cache import EngineBlock, Lookup, PrefixCache
 from tiercache.connector.vllm.layout import EngineGroups
 from tiercache.prefix.admission import plan_finish_admission, plan_step_admission
@@ -88,13 +90,16 @@ class SchedulerStats:
 
 
 class Planner:
-    def __init__(self, cache: PrefixCache, groups: EngineGroups, engine_blocks: bool = False) -> None:
+    def __init__(self, cache: PrefixCache, groups: EngineGroups, engine_blocks: bool = False,
+                 registration: PodRegistration | None = None) -> None:
         """`cache` asks the server with a short deadline and a circuit breaker: vLLM's scheduler thread waits for
         every lookup, so a dead or hung server costs one deadline, then nothing per request until it answers.
-        `engine_blocks`: the anchor group's kv saves carry their tokens and vLLM's block hash (KV events)."""
+        `engine_blocks`: the anchor group's kv saves carry their tokens and vLLM's block hash (KV events).
+        `registration`: the engine's pod, registered again (in the background) when a lookup finds it missing."""
         self.cache = cache
         self.groups = groups
         self.engine_blocks = engine_blocks
+        self.registration = registration
         self.stats = SchedulerStats()
         self._caches: dict[str, PrefixCache] = {"": cache}  # by the request's own salt (LoRA, cache_salt)
         self._requests: dict[str, _Tracked] = {}
@@ -109,7 +114,10 @@ class Planner:
             return 0, False
         length = len(request.all_token_ids)
         if tracked.lookup is None or tracked.lookup.hashes.length != length:
+            asked_at = time.monotonic()
             tracked.lookup = tracked.cache.lookup(_tokens(request, length))
+            if tracked.lookup.pod_registered is False and self.registration is not None:
+                self.registration.lost(asked_at)  # the server restarted: register again, off this thread
             if not tracked.lookup.reached:  # a miss: asked again at the request's next scheduling
                 self.stats.lookups_skipped += 1
                 tracked.lookup = None
