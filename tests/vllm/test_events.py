@@ -208,8 +208,16 @@ def test_the_connector_registers_its_engine_again_after_a_server_restart(tmp_pat
             first.terminate()
             second = ServerProcess(*flags, port=first.port).start()
             with caplog.at_level(logging.INFO, logger="tiercache.connector.pod_registration"):
-                engine.generate("b", prompt(6, 40), 1)  # its lookup finds the pod unknown
-                wait_for(lambda: registration.registered_again == 1, what="the engine registered again")
+                sent = []
+
+                def registered_again() -> bool:
+                    # A new request's lookup finds the pod unknown. One that cannot reach the new server yet (gRPC
+                    # reconnecting, the lookup breaker open) is a miss: the next request asks again.
+                    if registration.registered_again == 0 and not registration.in_flight:
+                        sent.append(f"b{len(sent)}")
+                        engine.generate(sent[-1], prompt(6 + len(sent), 40), 1)
+                    return registration.registered_again == 1
+                wait_for(registered_again, timeout_s=60, what="the engine registered again", interval_s=0.2)
                 assert registration.endpoints == endpoints  # its old ports: the SUB reconnects by itself
                 subscriber.next()  # the new server's stream, on the socket that stayed connected
                 frames = subscriber.replay(0)  # a router that sees the seq go back replays from 0
@@ -222,7 +230,7 @@ def test_the_connector_registers_its_engine_again_after_a_server_restart(tmp_pat
                 assert [e.block_hashes for e in before if e.kv_cache_spec_kind == "full_attention"] == \
                     [[h] for h in expected]
                 assert all(e in after for e in before) and {e.medium for e in after} == {"STORAGE"}
-                engine.generate("c", prompt(7, 40), 1)  # later lookups find the pod known: no second registration
+                engine.generate("c", prompt(99, 40), 1)  # later lookups find the pod known: no second registration
                 assert registration.registered_again == 1
             again = [r for r in caplog.records if "registered it again" in r.getMessage()]
             assert len(again) == 1 and again[0].levelno == logging.INFO
