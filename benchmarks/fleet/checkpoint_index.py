@@ -12,11 +12,21 @@ the attention index's engine keys, so a checkpoint is found where the prompt's o
 tokens; per (pod, medium, group) who holds it, refcounted like llm-d's removals (a BlockRemoved of a group the pod's
 catalog knows as `mamba` names the checkpoint's own hash); AllBlocksCleared clears the pod in both indexes.
 
-A prompt's score on a pod is the deepest checkpoint on the prompt's matched attention path (the canonical keys the
-pod holds from the first, as llm-d's LongestPrefixScorer walks them) whose tokens are a prefix of the prompt's tokens
-after its block, in tokens, not rounded to blocks; capped so that the engine still computes the prompt's last token
-(a checkpoint at most one token before the prompt's end), as Lookup answers a connector. Nothing here is a second
-hit rule: tiercache advertises only checkpoints its Lookup resumes at, and the router only finds them in a prompt.
+A prompt's score on a pod is the deepest of the pod's checkpoints on the prompt's path whose tokens are a prefix of
+the prompt's tokens after its block, in tokens, not rounded to blocks; capped so that the engine still computes the
+prompt's last token (a checkpoint at most one token before the prompt's end), as Lookup answers a connector. A
+checkpoint is on the prompt's path when its block's key is one of the prompt's own request keys: keys are chained, so
+that one key matches every token before it. Nothing here is a second hit rule: tiercache advertises only checkpoints
+its Lookup resumes at (their blocks with them), and the router only finds them in a prompt.
+
+Why the path is not walked through llm-d's holders (LongestPrefixScorer's walk): the llm-d-rules index drops a pod
+from every request key of a removed engine block (llmd_index.py `_remove`), also from keys that other blocks of the
+pod still hold. With N = 560 (35 keys
+a block) every conversation's first block shares the 32 keys of the trace's 512-token system prompt, so once one
+first block of a pod was evicted the walk stopped at key 0 for that pod: in the fleet benchmark
+(benchmarks/fleet_trace.py --max-requests 600 --host-mem 512MiB --diagnose) 32 of 1,200 (request, pod) pairs read 0
+where the pod could restore 2,240 to 8,191 tokens. A checkpoint is withdrawn when it stops being restorable, so its
+own key is the path's proof.
 
 Keys are matched at an attention block's end, so N must be a multiple of the canonical block size (16), as llm-d's
 keys of consecutive blocks need too. A pod whose events carry no checkpoints (an attention-only model) scores 0
@@ -146,25 +156,16 @@ class CheckpointIndex:
     # -- scores -----------------------------------------------------------------------------------------------------
 
     def score(self, tokens: Seq[int], model: str, pods: Iterable[str] | None = None) -> dict[str, tuple[int, float]]:
-        """{pod: (tokens it can resume at, weighted score)} for the pods with a checkpoint in the prompt. The walk is
-        llm-d's (keys from the first, pods present at every key so far); at each key, the checkpoints whose block
-        ends there and whose tokens follow in the prompt, at most at its last token but one. The weighted score is
-        llm-d's over the keys up to the checkpoint's block, + its tokens past the block in canonical blocks x its
-        tier's weight."""
+        """{pod: (tokens it can resume at, weighted score)} for the pods with a checkpoint in the prompt: at each of
+        the prompt's request keys, the checkpoints whose block ends there and whose tokens follow in the prompt, at
+        most at its last token but one; the deepest per pod. The weighted score counts those tokens in canonical
+        blocks x the weight of the checkpoint's tier (llm-d's weights: where its state is)."""
         index = self.attention
         size = index.block_size
         wanted = None if pods is None else set(pods)
         cap = len(tokens) - 1  # the engine computes the last token whatever is cached
-        weights: dict[str, float] = {}  # llm-d's weighted score so far, per pod still on the path
         found: dict[str, tuple[int, float]] = {}
         for j, key in enumerate(index.request_keys(tokens, model)):
-            best: dict[str, float] = {}
-            for pod, tier, _ in index.holders.get(key, ()):
-                if (wanted is None or pod in wanted) and (j == 0 or pod in weights):
-                    best[pod] = max(best.get(pod, 0.0), index.weights.get(tier, OTHER_WEIGHT))
-            if not best:
-                break
-            weights = {pod: weights.get(pod, 0.0) + weight for pod, weight in best.items()}
             end = (j + 1) * size
             for own, holders in self.at_block.get(key, {}).items():
                 tail = self.checkpoints[own].tokens
@@ -172,8 +173,8 @@ class CheckpointIndex:
                 if position > cap or tuple(tokens[end:position]) != tail:
                     continue
                 for pod, tier, _ in holders:
-                    if pod in weights:
-                        weight = weights[pod] + len(tail) / size * index.weights.get(tier, OTHER_WEIGHT)
+                    if wanted is None or pod in wanted:
+                        weight = position / size * index.weights.get(tier, OTHER_WEIGHT)
                         found[pod] = max(found.get(pod, (0, 0.0)), (position, weight))
         return found
 

@@ -35,15 +35,20 @@ def test_a_checkpoint_counts_its_tokens_past_its_block_where_they_follow_in_the_
     assert index.attention.skipped["unsupported_cache_kind"] == 2
 
 
-def test_blocks_without_a_checkpoint_count_nothing_and_the_path_must_be_held_from_the_first_key():
+def test_blocks_without_a_checkpoint_count_nothing_and_a_checkpoint_needs_no_walk_of_shared_keys():
     index = CheckpointIndex()
     toks = tokens(2, 2)
     chain(index, toks)
     assert index.score(toks + [5], "tiny") == {}  # attention blocks alone: no checkpoint, nothing to resume at
     index.apply(TOPIC, payload(checkpoint(9, 101, ())))
     assert index.matched_tokens(toks + [5], "tiny", "pod-a") == 2 * N
-    index.apply(TOPIC, payload(removed([100])))  # the first block gone: the path does not reach the checkpoint
-    assert index.score(toks + [5], "tiny") == {}
+    # A second first block sharing the first one's first 16 tokens (a system prompt), then evicted: llm-d's rules
+    # drop the pod from every key of that block, shared ones included, and its walk stops at key 0. The checkpoint's
+    # own key chains every token before it: it still counts.
+    other = toks[:16] + tokens(3, 1)[16:]
+    index.apply(TOPIC, payload(stored([300], None, other), removed([300])))
+    assert index.attention.score(toks, "tiny") == {}
+    assert index.matched_tokens(toks + [5], "tiny", "pod-a") == 2 * N
 
 
 def test_a_checkpoint_is_removed_by_its_own_hash_refcounted_per_medium_and_group():
@@ -57,7 +62,7 @@ def test_a_checkpoint_is_removed_by_its_own_hash_refcounted_per_medium_and_group
     index.apply(TOPIC, payload(removed([7], group=STATE_GROUP)))
     assert index.matched_tokens(prompt, "tiny", "pod-a") == N + 3  # one CPU store left, and STORAGE
     index.apply(TOPIC, payload(removed([7], group=STATE_GROUP)))
-    assert index.score(prompt, "tiny")["pod-a"] == (N + 3, pytest.approx(N / 16 * 0.8 + 3 / 16 * 1.0))
+    assert index.score(prompt, "tiny")["pod-a"] == (N + 3, pytest.approx((N + 3) / 16 * 1.0))  # its state's tier
     index.apply(TOPIC, payload(removed([7], medium="STORAGE", group=STATE_GROUP)))
     assert index.score(prompt, "tiny") == {} and not index.checkpoints
     assert index.attention.matched_tokens(prompt, "tiny", "pod-a") == N  # the block's removal is another event
