@@ -21,12 +21,11 @@ its Lookup resumes at (their blocks with them), and the router only finds them i
 
 Why the path is not walked through llm-d's holders (LongestPrefixScorer's walk): the llm-d-rules index drops a pod
 from every request key of a removed engine block (llmd_index.py `_remove`), also from keys that other blocks of the
-pod still hold. With N = 560 (35 keys
-a block) every conversation's first block shares the 32 keys of the trace's 512-token system prompt, so once one
-first block of a pod was evicted the walk stopped at key 0 for that pod: in the fleet benchmark
-(benchmarks/fleet_trace.py --max-requests 600 --host-mem 512MiB --diagnose) 32 of 1,200 (request, pod) pairs read 0
-where the pod could restore 2,240 to 8,191 tokens. A checkpoint is withdrawn when it stops being restorable, so its
-own key is the path's proof.
+pod still hold. With N = 560 (35 keys a block) every conversation's first block shares the 32 keys of the trace's
+512-token system prompt, so once one first block of a pod was evicted the walk stopped at key 0 for that pod: in the
+fleet benchmark (benchmarks/fleet_trace.py --max-requests 600 --host-mem 512MiB --diagnose) 32 of 1,200 (request,
+pod) pairs read 0 where the pod could restore 2,240 to 8,191 tokens (0 of 1,200 since). A checkpoint is withdrawn
+when it stops being restorable, so its own key is the path's proof.
 
 Keys are matched at an attention block's end, so N must be a multiple of the canonical block size (16), as llm-d's
 keys of consecutive blocks need too. A pod whose events carry no checkpoints (an attention-only model) scores 0
