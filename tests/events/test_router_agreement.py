@@ -97,5 +97,8 @@ def test_the_router_reads_the_array_encoding_as_it_reads_maps(pods):
     assert by_arrays.router == by_maps.router == by_maps.predicted and sum(by_maps.router) > 0
     maps.caught_up()
     arrays.caught_up()
-    index_of_maps, index_of_arrays = maps.router.feeds.index, arrays.router.feeds.index
-    assert index_of_arrays.holders == index_of_maps.holders and not index_of_arrays.skipped.get("undecodable_batch")
+    index_of_maps, index_of_arrays = maps.router.index, arrays.router.index
+    assert index_of_arrays.attention.holders == index_of_maps.attention.holders
+    assert not index_of_arrays.attention.skipped.get("undecodable_batch")
+    assert index_of_arrays.at_block == index_of_maps.at_block and index_of_maps.at_block  # checkpoints read alike
+    assert by_arrays.resumable == by_maps.resumable == by_maps.lookup_tokens
