@@ -12,6 +12,8 @@ Router (benchmarks/fleet/router.py), one per policy, on real ZMQ sockets, with a
   attention    the longest prefix of attention blocks, from servers that advertise every saved attention block
                (events.advertise: attention): what a router sees from a hybrid engine's own events;
   restorable   the longest prefix tiercache can restore (its default events);
+  checkpoints  the same events, read by a router that also reads the checkpoints' `mamba` events
+               (benchmarks/fleet/checkpoint_index.py): where the prompt can resume, to the token;
 ties go to the least loaded pod, then in turn. Before each request is routed, the index has caught up with every
 request served before it (two batches stamped after its saves; router.py says why that suffices).
 
@@ -27,8 +29,12 @@ Qwen3-Next, docs/benchmarks.md "vllm_engine.py"): the engine serve_trace.py runs
 Ideal hit tokens: what one pod whose cache never forgets could reuse of the slice (trace.shared_prefix_tokens:
 prompts sharing hash ids, whole or up to an earlier prompt's end), and the same per pod given each policy's routing.
 
+--diagnose adds to each request's row what the router believed of every pod (`scores`) and what every pod could have
+restored (`restorable`: the query API, which touches nothing), asked when it was routed; the report then counts the
+requests sent to a pod that could restore less than another ("missed": requests / tokens).
+
     .venv/bin/python benchmarks/fleet_trace.py [--pods 2] [--max-requests 300] [--conversations 4]
-        [--time-scale 0.4] [--host-mem 256MiB] [--json fleet.json] [--plot fleet.png]
+        [--time-scale 0.4] [--host-mem 256MiB] [--json fleet.json] [--plot fleet.png] [--diagnose]
 """
 
 from __future__ import annotations
@@ -105,6 +111,8 @@ def run_policy(policy: str, requests: list[trace.TraceRequest], args) -> dict:
             prompt = np.asarray(request.prompt)
             router.catch_up(done_at)
             pod, believed = router.pick(request.prompt, clocks.backlog(request.arrival_s))
+            if args.diagnose:
+                seen = diagnose(router, pods, request.prompt)
             served = pods[pod].serve(prompt, output_tokens(request, args.vocab))
             done_at[pod] = served.done_at
             service = served.wait_s + (served.prompt_tokens - served.hit_tokens) * args.prefill_ms_per_token / 1e3
@@ -114,6 +122,8 @@ def run_policy(policy: str, requests: list[trace.TraceRequest], args) -> dict:
                          "prompt_tokens": served.prompt_tokens, "hit_tokens": served.hit_tokens,
                          "router_tokens": believed, "wait_ms": round(served.wait_s * 1e3, 2),
                          "queue_ms": round(queue * 1e3, 2), "ttft_ms": round(ttft * 1e3, 2)})
+            if args.diagnose:
+                rows[-1].update(seen)
             if args.progress and len(rows) % args.progress_every == 0:
                 hit = sum(r["hit_tokens"] for r in rows) / max(1, sum(r["prompt_tokens"] for r in rows))
                 print(f"  {policy}: {len(rows)}/{len(requests)} requests, {time.monotonic() - started:.0f} s, "
@@ -126,6 +136,18 @@ def run_policy(policy: str, requests: list[trace.TraceRequest], args) -> dict:
         router.close()
         for pod in pods.values():
             pod.close()
+
+
+def diagnose(router: Router, pods: dict, prompt) -> dict:
+    """What the router believed each pod holds of `prompt`, and what each pod could restore of it (its server's query
+    API: Lookup's hit rule, touching nothing), now."""
+    scores = router.scores(prompt)
+    restorable = {}
+    for name, pod in pods.items():
+        (hit,) = pod.client.query_pods(prompt, model_name=MODEL, pod_ids=[name])
+        restorable[name] = hit.matched_tokens
+    return {"scores": {name: min(scores.get(name, (0, 0.0))[0], len(prompt)) for name in pods},
+            "restorable": restorable}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -165,19 +187,31 @@ def summarize(policy: str, run: dict, requests: list[trace.TraceRequest], pods: 
                                     "tokens": sum(b - h for b, h in believed if b - h >= n),
                                     "requests_hit_nothing": sum(b - h >= n and h == 0 for b, h in believed)}
                                    if simulated else None),
+        **missed(rows),
         **{k: v for k, v in run.items() if k not in ("rows", "hit_tokens")},
     }
 
 
+def missed(rows: list[dict]) -> dict:
+    """With --diagnose: requests sent to a pod that could restore less than another one could, and the tokens."""
+    if not rows or "restorable" not in rows[0]:
+        return {}
+    short = [max(r["restorable"].values()) - r["restorable"][r["pod"]] for r in rows]
+    return {"missed": {"requests": sum(s > 0 for s in short), "tokens": sum(short)}}
+
+
 ROW_COLUMNS = ("i", "arrival_s", "pod", "prompt_tokens", "hit_tokens", "router_tokens", "wait_ms", "queue_ms",
                "ttft_ms")
+DIAGNOSIS_COLUMNS = ("scores", "restorable")
 
 
 def write_json(result: dict, path: str) -> None:
     """One line per key; each policy's rows as columns + one list per request."""
     out = dict(result)
-    out["rows"] = {policy: {"columns": ROW_COLUMNS, "values": [[r[c] for c in ROW_COLUMNS] for r in rows]}
-                   for policy, rows in result["rows"].items()}
+    out["rows"] = {}
+    for policy, rows in result["rows"].items():
+        columns = ROW_COLUMNS + (DIAGNOSIS_COLUMNS if rows and "restorable" in rows[0] else ())
+        out["rows"][policy] = {"columns": columns, "values": [[r[c] for c in columns] for r in rows]}
     with open(path, "w") as f:
         f.write("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}"
                                    for k, v in out.items()) + "\n}\n")
@@ -201,6 +235,10 @@ def print_report(result: dict) -> None:
               + "/".join(str(n) for n in p["requests_per_pod"].values()))
     print("(over >= N: requests, and their tokens, for which the router counted at least a block more than the pod "
           "it chose could restore)")
+    if any("missed" in p for p in result["policies"].values()):
+        print("missed (another pod could restore more than the chosen one; requests / tokens): "
+              + ", ".join(f"{p['policy']} {p['missed']['requests']} / {p['missed']['tokens']:,}"
+                          for p in result["policies"].values() if "missed" in p))
 
 
 def plot(result: dict, path: str) -> None:
@@ -269,6 +307,9 @@ def parse_args(argv=None):
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="a line on stderr every --progress-every requests")
     parser.add_argument("--progress-every", type=int, default=50)
+    parser.add_argument("--diagnose", action="store_true",
+                        help="simulated engines: record per request the router's belief and what every pod could "
+                             "restore (see above)")
     parser.add_argument("--json")
     parser.add_argument("--plot")
     # --engine vllm

@@ -1,6 +1,7 @@
 """A router's end of pods' KV-event streams on real ZMQ sockets, feeding an LlmdIndex under llm-d's subscriber rules
-(benchmarks/fleet/llmd_index.py Source): per pod a SUB on its endpoint and a DEALER for replays on its replay
-endpoint, a replay from 0 on connect, gaps repaired, a publisher that went back to seq 0 rebuilt.
+(benchmarks/fleet/llmd_index.py Source), or a CheckpointIndex (benchmarks/fleet/checkpoint_index.py: llm-d's index and
+the checkpoints' own events): per pod a SUB on its endpoint and a DEALER for replays on its replay endpoint, a replay
+from 0 on connect, gaps repaired, a publisher that went back to seq 0 rebuilt.
 
 Single-threaded on purpose: `pump` reads what has arrived and applies it, so a benchmark or a test decides when the
 index moves (no lock between the index and whoever scores with it).
@@ -9,11 +10,14 @@ index moves (no lock between the index and whoever scores with it).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import zmq
 
 from benchmarks.fleet.llmd_index import LlmdIndex, Source, parse_topic
+
+if TYPE_CHECKING:
+    from benchmarks.fleet.checkpoint_index import CheckpointIndex
 
 END_SEQ = -1
 
@@ -22,7 +26,7 @@ class PodFeed:
     """One pod's stream: `endpoint` (PUB), `replay_endpoint` (ROUTER), `pod` the name the index files it under (the
     topic's, unless llm-d's pod discovery names it: its SourceEndpoint)."""
 
-    def __init__(self, index: LlmdIndex, context: zmq.Context, endpoint: str, replay_endpoint: str,
+    def __init__(self, index: LlmdIndex | CheckpointIndex, context: zmq.Context, endpoint: str, replay_endpoint: str,
                  replay_timeout_s: float = 10.0) -> None:
         self.index = index
         self.context = context
@@ -86,7 +90,7 @@ class PodFeed:
 class Feeds:
     """Several pods' feeds into one index, pumped together."""
 
-    def __init__(self, index: LlmdIndex | None = None) -> None:
+    def __init__(self, index: LlmdIndex | CheckpointIndex | None = None) -> None:
         self.index = index if index is not None else LlmdIndex()
         self.context = zmq.Context()
         self.feeds: dict[str, PodFeed] = {}

@@ -6,7 +6,10 @@ Policies:
   (events.advertise: attention): what a router reading a hybrid engine's own KV events sees (llm-d and Dynamo index
   only attention kinds; an attention block without a checkpoint at or after it cannot be resumed from).
 - `restorable`: the longest prefix tiercache can restore, from its default events (docs/events.md).
-Both event policies keep an index following llm-d's rules (benchmarks/fleet/llmd_index.py: canonical 16-token keys)
+- `checkpoints`: tiercache's default events read by a router that also reads its checkpoints' `mamba` events
+  (benchmarks/fleet/checkpoint_index.py): the deepest restorable checkpoint whose tokens follow in the prompt, to the
+  token (a hit that ends mid-block included), at most the prompt's last token but one.
+The event policies keep an index following llm-d's rules (benchmarks/fleet/llmd_index.py: canonical 16-token keys)
 fed from every pod's real ZMQ sockets (benchmarks/fleet/llmd_subscriber.py), and send a request where it is expected
 to cost least, weighing the prefill a pod would still have to do against the work it already has (as cost-based KV
 routers do; Dynamo's weighs the blocks to prefill against a worker's load), in seconds of the simulated clock:
@@ -30,11 +33,12 @@ from typing import Sequence
 
 import msgpack
 
+from benchmarks.fleet.checkpoint_index import CheckpointIndex
 from benchmarks.fleet.llmd_index import LlmdIndex
 from benchmarks.fleet.llmd_subscriber import Feeds, PodFeed
 
-POLICIES = ("round-robin", "attention", "restorable")
-EVENT_POLICIES = ("attention", "restorable")
+POLICIES = ("round-robin", "attention", "restorable", "checkpoints")
+EVENT_POLICIES = ("attention", "restorable", "checkpoints")
 
 
 class StampedFeed(PodFeed):
@@ -75,7 +79,8 @@ class Router:
         self.load_weight, self.prefill_s_per_token = load_weight, prefill_s_per_token
         self.catch_up_timeout_s = catch_up_timeout_s
         self.turn = 0
-        self.feeds = StampedFeeds(LlmdIndex()) if policy in EVENT_POLICIES else None
+        index = CheckpointIndex() if policy == "checkpoints" else LlmdIndex()
+        self.feeds = StampedFeeds(index) if policy in EVENT_POLICIES else None
         self.caught_up_s = 0.0  # time spent waiting for the index, in all
 
     def follow(self, pod: str, endpoint: str, replay_endpoint: str) -> None:
@@ -126,8 +131,14 @@ class Router:
         return pod, matched[pod]
 
     def skipped(self) -> dict[str, int]:
-        """What the index skipped, by llm-d's reasons (mamba events, for one)."""
-        return dict(self.feeds.index.skipped) if self.feeds is not None else {}
+        """What the index skipped, by llm-d's reasons (mamba events, for one; the checkpoint index's own reasons are
+        prefixed `checkpoint_`)."""
+        if self.feeds is None:
+            return {}
+        index = self.feeds.index
+        if isinstance(index, CheckpointIndex):
+            return {**index.attention.skipped, **{f"checkpoint_{k}": v for k, v in index.skipped.items()}}
+        return dict(index.skipped)
 
     def close(self) -> None:
         if self.feeds is not None:

@@ -27,8 +27,9 @@ def test_round_robin_takes_turns_and_reads_no_events():
     assert router.scores([5] * 40) == {}
 
 
-def test_ties_go_to_the_least_loaded_pod_then_in_turn():
-    router = Router("restorable", ["a", "b"], MODEL)
+@pytest.mark.parametrize("policy", ["attention", "restorable", "checkpoints"])
+def test_ties_go_to_the_least_loaded_pod_then_in_turn(policy):
+    router = Router(policy, ["a", "b"], MODEL)
     try:
         assert router.pick([5] * 40, {"a": 1.0, "b": 0.5}) == ("b", 0)  # nothing indexed: every pod scores 0
         assert {router.pick([5] * 40, {"a": 0.0, "b": 0.0})[0] for _ in range(2)} == {"a", "b"}

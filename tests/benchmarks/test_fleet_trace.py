@@ -36,7 +36,7 @@ def test_every_policy_replays_the_slice_and_reports(tmp_path):
                             capture_output=True, text=True, env=python_env(), timeout=600)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-    assert set(report["policies"]) == {"round-robin", "attention", "restorable"}
+    assert set(report["policies"]) == {"round-robin", "attention", "restorable", "checkpoints"}
     assert report["slice"]["requests"] == 9 and report["slice"]["ideal_tokens"] > 0
     for name, policy in report["policies"].items():
         assert policy["requests"] == 9 and sum(policy["requests_per_pod"].values()) == 9
@@ -47,5 +47,6 @@ def test_every_policy_replays_the_slice_and_reports(tmp_path):
         assert len(rows["values"]) == 9 and "ttft_ms" in rows["columns"]
     assert report["policies"]["restorable"]["hit_tokens"] > 0
     assert report["policies"]["attention"]["hit_tokens"] > 0
+    assert report["policies"]["checkpoints"]["hit_tokens"] > 0
     assert png.stat().st_size > 10_000
     assert "restorable" in result.stdout

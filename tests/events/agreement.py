@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.fleet.checkpoint_index import CheckpointIndex
 from benchmarks.fleet.llmd_subscriber import Feeds
 from benchmarks.serving import trace
 from tests.events.saves import chunks, prompt, spec_of
@@ -54,6 +55,23 @@ class LlmdRouter:
 
     def close(self) -> None:
         self.feeds.close()
+
+
+class CheckpointRouter(LlmdRouter):
+    """The llm-d-rules router that also reads the checkpoints' `mamba` events (benchmarks/fleet/checkpoint_index.py)
+    from the same stream: `matched` is llm-d's count as before, `resumable` the checkpoint-aware one, in tokens."""
+
+    def __init__(self, endpoints, n: int) -> None:
+        self.index = CheckpointIndex()
+        self.feeds = Feeds(self.index)
+        self.feeds.add("pod", endpoints.endpoint, endpoints.replay_endpoint)
+
+    def matched(self, tokens) -> int:
+        return self.index.attention.matched_tokens(list(tokens), MODEL, "pod")
+
+    def resumable(self, tokens) -> int:
+        """Where the router expects `tokens` to resume: a checkpoint at most at the last token but one."""
+        return self.index.matched_tokens([int(t) for t in tokens], MODEL, "pod")
 
 
 @dataclass
@@ -142,20 +160,27 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 @dataclass
 class Agreement:
     """Per prompt, in whole blocks: Lookup's hit, the router's count, and the router's count predicted from Lookup
-    (the module docstring)."""
+    (the module docstring); and in tokens, Lookup's hit and, for a router that reads checkpoints (`resumable`), its
+    count of the prompt followed by the same unknown token."""
 
     lookup: list[int] = field(default_factory=list)
     router: list[int] = field(default_factory=list)
     predicted: list[int] = field(default_factory=list)
     expected: list[int] = field(default_factory=list)  # what a router with an `expected` method says it should count
+    lookup_tokens: list[int] = field(default_factory=list)
+    resumable: list[int] = field(default_factory=list)
 
     def note(self, pod: Pod, tokens: np.ndarray, saved: list[np.ndarray]) -> None:
         n = pod.n
-        hit = pod.reach(tokens) // n
+        reach = pod.reach(tokens)
+        hit = reach // n
         self.lookup.append(hit)
+        self.lookup_tokens.append(reach)
         self.router.append(pod.router_blocks(tokens))
         if hasattr(pod.router, "expected"):
             self.expected.append(pod.router.expected(tokens))
+        if hasattr(pod.router, "resumable"):
+            self.resumable.append(pod.router.resumable(np.append(tokens, UNKNOWN)))
         # The prediction is at least Lookup's own (the checkpoint it resumes at lies on some saved sequence through
         # the prompt); only a sequence sharing more blocks than that can raise it (Lookup calls for those alone).
         predicted = hit

@@ -22,6 +22,11 @@ a block count nothing here: its partial keys are rounded down):
 - For an attention-only model there is no checkpoint to miss: the router's count equals Lookup's on every prompt.
 - A router fed what an engine's own events say (events.advertise: attention: every saved attention block) ignores
   the recurrent state: on the hybrid model it disagrees with Lookup on some prompts.
+- A router that also reads the checkpoints' `mamba` events (benchmarks/fleet/checkpoint_index.py: the deepest
+  checkpoint on the prompt's matched path whose tokens follow in the prompt) counts exactly Lookup's hit on every
+  prompt, in tokens: it is asked of the prompt followed by the unknown token, as Lookup is, and stops one token short
+  of that, as Lookup does. The same stream feeds both counts (the pods' router is CheckpointRouter, whose `matched`
+  is llm-d's), so the slice is served once.
 """
 
 from __future__ import annotations
@@ -29,14 +34,17 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.serving import trace
-from tests.events.agreement import HYBRID, Agreement, evicted_and_lost, pods_in, serve_slice, trace_slice
+from tests.events.agreement import (HYBRID, Agreement, CheckpointRouter, evicted_and_lost, pods_in, serve_slice,
+                                   trace_slice)
+from tests.events.saves import N
 from tests.prefix.chains import ATTENTION
 
 
 @pytest.fixture
 def pods(tmp_path):
-    """pods(layout, *serve flags) -> a Pod on a fresh server, with an llm-d-rules router; all closed afterwards."""
-    with pods_in(tmp_path) as start:
+    """pods(layout, *serve flags) -> a Pod on a fresh server, with an llm-d-rules router that also reads checkpoints;
+    all closed afterwards."""
+    with pods_in(tmp_path, CheckpointRouter) as start:
         yield start
 
 
@@ -53,6 +61,9 @@ def check_hybrid(pods, requests: list[trace.TraceRequest]) -> tuple[Agreement, A
     assert ignorant.lookup == exact.lookup  # the same saves: the same store
     assert ignorant.agreeing() < exact.agreeing()  # counting attention blocks alone is wrong more often
     assert all(i >= r for i, r in zip(ignorant.router, exact.router))
+    # Reading the checkpoints too: Lookup's hit on every prompt, to the token, mid-block hits included.
+    assert exact.resumable == exact.lookup_tokens
+    assert sum(h % restorable.n != 0 for h in exact.lookup_tokens) >= 2  # not vacuous: hits that end mid-block
     return exact, ignorant
 
 
@@ -60,7 +71,9 @@ def test_a_router_index_agrees_with_lookup_on_a_trace_slice_of_a_hybrid_model(po
     exact, ignorant = check_hybrid(pods, trace_slice(48, 128, 1000))
     print(f"hybrid: {exact.agreeing()} of {len(exact.lookup)} prompts agree with Lookup ({ignorant.agreeing()} "
           f"attention blocks only); blocks hit {sum(exact.lookup)}, router {sum(exact.router)}, attention "
-          f"{sum(ignorant.router)}")
+          f"{sum(ignorant.router)}; tokens hit {sum(exact.lookup_tokens)} (mid-block on "
+          f"{sum(h % N != 0 for h in exact.lookup_tokens)} prompts), checkpoint-aware router "
+          f"{sum(exact.resumable)}")
 
 
 def test_a_router_index_agrees_with_lookup_on_every_prompt_of_an_attention_model(pods):
@@ -84,5 +97,8 @@ def test_the_router_reads_the_array_encoding_as_it_reads_maps(pods):
     assert by_arrays.router == by_maps.router == by_maps.predicted and sum(by_maps.router) > 0
     maps.caught_up()
     arrays.caught_up()
-    index_of_maps, index_of_arrays = maps.router.feeds.index, arrays.router.feeds.index
-    assert index_of_arrays.holders == index_of_maps.holders and not index_of_arrays.skipped.get("undecodable_batch")
+    index_of_maps, index_of_arrays = maps.router.index, arrays.router.index
+    assert index_of_arrays.attention.holders == index_of_maps.attention.holders
+    assert not index_of_arrays.attention.skipped.get("undecodable_batch")
+    assert index_of_arrays.at_block == index_of_maps.at_block and index_of_maps.at_block  # checkpoints read alike
+    assert by_arrays.resumable == by_maps.resumable == by_maps.lookup_tokens
