@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
+from benchmarks.throughput import rate  # noqa: E402
 from tiercache import kernels  # noqa: E402
 from tiercache.prefix.objects import CacheSpec  # noqa: E402
 from tiercache.prefix.presets import preset  # noqa: E402
@@ -50,17 +51,10 @@ def timed_gbps(action, size: int, repeat: int) -> float:
 
 
 def timed_gbps_host(action, size: int, repeat: int) -> float:
-    """timed_gbps for copies on the host (no CUDA events): the median of wall-clock samples."""
-    import time
-
+    """timed_gbps for copies on the host (no CUDA events): after a warm-up, the median of wall-clock samples."""
     for _ in range(3):
         action()
-    samples = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        action()
-        samples.append(time.perf_counter() - started)
-    return size / statistics.median(samples) / 1e9
+    return rate(size, action, repeat)
 
 
 def bench_preset(name: str, repeat: int) -> list[dict]:
