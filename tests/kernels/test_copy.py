@@ -147,6 +147,24 @@ def test_state_buffer_shape_is_checked():
                                  torch.zeros(1, kernels.state_record_bytes(pools), dtype=torch.uint8))
 
 
+def test_state_records_may_be_a_column_of_wider_rows():
+    """An object spanning two pool sets: each set's records are a column of the objects' rows, written in place."""
+    pools, other = state_pools(), [torch.randn(6, 5)]
+    record, extra = kernels.state_record_bytes(pools), kernels.state_record_bytes(other)
+    rows = torch.zeros(2, record + extra, dtype=torch.uint8)
+    slots = torch.tensor([4, 1], dtype=torch.int64)
+    kernels.states_to_buffer(pools, slots, rows[:, :record])
+    kernels.states_to_buffer(other, slots, rows[:, record:])
+    for i, slot in enumerate(slots.tolist()):
+        assert torch.equal(rows[i], torch.cat([p[slot].reshape(-1).view(torch.uint8) for p in (*pools, *other)]))
+    restored = [torch.zeros_like(p) for p in pools]
+    kernels.states_from_buffer(restored, torch.tensor([0, 3]), rows[:, :record])
+    assert all(torch.equal(r[0], p[4]) and torch.equal(r[3], p[1]) for r, p in zip(restored, pools))
+    with pytest.raises(InvalidArgument):  # records that overlap are refused
+        kernels.states_to_buffer(pools, slots, torch.zeros(record + 1, dtype=torch.uint8).as_strided((2, record),
+                                                                                                   (1, 1)))
+
+
 def test_copy_unit_is_the_widest_that_divides_everything():
     assert kernels.copy._width(128, 4096, 256) == 16
     assert kernels.copy._width(160, 24) == 8
@@ -276,3 +294,50 @@ def test_cuda_gather_into_pinned_host_memory():
     expected = torch.zeros(3, 2, 40, 256, dtype=torch.bfloat16, device="cuda")
     kernels.gather_kv_reference(layers, slots, expected)
     assert torch.equal(pinned, expected.cpu())
+
+
+@gpu
+@pytest.mark.parametrize("where", ["cuda", "pinned"])
+def test_cuda_state_copies_take_host_slots_and_spaced_records(where):
+    """The vLLM connector's shape of call: block ids on the host, records a column of pinned (or device) rows."""
+    if not _cuda_ready():
+        pytest.skip("needs CUDA and CuPy")
+    pools = state_pools(device="cuda")
+    record = kernels.state_record_bytes(pools)
+    rows = torch.zeros(3, record + 24, dtype=torch.uint8, device="cuda" if where == "cuda" else "cpu")
+    if where == "pinned":
+        rows = rows.pin_memory()
+    host_slots = torch.tensor([4, 1, 5], dtype=torch.int64)
+    kernels.states_to_buffer(pools, host_slots, rows[:, 24:])
+    torch.cuda.synchronize()
+    expected = torch.zeros(3, record, dtype=torch.uint8, device="cuda")
+    kernels.states_to_buffer_reference(pools, host_slots.cuda(), expected)
+    assert torch.equal(rows[:, 24:].cuda(), expected) and not rows[:, :24].any()
+    restored = [torch.zeros_like(p) for p in pools]
+    kernels.states_from_buffer(restored, torch.tensor([0, 3, 2]), rows[:, 24:])
+    torch.cuda.synchronize()
+    assert all(torch.equal(r[[0, 3, 2]], p[[4, 1, 5]]) for r, p in zip(restored, pools))
+
+
+@gpu
+def test_cuda_copies_with_host_slots_never_wait_for_the_gpu():
+    """A launch queues behind the stream's work and returns: the host does not wait for a long kernel before it."""
+    if not _cuda_ready():
+        pytest.skip("needs CUDA and CuPy")
+    pools = state_pools(device="cuda")
+    rows = torch.zeros(2, kernels.state_record_bytes(pools), dtype=torch.uint8).pin_memory()
+    layers = paged_layers(2, 8, 16, 2, 64, torch.bfloat16, "NHD", device="cuda")
+    chunk = torch.zeros(2, 2, 20, 128, dtype=torch.bfloat16).pin_memory()
+    slots = kernels.slots_for_blocks([5, 1], 16, start=3, count=20)
+    kernels.states_to_buffer(pools, torch.tensor([4, 1]), rows)  # compiled, pinned pools warm
+    kernels.gather_kv(layers, slots, chunk)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(4_000_000_000)  # seconds of GPU time ahead of the copies
+    busy = torch.cuda.Event()
+    busy.record()
+    kernels.states_to_buffer(pools, torch.tensor([5, 2]), rows)
+    kernels.states_from_buffer(pools, torch.tensor([0, 3]), rows)
+    kernels.gather_kv(layers, slots, chunk)
+    kernels.scatter_kv(layers, slots, chunk)
+    assert not busy.query()  # the host went on while the GPU still slept
+    torch.cuda.synchronize()

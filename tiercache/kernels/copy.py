@@ -11,9 +11,12 @@ Shapes:
 - chunk: [layers, 2, capacity, heads * head_dim], same dtype; tokens go to [token_offset, token_offset + n); on the
   layers' device, or in pinned host memory when the layers are on a GPU (the kernel then writes across PCIe directly,
   through the unified address space: no staging copy);
-- slots: int64 [n], slot = block_id * block_size + position in block (`slots_for_blocks` builds them);
+- slots: int64 [n], slot = block_id * block_size + position in block (`slots_for_blocks` builds them); on the
+  data's device, or on the host for GPU data: then checked there and copied with the launch on the current stream,
+  so a launch never waits for the GPU (slots on the GPU cost a synchronisation to check);
 - state pools: per tensor [num_slots, ...] (any dtype); buffer: uint8 [n, record_bytes], a record being every
-  tensor's slot bytes back to back, in order.
+  tensor's slot bytes back to back, in order; each record contiguous, records possibly spaced further apart (a
+  column of a wider matrix: an object whose bytes span several pool sets).
 """
 
 from __future__ import annotations
@@ -132,14 +135,20 @@ def _reachable(buffer: torch.Tensor, device: torch.device) -> bool:
     return buffer.device == device or (device.type == "cuda" and buffer.device.type == "cpu" and buffer.is_pinned())
 
 
+def _records_contiguous(buffer: torch.Tensor) -> bool:
+    """Each row's bytes one run, rows not overlapping (they may be spaced: a column of a wider matrix)."""
+    return (buffer.shape[1] <= 1 or buffer.stride(1) == 1) and (len(buffer) <= 1 or buffer.stride(0) >= buffer.shape[1])
+
+
 def _check_slots(slots: torch.Tensor, limit: int, device) -> None:
-    if slots.dtype != torch.int64 or slots.dim() != 1 or slots.device != device:
-        raise InvalidArgument("slots must be a 1-D int64 tensor on the data's device")
+    if slots.dtype != torch.int64 or slots.dim() != 1 or slots.device not in (device, torch.device("cpu")):
+        raise InvalidArgument("slots must be a 1-D int64 tensor on the data's device or on the host")
     if not len(slots):
         return
     if slots.is_cuda:
         low, high = (int(v) for v in torch.aminmax(slots))  # one reduction, one synchronisation
-    else:  # a copy's few slots: one conversion, then plain Python (two tensor reductions cost more than the copy)
+    else:  # a copy's few slots: one conversion, then plain Python (two tensor reductions cost more than the copy;
+        # for GPU data, checking on the host is what spares the synchronisation)
         values = slots.tolist()
         low, high = min(values), max(values)
     if low < 0 or high >= limit:
@@ -212,8 +221,8 @@ def _check_states(pools, slots, buffer) -> list[int]:
         offsets.append(offset)
         offset += pool[0].numel() * pool.element_size()
     if buffer.dtype != torch.uint8 or buffer.dim() != 2 or buffer.shape != (len(slots), offset) \
-            or not _reachable(buffer, device) or not buffer.is_contiguous():
-        raise InvalidArgument(f"buffer must be contiguous uint8 [{len(slots)}, {offset}] on {device} "
+            or not _reachable(buffer, device) or not _records_contiguous(buffer):
+        raise InvalidArgument(f"buffer must be uint8 [{len(slots)}, {offset}] with contiguous records on {device} "
                               f"(or pinned host memory)")
     _check_slots(slots, num_slots, device)
     return offsets
@@ -245,6 +254,14 @@ def _launch(family: str, kernel: str, grid: tuple[int, int], threads: int, make_
             _module(family).get_function(kernel)(grid, (threads,), make_args())
 
 
+def _slots_on(slots: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Slots where the kernel reads them: host slots are copied through pinned memory on the current stream, without
+    waiting (torch's host allocator keeps the pinned copy until the copy has run; the device copy is stream-ordered)."""
+    if slots.device == device:
+        return slots
+    return slots.pin_memory().to(device, non_blocking=True)
+
+
 def _addresses(tensors: Sequence[torch.Tensor]):
     import cupy
 
@@ -262,6 +279,7 @@ def _launch_paged(name, layers, slots, chunk, token_offset, g: PagedGeometry) ->
     import numpy as np
 
     head_bytes = g.head_dim * chunk.element_size()
+    slots = _slots_on(slots, layers[0].device)
     width = _width(head_bytes, *g.strides_bytes, chunk.data_ptr(), *(t.data_ptr() for t in layers))
     units = 2 * g.heads * head_bytes // width
 
@@ -281,12 +299,13 @@ def _launch_states(name, pools, slots, buffer, offsets) -> None:
 
     sizes = [pool[0].numel() * pool.element_size() for pool in pools]
     strides = [pool.stride(0) * pool.element_size() for pool in pools]
-    width = _width(buffer.shape[1], buffer.data_ptr(), *sizes, *strides, *offsets, *(p.data_ptr() for p in pools))
+    pitch = buffer.stride(0) if len(buffer) > 1 else buffer.shape[1]  # bytes from one record to the next
+    width = _width(pitch, buffer.data_ptr(), *sizes, *strides, *offsets, *(p.data_ptr() for p in pools))
+    slots = _slots_on(slots, pools[0].device)
 
     def make_args() -> tuple:
         return (_addresses(pools), cupy.asarray(strides, dtype=cupy.int64), cupy.asarray(sizes, dtype=cupy.int64),
-                cupy.asarray(offsets, dtype=cupy.int64), _pointer(buffer), _pointer(slots),
-                np.int64(buffer.shape[1]))
+                cupy.asarray(offsets, dtype=cupy.int64), _pointer(buffer), _pointer(slots), np.int64(pitch))
 
     if len(slots):
         _launch("state_copy", f"{name}_w{width}", (len(slots), len(pools)), 256, make_args, pools[0].device)

@@ -276,8 +276,12 @@ class Intake:
 
     def receive(self, chunk: Admitted) -> Incoming:
         """Room for a chunk's payload: pages reserved in the arena when it takes them (received in place), else a
-        record of its own, growing as the bytes arrive."""
-        if self.store.same_host is not None:
+        record of its own, growing as the bytes arrive.
+
+        With a GPU tier above the arena, the chunk gets a record of its own, which the store places from the top (GPU
+        first, what it evicts demoted to the arena): received in place, every put would land in the arena and the GPU
+        tier would never fill. Only same-host writers (`reserve`: they need pages they can map) write the arena."""
+        if self.store.same_host is not None and self.store.same_host.on_top:
             try:
                 return self.reserve(chunk)
             except CapacityExceeded:

@@ -83,6 +83,11 @@ class SameHostPath:
         self._more_below = more_below
         self.arena: ArenaFile = tier.arena
 
+    @property
+    def on_top(self) -> bool:
+        """The arena is the store's first tier (no GPU tier above it): a put placed by the store lands there too."""
+        return self._level == 0
+
     def reserve(self, key: ChunkKey, payload_bytes: int, meta: encoding.ChunkMeta) -> WriteGrant:
         size = encoding.header_bytes(key, meta) + payload_bytes
         try:

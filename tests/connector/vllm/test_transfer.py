@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, wait_for
 from tiercache.client import Client
 from tiercache.connector.vllm.layout import EngineGroups, PagedViews
 from tiercache.connector.vllm.plan import Job, Transfer
@@ -66,6 +66,13 @@ def _jobs(spec: CacheSpec, prompt_seed: int) -> list[Job]:
     return jobs
 
 
+def _saved_finished(transfers: Transfers) -> set[str]:
+    """The end-of-request saves reported, over as many steps as their copies take."""
+    saved: set[str] = set()
+    wait_for(lambda: saved.update(transfers.results()[2]) or saved, timeout_s=60, what="end-of-request saves reported")
+    return saved
+
+
 def _object_bytes(views: PagedViews, transfer: Transfer) -> bytes:
     pools = views.states if transfer.ref.kind is ObjectKind.STATE else views.attention[transfer.ref.group]
     if transfer.ref.kind is ObjectKind.STATE:
@@ -79,7 +86,8 @@ def test_saves_of_a_step_are_stored_byte_for_byte_and_load_back_into_other_block
     saver = _transfers(server, device, seed=1)
     jobs = _jobs(saver.spec, prompt_seed=10 if device == "cpu" else 20)
     saver.save(jobs)
-    assert saver.results()[2] == {"r1"}  # the finished request's blocks may be freed: its bytes are copied out
+    # The finished request's blocks may be freed once its bytes are copied out (on CUDA: once its event is done).
+    assert _saved_finished(saver) == {"r1"}
     assert saver.drain(30)
     namespace = saver.namespace("")
     for transfer in (t for job in jobs for t in job.transfers):
@@ -178,3 +186,34 @@ def test_a_gather_that_fails_beside_the_engine_loses_its_save_not_the_engine(ser
     assert "injected gather fault" in caplog.text
     assert saver.save_staging.out_bytes == 0  # its staging buffer went back
     saver.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_saves_and_loads_never_make_vllm_s_thread_wait_for_its_stream(server):
+    """vLLM's thread queues a step's saves and a request's load and goes on: while the GPU still runs the step's
+    work (a long kernel on vLLM's stream), save, start_loads and results return; the bytes are right once it ends."""
+    saver, loader = _transfers(server, "cuda", seed=11), _transfers(server, "cuda", seed=12)
+    warm = _jobs(saver.spec, prompt_seed=110)
+    saver.save(warm)  # kernels compiled, staging buffers made
+    assert saver.drain(30) and _saved_finished(saver) == {"r1"}
+    jobs = _jobs(saver.spec, prompt_seed=120)
+    torch.cuda._sleep(4_000_000_000)  # the step's forward pass, still running on the GPU
+    busy = torch.cuda.Event()
+    busy.record()
+    saver.save(jobs)
+    assert saver.results()[2] == set()  # not copied yet: vLLM keeps the finished request's blocks
+    loader.start_loads(warm)
+    loader.results(idle=True)
+    assert not busy.query()  # vLLM's thread never waited for its stream
+    assert _saved_finished(saver) == {"r1"}
+    assert saver.drain(30) and loader.drain(30)
+    namespace = saver.namespace("")
+    for transfer in (t for job in jobs for t in job.transfers):
+        assert saver.client.get(namespace, transfer.ref.key) == _object_bytes(saver.views, transfer)
+    loaded = loader.results()[0]
+    assert loader.stats.loads_done == 2 and loader.stats.loads_failed == 0, loaded
+    for transfer in (t for job in warm for t in job.transfers):
+        assert _object_bytes(loader.views, transfer) == _object_bytes(saver.views, transfer)
+    saver.shutdown()
+    loader.shutdown()

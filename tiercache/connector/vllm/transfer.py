@@ -230,9 +230,7 @@ class Transfers:
         in one copy per pool set, not one per object: each torch call costs Python time on vLLM's thread."""
         blocks = list(zip(*(t.blocks for t in transfers)))  # per pool set: the block of every object
         for pools, pool_blocks, part in zip(self._pools(transfers[0]), blocks, self._columns(transfers[0], rows)):
-            if not part.is_contiguous():  # one pool set of several, several objects: its columns made one run first
-                part = part.to(self.views.device, copy=True, non_blocking=True).contiguous()
-            kernels.states_from_buffer(pools, self._slots(list(pool_blocks)), part)
+            kernels.states_from_buffer(pools, self._slots(pool_blocks), part)
 
     # -- saves ---------------------------------------------------------------------------------------------------
 
@@ -338,12 +336,7 @@ class Transfers:
     def _gather(self, transfers: list[Transfer], rows: torch.Tensor) -> None:
         blocks = list(zip(*(t.blocks for t in transfers)))
         for pools, pool_blocks, part in zip(self._pools(transfers[0]), blocks, self._columns(transfers[0], rows)):
-            if part.is_contiguous():
-                kernels.states_to_buffer(pools, self._slots(list(pool_blocks)), part)
-            else:  # one pool set of several (e.g. two Mamba groups): gathered apart, then placed in its columns
-                whole = torch.empty(part.shape, dtype=torch.uint8, device=self.views.device)
-                kernels.states_to_buffer(pools, self._slots(list(pool_blocks)), whole)
-                part.copy_(whole, non_blocking=True)
+            kernels.states_to_buffer(pools, self._slots(pool_blocks), part)
 
     def _finished_saving(self, req_ids: set[str], gathered) -> None:
         """End-of-request saves: vLLM may free the blocks once their bytes are copied out."""
@@ -429,12 +422,16 @@ class Transfers:
             return self.views.states
         return (self.views.attention[transfer.ref.group],)
 
-    def _slots(self, blocks: list[int]) -> torch.Tensor:
-        return torch.tensor(blocks, dtype=torch.int64, device=self.views.device)
+    @staticmethod
+    def _slots(blocks) -> torch.Tensor:
+        """Block ids on the host, for CPU and CUDA pools alike: the kernels check them there and copy them with the
+        launch, so neither vLLM's thread nor the copies' stream ever waits for the GPU (slots on the GPU would cost
+        a synchronisation to check: the whole forward pass, for a save)."""
+        return torch.tensor(blocks, dtype=torch.int64)
 
     def _columns(self, transfer: Transfer, rows: torch.Tensor) -> list[torch.Tensor]:
-        """Objects' bytes, one per row, split per pool set: [objects, record bytes] each (contiguous when the
-        object lives in one pool set)."""
+        """Objects' bytes, one per row, split per pool set: [objects, record bytes] each, a column of the rows when
+        the object lives in several pool sets (the kernels take records spaced a row apart: no extra copy)."""
         parts, offset = [], 0
         for pools in self._pools(transfer):
             size = kernels.state_record_bytes(pools)

@@ -2,7 +2,8 @@
 //
 // An engine keeps recurrent state in pools indexed by slot: per layer a conv state [num_slots, ...] and an SSM /
 // recurrent state [num_slots, ...], possibly of different dtypes. A record is one slot's state, all tensors back to
-// back at `record_offsets`; the buffer holds `n` records of `record_bytes`. Byte movers again: T is the widest unit
+// back at `record_offsets`; the buffer holds `n` records, `record_bytes` apart (the row pitch: at least a record's
+// size, more when the records are a column of a wider matrix). Byte movers again: T is the widest unit
 // (16, 8, 4, 2 or 1 bytes) that divides every address, stride, size and offset.
 // Grid: (n slots, n tensors); each block moves one tensor of one slot.
 
