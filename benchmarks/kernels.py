@@ -87,6 +87,7 @@ def bench_preset(name: str, repeat: int) -> list[dict]:
         pools.append(torch.randn(8, *conv.shape, device="cuda").to(getattr(torch, conv.dtype)))
         pools.append(torch.randn(8, *ssm.shape, device="cuda").to(getattr(torch, ssm.dtype)))
     state_slots = torch.tensor([5], dtype=torch.int64)
+    pools = kernels.state_pools(pools)  # prepared once, as the connector does at registration
     record = kernels.state_record_bytes(pools)
     buffer = torch.empty(1, record, dtype=torch.uint8, device="cuda")
     buffer_pinned = torch.empty(1, record, dtype=torch.uint8).pin_memory()

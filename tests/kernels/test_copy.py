@@ -165,6 +165,28 @@ def test_state_records_may_be_a_column_of_wider_rows():
                                                                                                    (1, 1)))
 
 
+def test_prepared_state_pools_copy_as_the_pools_do():
+    """state_pools checks once what every copy would (a connector prepares its pools at registration)."""
+    pools = state_pools()
+    prepared = kernels.state_pools(pools)
+    assert kernels.state_record_bytes(prepared) == kernels.state_record_bytes(pools) == prepared.record_bytes
+    slots = torch.tensor([4, 1], dtype=torch.int64)
+    direct, through = (torch.zeros(2, prepared.record_bytes, dtype=torch.uint8) for _ in range(2))
+    kernels.states_to_buffer(pools, slots, direct)
+    kernels.states_to_buffer(prepared, slots, through)
+    assert torch.equal(direct, through)
+    restored = [torch.zeros_like(p) for p in pools]
+    kernels.states_from_buffer(kernels.state_pools(restored), torch.tensor([0, 3]), through)
+    assert all(torch.equal(r[0], p[4]) and torch.equal(r[3], p[1]) for r, p in zip(restored, pools))
+    with pytest.raises(InvalidArgument):
+        kernels.state_pools([pools[0], torch.zeros(3, 4)])  # another slot count
+    with pytest.raises(InvalidArgument):
+        kernels.state_pools([torch.zeros(4, 6)[:, ::2]])  # a slot's bytes not one run
+    with pytest.raises(InvalidArgument):
+        kernels.states_to_buffer(prepared, torch.tensor([6]), torch.zeros(1, prepared.record_bytes,
+                                                                          dtype=torch.uint8))
+
+
 def test_copy_unit_is_the_widest_that_divides_everything():
     assert kernels.copy._width(128, 4096, 256) == 16
     assert kernels.copy._width(160, 24) == 8
@@ -363,3 +385,20 @@ def test_cuda_state_copies_of_large_tensors():
     kernels.states_from_buffer(restored, torch.tensor([1, 2]), buffer)
     torch.cuda.synchronize()
     assert all(torch.equal(r[[1, 2]], p[[3, 0]]) and not r[[0, 3]].any() for r, p in zip(restored, pools))
+
+
+@gpu
+def test_cuda_prepared_state_pools_copy_on_any_stream():
+    """Prepared on one stream (their arguments uploaded there), used on another: the connector's save stream."""
+    if not _cuda_ready():
+        pytest.skip("needs CUDA and CuPy")
+    pools = state_pools(device="cuda")
+    prepared = kernels.state_pools(pools)
+    rows = torch.zeros(3, prepared.record_bytes, dtype=torch.uint8).pin_memory()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        kernels.states_to_buffer(prepared, torch.tensor([4, 1, 5]), rows)
+    side.synchronize()
+    expected = torch.zeros(3, prepared.record_bytes, dtype=torch.uint8, device="cuda")
+    kernels.states_to_buffer_reference(pools, torch.tensor([4, 1, 5], device="cuda"), expected)
+    assert torch.equal(rows.cuda(), expected)

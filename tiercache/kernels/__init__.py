@@ -3,11 +3,13 @@
 
 from tiercache.kernels.copy import (
                                     PagedGeometry,
+                                    StatePools,
                                     gather_kv,
                                     gather_kv_reference,
                                     scatter_kv,
                                     scatter_kv_reference,
                                     slots_for_blocks,
+                                    state_pools,
                                     state_record_bytes,
                                     states_from_buffer,
                                     states_from_buffer_reference,
@@ -15,6 +17,6 @@ from tiercache.kernels.copy import (
                                     states_to_buffer_reference,
 )
 
-__all__ = ["PagedGeometry", "gather_kv", "gather_kv_reference", "scatter_kv", "scatter_kv_reference",
-           "slots_for_blocks", "state_record_bytes", "states_from_buffer", "states_from_buffer_reference",
-           "states_to_buffer", "states_to_buffer_reference"]
+__all__ = ["PagedGeometry", "StatePools", "gather_kv", "gather_kv_reference", "scatter_kv", "scatter_kv_reference",
+           "slots_for_blocks", "state_pools", "state_record_bytes", "states_from_buffer",
+           "states_from_buffer_reference", "states_to_buffer", "states_to_buffer_reference"]

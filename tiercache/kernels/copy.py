@@ -157,75 +157,132 @@ def _check_slots(slots: torch.Tensor, limit: int, device) -> None:
 
 # -- recurrent state -----------------------------------------------------------------------------------------------
 
-def states_to_buffer(pools: Sequence[torch.Tensor], slots: torch.Tensor, buffer: torch.Tensor) -> None:
-    """buffer[i] = the bytes of every pool at slots[i], back to back."""
-    offsets = _check_states(pools, slots, buffer)
-    if pools[0].is_cuda:
-        _launch_states("states_to_buffer", pools, slots, buffer, offsets)
-    else:
-        states_to_buffer_reference(pools, slots, buffer)
+@dataclass(frozen=True, eq=False)
+class StatePools:
+    """A set of state pools, checked once, with what every copy of them needs: their geometry and, on a GPU, the
+    kernel's argument arrays. An engine's pools never move, so a connector prepares them at registration
+    (`state_pools`) and each step's copy skips the per-pool checks and uploads (~0.3 ms of Python and four small
+    host-to-device copies per launch for a 36-layer model: time vLLM's thread would spend in every step's save)."""
+
+    pools: tuple[torch.Tensor, ...]
+    sizes: tuple[int, ...]  # each pool's bytes per slot
+    offsets: tuple[int, ...]  # where each pool's bytes start in a record
+    strides: tuple[int, ...]  # bytes from one slot to the next, per pool
+    record_bytes: int
+    width: int  # the widest copy unit dividing every pool's address, stride, size and offset
+    device_args: tuple | None  # on a GPU: the kernel's pool arrays (addresses, strides, sizes, offsets), uploaded
+
+    @property
+    def device(self) -> torch.device:
+        return self.pools[0].device
+
+    @property
+    def num_slots(self) -> int:
+        return self.pools[0].shape[0]
 
 
-def states_from_buffer(pools: Sequence[torch.Tensor], slots: torch.Tensor, buffer: torch.Tensor) -> None:
-    """The inverse: every pool at slots[i] = its part of buffer[i]."""
-    offsets = _check_states(pools, slots, buffer)
-    if pools[0].is_cuda:
-        _launch_states("states_from_buffer", pools, slots, buffer, offsets)
-    else:
-        states_from_buffer_reference(pools, slots, buffer)
+def state_pools(pools: "Sequence[torch.Tensor] | StatePools") -> StatePools:
+    """Check `pools` (same device and slot count, each slot contiguous) and prepare them for copies on any stream
+    (on a GPU this waits once for their argument arrays' upload: call it at registration, not per step)."""
+    return _prepared(pools, wait=True)
 
 
-def state_record_bytes(pools: Sequence[torch.Tensor]) -> int:
-    return sum(pool[0].numel() * pool.element_size() for pool in pools)
-
-
-def states_to_buffer_reference(pools, slots, buffer) -> None:
-    # A copy per row and pool, not `pool[slots]`: advanced indexing of byte pools goes element by element through a
-    # temporary (~1 GB/s here), while a slot's bytes are one run that copy_ moves at memcpy speed: 7-15x faster for
-    # the 1-4 rows a step saves, still ~5x at 64 rows (2-core x86; benchmarks/kernels.py --connector --device cpu).
-    rows = slots.tolist()
-    offset = 0
-    for pool in pools:
-        size = pool[0].numel() * pool.element_size()
-        for index, slot in enumerate(rows):
-            buffer[index, offset:offset + size].copy_(_row_bytes(pool, slot))
-        offset += size
-
-
-def states_from_buffer_reference(pools, slots, buffer) -> None:
-    rows = slots.tolist()
-    offset = 0
-    for pool in pools:
-        size = pool[0].numel() * pool.element_size()
-        for index, slot in enumerate(rows):
-            _row_bytes(pool, slot).copy_(buffer[index, offset:offset + size])
-        offset += size
-
-
-def _row_bytes(pool: torch.Tensor, slot: int) -> torch.Tensor:
-    """One slot of a state pool as a view of its bytes (a slot is contiguous: _check_states)."""
-    return pool[slot].reshape(-1).view(torch.uint8)
-
-
-def _check_states(pools, slots, buffer) -> list[int]:
+def _prepared(pools: "Sequence[torch.Tensor] | StatePools", wait: bool) -> StatePools:
+    """`wait=False`: for one copy on the current stream (the upload is ordered before it on that stream)."""
+    if isinstance(pools, StatePools):
+        return pools
     if not pools:
         raise InvalidArgument("no state pools given")
-    device = pools[0].device
-    num_slots = pools[0].shape[0]
-    offsets, offset = [], 0
+    device, num_slots = pools[0].device, pools[0].shape[0]
+    sizes, offsets, strides, offset = [], [], [], 0
     for pool in pools:
         if pool.device != device or pool.shape[0] != num_slots:
             raise InvalidArgument("state pools must share device and slot count")
         if not pool[0].is_contiguous():
             raise InvalidArgument("each slot of a state pool must be contiguous")
+        size = pool[0].numel() * pool.element_size()
+        sizes.append(size)
         offsets.append(offset)
-        offset += pool[0].numel() * pool.element_size()
-    if buffer.dtype != torch.uint8 or buffer.dim() != 2 or buffer.shape != (len(slots), offset) \
-            or not _reachable(buffer, device) or not _records_contiguous(buffer):
-        raise InvalidArgument(f"buffer must be uint8 [{len(slots)}, {offset}] with contiguous records on {device} "
-                              f"(or pinned host memory)")
-    _check_slots(slots, num_slots, device)
-    return offsets
+        strides.append(pool.stride(0) * pool.element_size())
+        offset += size
+    width = _width(*sizes, *strides, *offsets, *(p.data_ptr() for p in pools))
+    args = _upload_pool_args(pools, strides, sizes, offsets, wait) if device.type == "cuda" else None
+    return StatePools(tuple(pools), tuple(sizes), tuple(offsets), tuple(strides), offset, width, args)
+
+
+def states_to_buffer(pools: "Sequence[torch.Tensor] | StatePools", slots: torch.Tensor, buffer: torch.Tensor) -> None:
+    """buffer[i] = the bytes of every pool at slots[i], back to back."""
+    prepared = _prepared(pools, wait=False)
+    _check_state_copy(prepared, slots, buffer)
+    if prepared.device.type == "cuda":
+        _launch_states("states_to_buffer", prepared, slots, buffer)
+    else:
+        _states_to_rows(prepared, slots.tolist(), buffer)
+
+
+def states_from_buffer(pools: "Sequence[torch.Tensor] | StatePools", slots: torch.Tensor,
+                       buffer: torch.Tensor) -> None:
+    """The inverse: every pool at slots[i] = its part of buffer[i]."""
+    prepared = _prepared(pools, wait=False)
+    _check_state_copy(prepared, slots, buffer)
+    if prepared.device.type == "cuda":
+        _launch_states("states_from_buffer", prepared, slots, buffer)
+    else:
+        _states_from_rows(prepared, slots.tolist(), buffer)
+
+
+def state_record_bytes(pools: "Sequence[torch.Tensor] | StatePools") -> int:
+    if isinstance(pools, StatePools):
+        return pools.record_bytes
+    return sum(pool[0].numel() * pool.element_size() for pool in pools)
+
+
+def states_to_buffer_reference(pools, slots, buffer) -> None:
+    pools = pools.pools if isinstance(pools, StatePools) else pools
+    offset = 0
+    for pool in pools:  # the oracle: its own geometry, one slot at a time
+        size = pool[0].numel() * pool.element_size()
+        for index, slot in enumerate(slots.tolist()):
+            buffer[index, offset:offset + size].copy_(_row_bytes(pool, slot))
+        offset += size
+
+
+def states_from_buffer_reference(pools, slots, buffer) -> None:
+    pools = pools.pools if isinstance(pools, StatePools) else pools
+    offset = 0
+    for pool in pools:
+        size = pool[0].numel() * pool.element_size()
+        for index, slot in enumerate(slots.tolist()):
+            _row_bytes(pool, slot).copy_(buffer[index, offset:offset + size])
+        offset += size
+
+
+def _states_to_rows(prepared: StatePools, rows: list[int], buffer: torch.Tensor) -> None:
+    # A copy per row and pool, not `pool[slots]`: advanced indexing of byte pools goes element by element through a
+    # temporary (~1 GB/s here), while a slot's bytes are one run that copy_ moves at memcpy speed: 7-15x faster for
+    # the 1-4 rows a step saves, still ~5x at 64 rows (2-core x86; benchmarks/kernels.py --connector --device cpu).
+    for pool, size, offset in zip(prepared.pools, prepared.sizes, prepared.offsets):
+        for index, slot in enumerate(rows):
+            buffer[index, offset:offset + size].copy_(_row_bytes(pool, slot))
+
+
+def _states_from_rows(prepared: StatePools, rows: list[int], buffer: torch.Tensor) -> None:
+    for pool, size, offset in zip(prepared.pools, prepared.sizes, prepared.offsets):
+        for index, slot in enumerate(rows):
+            _row_bytes(pool, slot).copy_(buffer[index, offset:offset + size])
+
+
+def _row_bytes(pool: torch.Tensor, slot: int) -> torch.Tensor:
+    """One slot of a state pool as a view of its bytes (a slot is contiguous: state_pools checked it)."""
+    return pool[slot].reshape(-1).view(torch.uint8)
+
+
+def _check_state_copy(prepared: StatePools, slots: torch.Tensor, buffer: torch.Tensor) -> None:
+    if buffer.dtype != torch.uint8 or buffer.dim() != 2 or buffer.shape != (len(slots), prepared.record_bytes) \
+            or not _reachable(buffer, prepared.device) or not _records_contiguous(buffer):
+        raise InvalidArgument(f"buffer must be uint8 [{len(slots)}, {prepared.record_bytes}] with contiguous records "
+                              f"on {prepared.device} (or pinned host memory)")
+    _check_slots(slots, prepared.num_slots, prepared.device)
 
 
 # -- CUDA launches -------------------------------------------------------------------------------------------------
@@ -293,19 +350,31 @@ def _launch_paged(name, layers, slots, chunk, token_offset, g: PagedGeometry) ->
                 layers[0].device)
 
 
-def _launch_states(name, pools, slots, buffer, offsets) -> None:
+def _upload_pool_args(pools, strides, sizes, offsets, wait: bool) -> tuple:
+    """The state kernel's pool arrays on the pools' device, uploaded on the current stream; `wait`: which is then
+    waited for, so that copies on any stream may read them."""
     import cupy
+
+    device = pools[0].device
+    with cupy.cuda.Device(device.index if device.index is not None else torch.cuda.current_device()):
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
+        with stream:
+            args = (_addresses(pools), cupy.asarray(strides, dtype=cupy.int64), cupy.asarray(sizes, dtype=cupy.int64),
+                    cupy.asarray(offsets, dtype=cupy.int64))
+        if wait:
+            stream.synchronize()
+    return args
+
+
+def _launch_states(name: str, prepared: StatePools, slots, buffer) -> None:
     import numpy as np
 
-    sizes = [pool[0].numel() * pool.element_size() for pool in pools]
-    strides = [pool.stride(0) * pool.element_size() for pool in pools]
     pitch = buffer.stride(0) if len(buffer) > 1 else buffer.shape[1]  # bytes from one record to the next
-    width = _width(pitch, buffer.data_ptr(), *sizes, *strides, *offsets, *(p.data_ptr() for p in pools))
-    slots = _slots_on(slots, pools[0].device)
+    width = _width(pitch, buffer.data_ptr(), prepared.width)
+    slots = _slots_on(slots, prepared.device)
 
     def make_args() -> tuple:
-        return (_addresses(pools), cupy.asarray(strides, dtype=cupy.int64), cupy.asarray(sizes, dtype=cupy.int64),
-                cupy.asarray(offsets, dtype=cupy.int64), _pointer(buffer), _pointer(slots), np.int64(pitch))
+        return (*prepared.device_args, _pointer(buffer), _pointer(slots), np.int64(pitch))
 
     if len(slots):
-        _launch("state_copy", f"{name}_w{width}", (len(slots), len(pools)), 256, make_args, pools[0].device)
+        _launch("state_copy", f"{name}_w{width}", (len(slots), len(prepared.pools)), 256, make_args, prepared.device)

@@ -71,6 +71,8 @@ class Transfers:
         self.max_pending_save_bytes = max_pending_save_bytes
         self.stats = WorkerStats()
         self.views: PagedViews | None = None
+        self._attention_sets: tuple[kernels.StatePools, ...] = ()  # prepared by register()
+        self._state_sets: tuple[kernels.StatePools, ...] = ()
         self._loader: ThreadPoolExecutor | None = None  # made by register(), on cores vLLM does not compute on
         self._puts: PutQueue | None = None
         self._gatherer: ThreadPoolExecutor | None = None  # CPU step saves' copies, between the engine's steps
@@ -96,6 +98,9 @@ class Transfers:
 
     def register(self, views: PagedViews) -> None:
         self.views = views
+        # Every pool set checked once (and on a GPU its kernel arguments uploaded): a step's copies skip that.
+        self._attention_sets = tuple(kernels.state_pools(pools) for pools in views.attention)
+        self._state_sets = tuple(kernels.state_pools(pools) for pools in views.states)
         # The fetching, gathering and putting threads run off the cores vLLM's CPU backend computes on (cores.py).
         elsewhere = off_compute_cores()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tiercache-load", initializer=elsewhere)
@@ -412,15 +417,15 @@ class Transfers:
         key = _pool_key(transfer)
         size = self._object_bytes.get(key)
         if size is None:
-            size = self._object_bytes[key] = sum(kernels.state_record_bytes(pools) for pools in self._pools(transfer))
+            size = self._object_bytes[key] = sum(pools.record_bytes for pools in self._pools(transfer))
         return size
 
-    def _pools(self, transfer: Transfer) -> tuple[tuple[torch.Tensor, ...], ...]:
+    def _pools(self, transfer: Transfer) -> tuple[kernels.StatePools, ...]:
         """The byte pools an object's blocks live in: one attention group's pages (kv, tail), or one set of state
         pools per Mamba group (state). Both move with the same row copies (kernels.states_*): a page is a row."""
         if transfer.ref.kind is ObjectKind.STATE:
-            return self.views.states
-        return (self.views.attention[transfer.ref.group],)
+            return self._state_sets
+        return (self._attention_sets[transfer.ref.group],)
 
     @staticmethod
     def _slots(blocks) -> torch.Tensor:
@@ -434,7 +439,7 @@ class Transfers:
         the object lives in several pool sets (the kernels take records spaced a row apart: no extra copy)."""
         parts, offset = [], 0
         for pools in self._pools(transfer):
-            size = kernels.state_record_bytes(pools)
+            size = pools.record_bytes
             parts.append(rows[:, offset:offset + size])
             offset += size
         return parts
