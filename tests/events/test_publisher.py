@@ -184,3 +184,34 @@ def test_registering_again_starts_the_stream_over_and_unregistering_ends_it(serv
                 subscriber.next(2)
         finally:
             subscriber.close()
+
+
+def _cpu_ticks(thread) -> int:
+    """User + system CPU time of one of this process's threads, in clock ticks (Linux /proc)."""
+    fields = open(f"/proc/self/task/{thread.native_id}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def test_the_events_thread_sleeps_while_no_pod_is_registered():
+    """zmq's poll returns at once when it has no socket to poll: with no pod registered the thread must wait, not
+    spin (it held the interpreter's lock in every round and starved an in-process engine's thread)."""
+    import threading
+    import time
+
+    from tiercache.config import EventsConfig, HostTierConfig, MiB
+    from tiercache.events.publisher import EventStreams
+    from tiercache.events.restorable import RestorableIndex
+    from tiercache.store.tiered import TieredStore
+    from tiercache.tiers.host import host_tier
+
+    store = TieredStore([host_tier(HostTierConfig(capacity_bytes=4 * MiB, shared_memory=False))])
+    streams = EventStreams(RestorableIndex(store), EventsConfig(enabled=True, flush_interval_s=0.01))
+    try:
+        thread = next(t for t in threading.enumerate() if t.name == "tiercache-kv-events")
+        before, started = _cpu_ticks(thread), time.monotonic()
+        while time.monotonic() - started < 2.0:  # a hundred and more flush intervals of wall time
+            time.sleep(0.1)
+        assert _cpu_ticks(thread) - before < 50  # under half a second of CPU in two seconds: not a busy loop
+    finally:
+        streams.close()
+        store.close()

@@ -19,6 +19,7 @@ it. ZMQ has no authentication: the sockets listen on `events.host` only, which s
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -169,7 +170,9 @@ class EventStreams:
         while not self._stopping.is_set():
             try:
                 self._obey(poller)
-                ready = dict(poller.poll(max(0, min(interval_ms, int((next_flush - time.monotonic()) * 1000)))))
+                # Rounded up: a wait rounded down to 0 ms polls again at once, until the flush is due.
+                wait_ms = min(interval_ms, math.ceil(max(0.0, next_flush - time.monotonic()) * 1000))
+                ready = self._wait(poller, wait_ms)
                 for stream in list(self._streams.values()):
                     if stream.replay in ready:
                         stream.answer(stream.replay.recv_multipart(), self._index.snapshot(stream.pod.pod_id))
@@ -179,6 +182,15 @@ class EventStreams:
             except Exception:  # noqa: BLE001 - the streams outlive any one failure; a router replays what it missed
                 log.exception("kv events: a flush or replay failed")
                 time.sleep(self._config.flush_interval_s)
+
+    def _wait(self, poller: zmq.Poller, wait_ms: int) -> dict:
+        """The replay sockets that have a request, after at most `wait_ms`. With no pod registered there is nothing
+        to poll, and zmq's poll returns at once: this thread would spin, holding the interpreter's lock in every
+        round (a server with events and no engine yet burned a core, and starved an in-process engine's thread)."""
+        if poller.sockets:
+            return dict(poller.poll(wait_ms))
+        self._stopping.wait(wait_ms / 1000)
+        return {}
 
     def _flush(self) -> None:
         for pod_id, events in self._index.flush().items():
