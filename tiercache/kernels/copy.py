@@ -194,20 +194,16 @@ def _prepared(pools: "Sequence[torch.Tensor] | StatePools", wait: bool) -> State
     if not pools:
         raise InvalidArgument("no state pools given")
     device, num_slots = pools[0].device, pools[0].shape[0]
-    sizes, offsets, strides, offset = [], [], [], 0
     for pool in pools:
         if pool.device != device or pool.shape[0] != num_slots:
             raise InvalidArgument("state pools must share device and slot count")
         if not pool[0].is_contiguous():
             raise InvalidArgument("each slot of a state pool must be contiguous")
-        size = pool[0].numel() * pool.element_size()
-        sizes.append(size)
-        offsets.append(offset)
-        strides.append(pool.stride(0) * pool.element_size())
-        offset += size
+    _, sizes, offsets = zip(*_runs(pools))
+    strides = tuple(pool.stride(0) * pool.element_size() for pool in pools)
     width = _width(*sizes, *strides, *offsets, *(p.data_ptr() for p in pools))
     args = _upload_pool_args(pools, strides, sizes, offsets, wait) if device.type == "cuda" else None
-    return StatePools(tuple(pools), tuple(sizes), tuple(offsets), tuple(strides), offset, width, args)
+    return StatePools(tuple(pools), sizes, offsets, strides, sum(sizes), width, args)
 
 
 def states_to_buffer(pools: "Sequence[torch.Tensor] | StatePools", slots: torch.Tensor, buffer: torch.Tensor) -> None:
@@ -217,7 +213,7 @@ def states_to_buffer(pools: "Sequence[torch.Tensor] | StatePools", slots: torch.
     if prepared.device.type == "cuda":
         _launch_states("states_to_buffer", prepared, slots, buffer)
     else:
-        _states_to_rows(prepared, slots.tolist(), buffer)
+        _states_to_rows(_runs(prepared), slots.tolist(), buffer)
 
 
 def states_from_buffer(pools: "Sequence[torch.Tensor] | StatePools", slots: torch.Tensor,
@@ -228,7 +224,7 @@ def states_from_buffer(pools: "Sequence[torch.Tensor] | StatePools", slots: torc
     if prepared.device.type == "cuda":
         _launch_states("states_from_buffer", prepared, slots, buffer)
     else:
-        _states_from_rows(prepared, slots.tolist(), buffer)
+        _states_from_rows(_runs(prepared), slots.tolist(), buffer)
 
 
 def state_record_bytes(pools: "Sequence[torch.Tensor] | StatePools") -> int:
@@ -238,36 +234,36 @@ def state_record_bytes(pools: "Sequence[torch.Tensor] | StatePools") -> int:
 
 
 def states_to_buffer_reference(pools, slots, buffer) -> None:
-    pools = pools.pools if isinstance(pools, StatePools) else pools
-    offset = 0
-    for pool in pools:  # the oracle: its own geometry, one slot at a time
-        size = pool[0].numel() * pool.element_size()
-        for index, slot in enumerate(slots.tolist()):
-            buffer[index, offset:offset + size].copy_(_row_bytes(pool, slot))
-        offset += size
+    _states_to_rows(_runs(pools), slots.tolist(), buffer)
 
 
 def states_from_buffer_reference(pools, slots, buffer) -> None:
-    pools = pools.pools if isinstance(pools, StatePools) else pools
-    offset = 0
+    _states_from_rows(_runs(pools), slots.tolist(), buffer)
+
+
+def _runs(pools: "Sequence[torch.Tensor] | StatePools") -> list[tuple[torch.Tensor, int, int]]:
+    """(pool, bytes per slot, offset in a record) for each pool."""
+    if isinstance(pools, StatePools):
+        return list(zip(pools.pools, pools.sizes, pools.offsets))
+    runs, offset = [], 0
     for pool in pools:
         size = pool[0].numel() * pool.element_size()
-        for index, slot in enumerate(slots.tolist()):
-            _row_bytes(pool, slot).copy_(buffer[index, offset:offset + size])
+        runs.append((pool, size, offset))
         offset += size
+    return runs
 
 
-def _states_to_rows(prepared: StatePools, rows: list[int], buffer: torch.Tensor) -> None:
+def _states_to_rows(runs, rows: list[int], buffer: torch.Tensor) -> None:
     # A copy per row and pool, not `pool[slots]`: advanced indexing of byte pools goes element by element through a
     # temporary (~1 GB/s here), while a slot's bytes are one run that copy_ moves at memcpy speed: 7-15x faster for
     # the 1-4 rows a step saves, still ~5x at 64 rows (2-core x86; benchmarks/kernels.py --connector --device cpu).
-    for pool, size, offset in zip(prepared.pools, prepared.sizes, prepared.offsets):
+    for pool, size, offset in runs:
         for index, slot in enumerate(rows):
             buffer[index, offset:offset + size].copy_(_row_bytes(pool, slot))
 
 
-def _states_from_rows(prepared: StatePools, rows: list[int], buffer: torch.Tensor) -> None:
-    for pool, size, offset in zip(prepared.pools, prepared.sizes, prepared.offsets):
+def _states_from_rows(runs, rows: list[int], buffer: torch.Tensor) -> None:
+    for pool, size, offset in runs:
         for index, slot in enumerate(rows):
             _row_bytes(pool, slot).copy_(buffer[index, offset:offset + size])
 
