@@ -272,18 +272,36 @@ def format_table(stats: dict) -> str:
                      f"{t['state_chunks']} ({format_size(t['state_bytes'])})",
                      format_size(budget) if budget else "-", *(str(t[c]) for c in columns[8:])))
     lines = [_row(rows, r) for r in rows]
-    lookups = stats["lookups"]
-    if lookups["lookups"]:
-        hit = sum(lookups["hit_tokens_by_tier"].values())
-        by_tier = ", ".join(f"{name} {n}" for name, n in sorted(lookups["hit_tokens_by_tier"].items()))
-        lines += ["", f"lookups: {lookups['lookups']}, {hit} of {lookups['requested_tokens']} prompt tokens hit "
-                      f"({100 * hit / max(lookups['requested_tokens'], 1):.1f}%; {by_tier or 'none'})"]
+    lines += _hit_lines(stats["lookups"], stats["delivered"])
     if stats["namespaces"]:
         lines.append("")
         ns_rows = [("namespace", "chunks", "used")] + [
             (n["namespace"], str(n["chunks"]), format_size(n["used_bytes"])) for n in stats["namespaces"]]
         lines += [_row(ns_rows, r) for r in ns_rows]
     return "\n".join(lines)
+
+
+def _hit_lines(lookups: dict, delivered: dict) -> list[str]:
+    """What engines loaded (the hits tiercache delivered) first, then what lookups found (which includes what the
+    engines held themselves)."""
+    if not lookups["lookups"] and not delivered["loads"] and not delivered["failed_loads"]:
+        return []
+    requested = max(lookups["requested_tokens"], 1)
+    loaded = delivered["loaded_tokens_by_tier"]
+    found = lookups["found_tokens_by_tier"]
+    dropped = delivered["saves_dropped_by_reason"]
+    lines = ["", f"loaded by engines: {sum(loaded.values())} of {lookups['requested_tokens']} prompt tokens "
+                 f"({100 * sum(loaded.values()) / requested:.1f}%; {_by_name(loaded)}) in {delivered['loads']} "
+                 f"loads, {delivered['failed_loads']} failed ({delivered['failed_load_tokens']} tokens recomputed)",
+             f"found by lookups:  {sum(found.values())} ({100 * sum(found.values()) / requested:.1f}%; "
+             f"{_by_name(found)}) in {lookups['lookups']} lookups, with what the engines held themselves"]
+    if any(dropped.values()):
+        lines.append(f"saves dropped:     {sum(dropped.values())} objects ({_by_name(dropped)})")
+    return lines
+
+
+def _by_name(counts: dict[str, int]) -> str:
+    return ", ".join(f"{name} {n}" for name, n in sorted(counts.items()) if n) or "none"
 
 
 def _row(rows: Sequence[Sequence[str]], row: Sequence[str]) -> str:

@@ -88,13 +88,28 @@ def test_namespaces_never_hit_each_other(client, other):
     assert PrefixCache(client, spec(**other)).lookup(prompt).hit.tokens == 0
 
 
-def test_lookups_are_reported_to_the_server(client):
+def test_lookups_and_what_loads_delivered_are_reported_to_the_server(client):
     cache = PrefixCache(client, spec())
     prompt = tokens(70)
     prefill(cache, prompt)
     prefill(cache, prompt)
-    lookups = client.stats()["lookups"]
-    assert lookups == {"lookups": 2, "requested_tokens": 140, "hit_tokens_by_tier": {"host": 69}}
+    stats = client.stats()
+    assert stats["lookups"] == {"lookups": 2, "requested_tokens": 140, "found_tokens_by_tier": {"host": 69}}
+    # The second prefill loaded the 69 tokens (the first found nothing and loaded nothing).
+    assert stats["delivered"] == {"loads": 1, "loaded_tokens_by_tier": {"host": 69}, "failed_loads": 0,
+                                  "failed_load_tokens": 0, "saves_dropped_by_reason": {}}
+
+
+def test_a_load_that_fails_is_reported_as_failed_not_delivered(client):
+    cache = PrefixCache(client, spec())
+    prompt = tokens(90)
+    prefill(cache, prompt)
+    lookup = cache.lookup(prompt)
+    client.delete(cache.namespace, [o.ref.key for o in lookup.hit.objects])
+    assert cache.load(lookup.hit) is None
+    delivered = client.stats()["delivered"]
+    assert (delivered["loads"], delivered["failed_loads"], delivered["failed_load_tokens"]) == (0, 1, 89)
+    assert sum(delivered["loaded_tokens_by_tier"].values()) == 0
 
 
 def test_corrupt_object_makes_the_load_fail_not_lie(start_server, tmp_path):

@@ -8,6 +8,7 @@ import urllib.request
 
 from tests.helpers import ROOT
 from tiercache.client import Client
+from tiercache.prefix.delivered import Delivered
 
 DASHBOARD = ROOT / "deploy" / "base" / "grafana-dashboard.json"
 
@@ -17,7 +18,7 @@ def test_dashboard_metrics_exist(start_server):
     with Client.from_url(server.url) as client:  # one of everything, so every family has samples
         client.put("ns", b"k", b"x")
         client.get("ns", b"k")
-        client.report_lookup("ns", 10, {"host": 9})
+        client.report_delivery("ns", Delivered(1, {"host": 9}))
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
     exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
     expressions = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]

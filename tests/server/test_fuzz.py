@@ -16,7 +16,7 @@ from tiercache.config import MiB
 from tiercache.protocol.wire import SERVICE_NAME, pb
 
 ROUNDS = 10_500
-UNARY = {"Exists": "KeysRequest", "Delete": "KeysRequest", "Stats": "StatsRequest", "ReportLookup": "LookupReport",
+UNARY = {"Exists": "KeysRequest", "Delete": "KeysRequest", "Stats": "StatsRequest", "ReportDelivery": "DeliveryReport",
          "Attach": "AttachRequest", "Reserve": "ReserveRequest", "Commit": "LeaseIds", "Abort": "LeaseIds",
          "Acquire": "KeysRequest", "Release": "LeaseIds", "Lookup": "LookupRequest"}
 OK, INVALID, NOT_FOUND, EXHAUSTED = (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
@@ -140,11 +140,11 @@ def _one_request(rng: random.Random, channel: grpc.Channel, max_chunk: int) -> t
         allowed = {NOT_FOUND} if method == "Commit" else {OK}
         return f"unknown lease ({method})", _code(lambda: _raw(channel, method, "unary_unary")(request, timeout=10)), \
             allowed
-    requested = rng.randint(0, 100)
-    report = pb.LookupReport(namespace="ok-namespace", requested_tokens=requested,
-                             hit_tokens_by_tier={"host": requested + rng.randint(1, 1 << 30)}).SerializeToString()
-    return "lookup report hitting more than requested", \
-        _code(lambda: _raw(channel, "ReportLookup", "unary_unary")(report, timeout=10)), {INVALID}
+    reason = "".join(rng.choice("abcxyz") for _ in range(rng.randint(1, 12)))
+    report = pb.DeliveryReport(namespace="ok-namespace", delivered=pb.DeliveryTotals(
+        saves_dropped_by_reason={reason: rng.randint(1, 9)})).SerializeToString()
+    return "delivery report with an unknown reason for dropped saves", \
+        _code(lambda: _raw(channel, "ReportDelivery", "unary_unary")(report, timeout=10)), {INVALID}
 
 
 def test_ten_thousand_malformed_requests(start_server):

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.certs import make_pki
 from tests.redis_processes import RedisProcess
+from tiercache.prefix.delivered import Delivered
 from tiercache.client import Client
 from tiercache.client.retry import RetryPolicy
 from tiercache.config import SecurityConfig
@@ -127,7 +128,7 @@ def test_a_tenant_touches_only_namespaces_with_its_salt(start_server, tenants_fi
         # B knows A's namespace string (it is no secret), but its token does not own it: reading, probing,
         # deleting and overwriting are all refused, and A's bytes are untouched.
         for call in (lambda: b.get(NS_A, b"k"), lambda: b.exists(NS_A, [b"k"]), lambda: b.delete(NS_A, [b"k"]),
-                     lambda: b.put(NS_A, b"k", b"forged"), lambda: b.report_lookup(NS_A, 10, {"host": 5}),
+                     lambda: b.put(NS_A, b"k", b"forged"), lambda: b.report_delivery(NS_A, Delivered(1, {"host": 5})),
                      lambda: b.put("model@main#fp", b"k", b"unsalted")):
             with pytest.raises(PermissionDenied):
                 call()

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, wait_for
 from tests.vllm_engine.conftest import prompt
 from tests.vllm_engine.harness import assert_finite, assert_same_computation
+from tiercache.client import Client
 
 DOCUMENT_TOKENS = 16 * 1024 + 100
 
@@ -35,7 +36,7 @@ def test_a_long_document_asked_from_a_second_engine_hits_its_blocks(four_layer, 
         assert own.cached == DOCUMENT_TOKENS // n * n, f"question {i}: vLLM's own hit is {own.cached}"
         assert_same_computation(second.one(document + question), own, f"question {i} in the second engine")
     # The first question's blocks came from tiercache; the second one's from the engine's own prefix cache.
-    assert second.stats()["hit_tokens"] == DOCUMENT_TOKENS // n * n
+    assert second.stats()["loaded_tokens"] == DOCUMENT_TOKENS // n * n
 
 
 def test_preempted_requests_finish_with_the_results_of_an_unpressed_engine(four_layer, cache_server, alone):
@@ -74,9 +75,46 @@ def test_a_load_that_fails_recomputes_to_the_cold_result(four_layer, alone, tmp_
         consumer = four_layer.start("failing-consumer", server.url)
         got = consumer.one(tokens)
         stats = consumer.stats()
-        assert stats["loads_failed"] == 1 and stats["hit_tokens"] > 0
+        # Planned, failed, and counted as failed: nothing delivered (the server's counters say the same).
+        assert stats["loads_failed"] == 1 and stats["load_tokens_planned"] > 0 and stats["loaded_tokens"] == 0
+        assert stats["failed_load_tokens"] == stats["load_tokens_planned"]
+        wait_for(lambda: _delivered(server)["failed_loads"] == 1, timeout_s=60, what="the failed load reported")
+        assert sum(_delivered(server)["loaded_tokens_by_tier"].values()) == 0
         assert got.cached == 0
         assert_same_computation(got, _cold(alone, tokens), "recomputed after a failed load")
+    finally:
+        server.kill()
+
+
+def _delivered(server) -> dict:
+    with Client.from_url(server.url) as client:
+        return client.stats()["delivered"]
+
+
+def test_only_what_the_engine_loaded_counts_as_delivered(four_layer, tmp_path):
+    """The same prompt twice in one engine is vLLM's own hit: a lookup finds it in tiercache too, but nothing is
+    loaded, and the server says so (found, not delivered). A fresh engine then loads it: delivered, counted by the
+    connector and by the server alike."""
+    server = ServerProcess("--host-mem", "256MiB", "--disk-size", "0").start()
+    try:
+        n = four_layer.n
+        tokens = prompt(710, 2 * n + 44)
+        engine = four_layer.start("own-hit", server.url)
+        engine.one(tokens)
+        again = engine.one(tokens)
+        assert again.cached >= 2 * n, "vLLM's own prefix cache did not hit"
+        assert engine.stats()["loaded_tokens"] == 0
+        with Client.from_url(server.url) as client:
+            wait_for(lambda: client.stats()["lookups"]["lookups"] >= 2, timeout_s=60, what="both lookups counted")
+            found = sum(client.stats()["lookups"]["found_tokens_by_tier"].values())
+        assert found >= 2 * n, "the second lookup found the prompt in tiercache"
+        assert _delivered(server)["loads"] == 0 and sum(_delivered(server)["loaded_tokens_by_tier"].values()) == 0
+        fresh = four_layer.start("fresh-load", server.url)
+        got = fresh.one(tokens)
+        loaded = fresh.stats()["loaded_tokens"]
+        assert loaded == got.cached > 0
+        wait_for(lambda: _delivered(server)["loads"] == 1, timeout_s=60, what="the fresh engine's load reported")
+        assert _delivered(server)["loaded_tokens_by_tier"] == {"host": loaded}
     finally:
         server.kill()
 

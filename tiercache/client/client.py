@@ -22,8 +22,10 @@ from tiercache.client.settings import ConnectionSettings
 from tiercache.client.transport import call, open_channel
 from tiercache.config import DEFAULT_FRAME_BYTES, DEFAULT_MAX_CHUNK_BYTES
 from tiercache.errors import ConnectionBroken, InvalidArgument, TierCacheError, Unavailable
+from tiercache.prefix.delivered import Delivered
 from tiercache.prefix.objects import ChainShape
-from tiercache.protocol.wire import layer_groups, lookup_request, max_message_bytes, pb, pb_grpc, stats_dict
+from tiercache.protocol.wire import (delivery_totals, layer_groups, lookup_request, max_message_bytes, pb, pb_grpc,
+                                     stats_dict)
 from tiercache.record.encoding import ChunkMeta
 from tiercache.record.keys import validate_key, validate_namespace
 
@@ -173,11 +175,11 @@ class Client:
         return LookupAnswer(response.hit_tokens, [names[i] for i in response.tiers], tuple(response.unverified),
                             response.chain_chunks, _POD_REGISTERED.get(response.pod))
 
-    def report_lookup(self, namespace: str, requested_tokens: int, hit_tokens_by_tier: Mapping[str, int]) -> None:
-        """Tell the server how a prefix lookup went, for its metrics (`tiercache_lookup_*`) and stats."""
-        request = pb.LookupReport(namespace=validate_namespace(namespace), requested_tokens=requested_tokens,
-                                  hit_tokens_by_tier=dict(hit_tokens_by_tier))
-        self._call(call, self._stub.ReportLookup, request)
+    def report_delivery(self, namespace: str, delivered: Delivered) -> None:
+        """Tell the server what the engine did with its bytes since the last report (connectors do, in the
+        background: tiercache.connector.delivery): the server's `tiercache_delivered_*` metrics count these."""
+        request = pb.DeliveryReport(namespace=validate_namespace(namespace), delivered=delivery_totals(delivered))
+        self._call(call, self._stub.ReportDelivery, request)
 
     def register_pod(self, pod_id: str, model_name: str, namespaces: Sequence[str], shape: ChainShape,
                      engine_groups: Sequence[int], *, dp_rank: int = 0, remote: bool = False,

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
 
 from tiercache.client import Chunk, Client, LookupAnswer
-from tiercache.errors import CapacityExceeded, CircuitOpen, Unavailable
+from tiercache.errors import CapacityExceeded, CircuitOpen, TierCacheError, Unavailable
 from tiercache.prefix.admission import SavePlan, plan_finish_admission, plan_prompt_admission
+from tiercache.prefix.delivered import DROPPED_REFUSED, DROPPED_UNREACHABLE, Delivered, summed_counts
 from tiercache.prefix.hashes import HASH_BYTES, PrefixHashes
 from tiercache.prefix.hit import Hit, Located, required_objects
 from tiercache.prefix.objects import CacheSpec, ObjectKind, ObjectRef, object_key, object_meta
@@ -56,14 +57,21 @@ class Lookup:
 
 @dataclass(frozen=True)
 class SaveResult:
-    objects: int
+    objects: int  # stored
     bytes_by_tier: Mapping[str, int]
+    dropped: Mapping[str, int] = dataclasses.field(default_factory=dict)  # objects not stored, by reason (DROP_REASONS)
+
+    def __add__(self, other: "SaveResult") -> "SaveResult":
+        return SaveResult(self.objects + other.objects, summed_counts(self.bytes_by_tier, other.bytes_by_tier),
+                          summed_counts(self.dropped, other.dropped))
 
 
 class PrefixCache:
     def __init__(self, client: Client, spec: CacheSpec, *, report: bool = True, all_ranks: bool = False,
                  pod_id: str = "") -> None:
-        """`report`: the server counts this cache's lookups in its statistics.
+        """`report`: the server counts this cache's lookups in its statistics, and `load` reports what it delivered
+        (an engine with a prefix cache of its own, vLLM's, reports from its connector instead: tiercache.connector.
+        delivery).
 
         `pod_id`: the engine's pod for KV events; every lookup names it, and its answer says whether the server still
         has the pod registered (Lookup.pod_registered): how an engine notices a server that restarted.
@@ -126,19 +134,34 @@ class PrefixCache:
         return None if loaded is None else loaded[0]
 
     def load_with_tiers(self, hit: Hit) -> tuple[dict[ObjectRef, bytes], dict[str, int]] | None:
-        """Like load, with the bytes read from each tier (for benchmarks and logs)."""
+        """Like load, with the bytes read from each tier (for benchmarks and logs). The caller holds none of the
+        prompt itself (a transformers model, a simulated engine): with `report`, the whole hit counts as delivered
+        when every object came back, as a failed load when not."""
         refs = [o.ref for o in hit.objects]
         try:
             fetched = self.client.get_many(self.namespace, [r.key for r in refs])
         except (Unavailable, CapacityExceeded) as exc:  # CapacityExceeded: the server's stream limit
             _log_failure("tiercache load failed, recomputing: %s", exc)
+            self._report_load(hit, ok=False)
             return None
         if any(f is None for f in fetched):
+            self._report_load(hit, ok=False)
             return None
         by_tier: dict[str, int] = {}
         for f in fetched:
             by_tier[f.tier] = by_tier.get(f.tier, 0) + len(f.data)
+        self._report_load(hit, ok=True)
         return {ref: f.data for ref, f in zip(refs, fetched)}, by_tier
+
+    def _report_load(self, hit: Hit, ok: bool) -> None:
+        if not self._report or not hit.tokens:
+            return
+        delivered = Delivered(1, hit.loaded_tokens_by_tier(0)) if ok else Delivered(failed_loads=1,
+                                                                                 failed_load_tokens=hit.tokens)
+        try:
+            self.client.report_delivery(self.namespace, delivered)
+        except TierCacheError as exc:  # statistics only: the load itself stands
+            _log_failure("tiercache delivery report not sent: %s", exc)
 
     def plan_prompt(self, lookup: Lookup) -> SavePlan:
         """What to save after computing the prompt past its hit (nothing the lookup found present)."""
@@ -186,7 +209,8 @@ def save_objects(client: Client, namespace: str, payloads: Mapping[ObjectRef, ob
         tiers = client.put_many(namespace, chunks)
     except (Unavailable, CapacityExceeded) as exc:
         _log_failure(f"tiercache save of {len(chunks)} objects skipped: %s", exc)
-        return SaveResult(0, {})
+        reason = DROPPED_REFUSED if isinstance(exc, CapacityExceeded) else DROPPED_UNREACHABLE
+        return SaveResult(0, {}, {reason: len(chunks)})
     by_tier: dict[str, int] = {}
     for chunk, tier in zip(chunks, tiers):
         by_tier[tier] = by_tier.get(tier, 0) + len(memoryview(chunk.data).cast("B"))

@@ -40,6 +40,15 @@ class Hit:
     def tokens_by_tier(self) -> dict[str, int]:
         return tokens_by_tier(self.tokens, ((o.ref.kind, o.ref.group, o.ref.tokens, o.tier) for o in self.objects))
 
+    def loaded_tokens_by_tier(self, held: int) -> dict[str, int]:
+        """The hit's tokens past `held` (the prefix the engine holds itself) by the tier they come from: what loading
+        the hit gives an engine that already has `held` tokens."""
+        if held >= self.tokens:
+            return {}
+        beyond = ((o.ref.kind, o.ref.group, max(0, o.ref.position - max(o.ref.start, held)), o.tier)
+                  for o in self.objects)
+        return {tier: n for tier, n in tokens_by_tier(self.tokens - held, beyond).items() if n}
+
 
 def tokens_by_tier(hit_tokens: int, objects: Iterable[tuple[ObjectKind, int, int, str]]) -> dict[str, int]:
     """Hit tokens attributed to the tier their KV came from (the first attention group's objects; the state counts

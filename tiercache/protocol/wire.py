@@ -11,6 +11,7 @@ from typing import Iterator, Mapping, Sequence
 import grpc
 
 from tiercache.errors import WIRE_CODES, ConnectionBroken, InvalidArgument, TierCacheError, wire_code
+from tiercache.prefix.delivered import Delivered
 from tiercache.prefix.hashes import HASH_BYTES, InsideChunk
 from tiercache.prefix.layout import GroupKind
 from tiercache.prefix.lookup import Query
@@ -83,8 +84,20 @@ def stats_dict(message: pb.StatsResponse) -> dict:
         "namespaces": [{"namespace": n.namespace, "used_bytes": n.used_bytes, "chunks": n.chunks}
                        for n in message.namespaces],
         "lookups": {"lookups": message.lookups, "requested_tokens": message.requested_tokens,
-                    "hit_tokens_by_tier": dict(message.hit_tokens_by_tier)},
+                    "found_tokens_by_tier": dict(message.found_tokens_by_tier)},
+        "delivered": vars(delivered(message.delivered)),
     }
+
+
+def delivery_totals(totals: Delivered) -> pb.DeliveryTotals:
+    return pb.DeliveryTotals(loads=totals.loads, loaded_tokens_by_tier=totals.loaded_tokens_by_tier,
+                             failed_loads=totals.failed_loads, failed_load_tokens=totals.failed_load_tokens,
+                             saves_dropped_by_reason=totals.saves_dropped_by_reason)
+
+
+def delivered(message: pb.DeliveryTotals) -> Delivered:
+    return Delivered(message.loads, dict(message.loaded_tokens_by_tier), message.failed_loads,
+                     message.failed_load_tokens, dict(message.saves_dropped_by_reason))
 
 
 def chunk_meta(header: pb.ChunkHeader) -> ChunkMeta:

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from tiercache import __version__
+from tiercache.prefix.delivered import DROP_REASONS
+from tiercache.server.build_info import build_commit
 from tiercache.server.limits import StreamLimits
+from tiercache.store.stats import StoreStats
 from tiercache.store.tiered import TieredStore
 
 # name, help, attribute of TierStats; counters get the `_total` suffix from prometheus_client.
@@ -55,23 +59,52 @@ class StoreCollector:
         for tier in stats.tiers:
             up.add_metric([tier.name], 1 if tier.up else 0)
         yield up
-        lookups = stats.lookups
-        yield CounterMetricFamily("tiercache_lookups", "Prefix lookups reported by connectors", value=lookups.lookups)
-        yield CounterMetricFamily("tiercache_lookup_requested_tokens", "Prompt tokens of reported lookups",
-                                  value=lookups.requested_tokens)
-        hits = CounterMetricFamily("tiercache_lookup_hit_tokens", "Prompt tokens reused, by the tier they came from",
-                                   labels=["tier"])
-        # Every tier from the start, at 0 until a lookup hits there: a family without samples is no series at all,
-        # so a dashboard or a `rate()` had nothing to show (and nothing to tell "no hits" from "not scraped").
-        by_tier = {tier.name: 0 for tier in stats.tiers} | dict(lookups.hit_tokens_by_tier)
-        for tier, n in sorted(by_tier.items()):
-            hits.add_metric([tier], n)
-        yield hits
+        yield from _lookup_families(stats)
+        yield from _delivery_families(stats)
         used = GaugeMetricFamily("tiercache_namespace_used_bytes", "Bytes held in local tiers per namespace",
                                  labels=["namespace"])
         for ns in stats.namespaces:
             used.add_metric([ns.namespace], ns.used_bytes)
         yield used
+
+
+def _lookup_families(stats: StoreStats) -> Iterator[Metric]:
+    """What lookups found: a promise, which includes the prefix the engine holds itself (_delivery_families counts
+    what engines loaded)."""
+    lookups = stats.lookups
+    yield CounterMetricFamily("tiercache_lookups", "Prefix lookups connectors made", value=lookups.lookups)
+    yield CounterMetricFamily("tiercache_lookup_requested_tokens", "Prompt tokens of those lookups",
+                              value=lookups.requested_tokens)
+    found = CounterMetricFamily("tiercache_lookup_found_tokens",
+                                "Prompt tokens lookups found restorable, by tier (includes what the engine held "
+                                "itself: tiercache_delivered_tokens counts what it loaded)", labels=["tier"])
+    # Every tier from the start, at 0 until a lookup finds something there: a family without samples is no series at
+    # all, so a dashboard or a `rate()` had nothing to show (and nothing to tell "none" from "not scraped").
+    for tier, n in sorted(({t.name: 0 for t in stats.tiers} | dict(lookups.found_tokens_by_tier)).items()):
+        found.add_metric([tier], n)
+    yield found
+
+
+def _delivery_families(stats: StoreStats) -> Iterator[Metric]:
+    """What engines did with tiercache's bytes, as their connectors report it (ReportDelivery)."""
+    delivered = stats.delivered
+    tokens = CounterMetricFamily("tiercache_delivered_tokens",
+                                 "Prompt tokens engines loaded from tiercache beyond their own prefix cache's hit, "
+                                 "by tier", labels=["tier"])
+    for tier, n in sorted(({t.name: 0 for t in stats.tiers} | dict(delivered.loaded_tokens_by_tier)).items()):
+        tokens.add_metric([tier], n)
+    yield tokens
+    yield CounterMetricFamily("tiercache_delivered_loads", "Loads engines completed", value=delivered.loads)
+    yield CounterMetricFamily("tiercache_failed_loads", "Loads that failed (the engine recomputed the tokens)",
+                              value=delivered.failed_loads)
+    yield CounterMetricFamily("tiercache_failed_load_tokens", "Prompt tokens of loads that failed",
+                              value=delivered.failed_load_tokens)
+    dropped = CounterMetricFamily("tiercache_saves_dropped",
+                                  "Objects engines saved that never reached a server, by reason (reported once the "
+                                  "server answers again)", labels=["reason"])
+    for reason in DROP_REASONS:
+        dropped.add_metric([reason], delivered.saves_dropped_by_reason.get(reason, 0))
+    yield dropped
 
 
 class RequestsCollector:
@@ -95,6 +128,10 @@ class Metrics:
     def __init__(self, store: TieredStore) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(StoreCollector(store))
+        ProcessCollector(registry=self.registry)  # process_* (CPU, memory, open files), as dashboards expect
+        info = Gauge("tiercache_build_info", "Always 1: the server's version and the commit it was built from",
+                     ["version", "commit"], registry=self.registry)
+        info.labels(__version__, build_commit()).set(1)
         self.rpc_seconds = Histogram(
             "tiercache_rpc_duration_seconds", "Server-side RPC latency", ["method", "code"], registry=self.registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))

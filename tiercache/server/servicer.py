@@ -18,9 +18,11 @@ from tiercache.config import Config
 from tiercache.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from tiercache.events.query import PodHit, query_hashes, query_tokens
 from tiercache.events.restorable import Pod
+from tiercache.prefix.delivered import DROP_REASONS
 from tiercache.prefix.lookup import find_hit
 from tiercache.protocol.data_channel import PutEntry
-from tiercache.protocol.wire import chain_shape, chunk_meta, frames, lookup_query, pb, pb_grpc
+from tiercache.protocol.wire import (chain_shape, chunk_meta, delivered, delivery_totals, frames, lookup_query, pb,
+                                     pb_grpc)
 from tiercache.record.keys import ChunkKey
 from tiercache.server.auth import Tenant
 from tiercache.server.intake import InArena, Incoming, Intake, Served, batches
@@ -43,7 +45,7 @@ def _stats_message(stats: StoreStats, *, version: str, uptime_s: float, max_chun
         namespaces=[pb.NamespaceStats(namespace=n.namespace, used_bytes=n.used_bytes, chunks=n.chunks)
                     for n in stats.namespaces],
         lookups=stats.lookups.lookups, requested_tokens=stats.lookups.requested_tokens,
-        hit_tokens_by_tier=stats.lookups.hit_tokens_by_tier)
+        found_tokens_by_tier=stats.lookups.found_tokens_by_tier, delivered=delivery_totals(stats.delivered))
 
 
 class TierCacheServicer(pb_grpc.TierCacheServicer):
@@ -174,13 +176,17 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         return pb.DeleteResponse(deleted=deleted)
 
     @rpc
-    async def ReportLookup(self, request: pb.LookupReport, context, tenant: Tenant) -> pb.LookupReportAck:
+    async def ReportDelivery(self, request: pb.DeliveryReport, context, tenant: Tenant) -> pb.DeliveryReportAck:
         tenant.checked_namespace(request.namespace)
-        hit = dict(request.hit_tokens_by_tier)
-        if sum(hit.values()) > request.requested_tokens:
-            raise InvalidArgument("a lookup cannot hit more tokens than it requested")
-        self.store.record_lookup(request.requested_tokens, hit)
-        return pb.LookupReportAck()
+        report = delivered(request.delivered)
+        unknown = set(report.saves_dropped_by_reason) - set(DROP_REASONS)
+        if unknown:
+            raise InvalidArgument(f"unknown reasons for dropped saves: {', '.join(sorted(unknown))} (known: "
+                                  f"{', '.join(DROP_REASONS)})")
+        if len(report.loaded_tokens_by_tier) > 16 or any(len(tier) > 64 for tier in report.loaded_tokens_by_tier):
+            raise InvalidArgument("a delivery names at most 16 tiers of at most 64 characters")
+        self.store.reports.record_delivery(report)
+        return pb.DeliveryReportAck()
 
     @rpc
     async def Lookup(self, request: pb.LookupRequest, context, tenant: Tenant) -> pb.LookupResponse:
@@ -199,7 +205,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         if found.checkpoints:  # the load that follows promotes the kv chunks; their demotions must not evict these
             self.store.touch([ChunkKey(ns, key) for ns in namespaces for key in found.checkpoints])
         if report and not found.unverified:  # a lookup with unverified positions is asked again
-            self.store.record_lookup(query.prompt_tokens, found.tokens_by_tier())
+            self.store.reports.record_lookup(query.prompt_tokens, found.tokens_by_tier())
         return found
 
     # -- KV events for routers (tiercache.events) -------------------------------------------------------------------

@@ -1,11 +1,15 @@
 """The server's periodic activity line: every `server.stats_log_interval_s` (60 s; 0 turns it off) in which there was
-traffic, one INFO line with the prefix lookups connectors made and how much of their prompts hit, by tier:
+traffic, one INFO line with what engines loaded from tiercache (beyond their own prefix caches' hits), by tier, and
+what their lookups found:
 
-    activity (last 60 s): 12 lookups, 8,123 of 10,000 prompt tokens hit (81.2%: host 7,000, disk 1,123); 40 reads,
-    95.0% found; since start: 340 lookups, 64.0% of prompt tokens hit
+    activity (last 60 s): engines loaded 5,123 of 10,000 prompt tokens (51.2%: host 4,000, disk 1,123) in 9 loads,
+    1 load failed; 12 lookups found 8,123 (81.2%, with what the engines held themselves); 40 reads, 95.0% found;
+    since start: 340 lookups, 41.0% of prompt tokens loaded
 
-so an operator sees in the log alone whether hits happen (docs/first-deployment.md), without a metrics stack. An idle
-server logs nothing. Traffic is a lookup or a read (a tier's hits and misses) since the last line.
+so an operator sees in the log alone whether hits happen (docs/first-deployment.md), without a metrics stack. What
+a lookup found is not what tiercache gave: it includes the prefix the engine already held (a prompt repeated in one
+engine is found by every lookup and loaded by none). An idle server logs nothing. Traffic is a lookup, a read (a
+tier's hits and misses) or a connector's delivery report since the last line.
 """
 
 from __future__ import annotations
@@ -21,31 +25,48 @@ log = logging.getLogger("tiercache.server.activity")
 
 
 def activity_line(before: StoreStats, after: StoreStats, seconds: float) -> str | None:
-    """What changed between two snapshots of the store's counters, as one line; None when nothing was looked up or
-    read."""
+    """What changed between two snapshots of the store's counters, as one line; None when nothing was looked up,
+    read or reported."""
     lookups = after.lookups.lookups - before.lookups.lookups
     requested = after.lookups.requested_tokens - before.lookups.requested_tokens
-    hits = {tier: n - before.lookups.hit_tokens_by_tier.get(tier, 0)
-            for tier, n in after.lookups.hit_tokens_by_tier.items()}
-    hit = sum(hits.values())
-    # A read asks the tiers in order until one has the chunk: the first tier counts every read (a hit or a miss),
-    # and each read found is a hit in exactly one tier.
+    found = sum(after.lookups.found_tokens_by_tier.values()) - sum(before.lookups.found_tokens_by_tier.values())
+    loaded = _changed(before.delivered.loaded_tokens_by_tier, after.delivered.loaded_tokens_by_tier)
+    loads = after.delivered.loads - before.delivered.loads
+    failed = after.delivered.failed_loads - before.delivered.failed_loads
+    dropped = after.delivered.saves_dropped - before.delivered.saves_dropped
+    reads, reads_found = _reads(before, after)
+    if lookups == 0 and reads == 0 and loads == 0 and failed == 0 and dropped == 0:
+        return None
+    total = sum(loaded.values())
+    by_tier = ", ".join(f"{tier} {n:,}" for tier, n in sorted(loaded.items(), key=lambda item: -item[1]) if n)
+    line = (f"activity (last {seconds:.0f} s): engines loaded {total:,} of {requested:,} prompt tokens "
+            f"({_percent(total, requested)}{': ' + by_tier if by_tier else ''}) in {_count(loads, 'load')}")
+    if failed:
+        line += f", {_count(failed, 'load')} failed"
+    if dropped:
+        line += f", {_count(dropped, 'saved object')} dropped"
+    line += f"; {_count(lookups, 'lookup')} found {found:,} ({_percent(found, requested)}, with what the engines " \
+            f"held themselves)"
+    if reads:
+        line += f"; {_count(reads, 'read')}, {_percent(reads_found, reads)} found"
+    since = after.lookups.requested_tokens
+    line += (f"; since start: {_count(after.lookups.lookups, 'lookup')}, "
+             f"{_percent(after.delivered.loaded_tokens, since)} of prompt tokens loaded")
+    return line
+
+
+def _changed(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {key: n - before.get(key, 0) for key, n in after.items()}
+
+
+def _reads(before: StoreStats, after: StoreStats) -> tuple[int, int]:
+    """Reads since `before`, and how many found their chunk. A read asks the tiers in order until one has the chunk:
+    the first tier counts every read (a hit or a miss), and each read found is a hit in exactly one tier."""
     reads_before = {t.name: t.hits + t.misses for t in before.tiers}
     found_before = {t.name: t.hits for t in before.tiers}
     first = after.tiers[0] if after.tiers else None
     reads = first.hits + first.misses - reads_before.get(first.name, 0) if first else 0
-    found = sum(t.hits - found_before.get(t.name, 0) for t in after.tiers)
-    if lookups == 0 and reads == 0:
-        return None
-    by_tier = ", ".join(f"{tier} {n:,}" for tier, n in sorted(hits.items(), key=lambda item: -item[1]) if n)
-    line = (f"activity (last {seconds:.0f} s): {_count(lookups, 'lookup')}, {hit:,} of {requested:,} prompt tokens hit "
-            f"({_percent(hit, requested)}{': ' + by_tier if by_tier else ''})")
-    if reads:
-        line += f"; {_count(reads, 'read')}, {_percent(found, reads)} found"
-    total = after.lookups
-    line += (f"; since start: {_count(total.lookups, 'lookup')}, "
-             f"{_percent(sum(total.hit_tokens_by_tier.values()), total.requested_tokens)} of prompt tokens hit")
-    return line
+    return reads, sum(t.hits - found_before.get(t.name, 0) for t in after.tiers)
 
 
 def _count(n: int, noun: str) -> str:

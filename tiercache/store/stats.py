@@ -1,8 +1,10 @@
-"""What the store counts and reports: per-tier counters and usage, lookups, per-namespace usage."""
+"""What the store counts and reports: per-tier counters and usage, lookups, deliveries, per-namespace usage."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from tiercache.prefix.delivered import Delivered
 
 
 @dataclass
@@ -37,11 +39,13 @@ class TierStats:
 
 @dataclass(frozen=True)
 class LookupStats:
-    """Prefix lookups reported by connectors: tokens asked for, and tokens hit per tier the hit came from."""
+    """Prefix lookups connectors made: tokens asked for, and tokens found per tier the objects were in. What a lookup
+    finds includes the prefix the engine holds itself, so it is no measure of what tiercache gave the engine: that is
+    Delivered."""
 
     lookups: int = 0
     requested_tokens: int = 0
-    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    found_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -56,3 +60,4 @@ class StoreStats:
     tiers: tuple[TierStats, ...]
     namespaces: tuple[NamespaceUsage, ...]
     lookups: LookupStats = LookupStats()
+    delivered: Delivered = Delivered()

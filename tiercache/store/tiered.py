@@ -25,7 +25,8 @@ from tiercache.errors import CapacityExceeded, ChunkCorrupt, TierDown, TierFull,
 from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey
 from tiercache.store.same_host import SameHostPath, StoredChunk
-from tiercache.store.stats import LookupStats, NamespaceUsage, StoreStats, TierCounters, TierStats
+from tiercache.store.reports import EngineReports
+from tiercache.store.stats import NamespaceUsage, StoreStats, TierCounters, TierStats
 from tiercache.tiers import from_config as tiers_from_config
 from tiercache.tiers.base import ChainDirectory, Evicted, HandsDown, MappableArena, Tier
 
@@ -43,7 +44,7 @@ class TieredStore:
         self.tiers = tuple(tiers)
         self.write_through = write_through
         self._counters = {t.name: TierCounters() for t in self.tiers}
-        self._lookups = LookupStats()
+        self.reports = EngineReports()  # what connectors' lookups found and what their engines loaded
         self._lock = threading.Lock()
         self._gone: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()  # lost, not stored again
         self._watchers: list[Watcher] = []
@@ -212,15 +213,6 @@ class TieredStore:
         self._lost([k for k, r in zip(keys, removed) if r])
         return sum(removed)
 
-    def record_lookup(self, requested_tokens: int, hit_tokens_by_tier: dict[str, int]) -> None:
-        """Count one connector lookup (the hit rule runs in the connector; the store keeps the totals)."""
-        with self._lock:
-            hits = dict(self._lookups.hit_tokens_by_tier)
-            for tier, n in hit_tokens_by_tier.items():
-                hits[tier] = hits.get(tier, 0) + n
-            self._lookups = LookupStats(self._lookups.lookups + 1, self._lookups.requested_tokens + requested_tokens,
-                                        hits)
-
     def stats(self) -> StoreStats:
         usages = [(tier, tier.usage()) for tier in self.tiers]
         with self._lock:
@@ -228,7 +220,6 @@ class TieredStore:
                                     **vars(self._counters[tier.name]), state_chunks=u.state_chunks,
                                     state_bytes=u.state_bytes, state_budget_bytes=u.state_budget_bytes)
                           for tier, u in usages)
-            lookups = self._lookups
         namespace_bytes: dict[str, int] = {}
         namespace_chunks: dict[str, int] = {}
         for tier, usage in usages:
@@ -239,7 +230,7 @@ class TieredStore:
             for ns, n in usage.chunks_by_namespace.items():
                 namespace_chunks[ns] = namespace_chunks.get(ns, 0) + n
         namespaces = tuple(NamespaceUsage(ns, n, namespace_chunks[ns]) for ns, n in sorted(namespace_bytes.items()))
-        return StoreStats(tiers, namespaces, lookups)
+        return StoreStats(tiers, namespaces, self.reports.lookups(), self.reports.delivered())
 
     def held_bytes(self, owns: Callable[[str], bool]) -> int:
         """Bytes this server's local tiers hold for the namespaces `owns` accepts (a tenant's quota counts these)."""

@@ -61,8 +61,12 @@ def _wait_for(condition, timeout_s: float = 30.0) -> bool:
 
 
 def _queue(server, staging: StagingPool, saved: list, **settings) -> PutQueue:
-    return PutQueue(Client.from_url(server.url), staging, lambda objects, size: saved.append((objects, size)),
-                    **settings)
+    return PutQueue(Client.from_url(server.url), staging, _stored_into(saved), **settings)
+
+
+def _stored_into(saved: list):
+    """An on_sent that keeps (objects stored, bytes stored) of each stored batch."""
+    return lambda result: result.objects and saved.append((result.objects, sum(result.bytes_by_tier.values())))
 
 
 def test_steps_waiting_together_go_as_one_put(server):
@@ -114,13 +118,24 @@ def test_stop_drops_what_waits_and_gives_its_buffers_back(server):
     assert not _stored(Client.from_url(server.url), expected) and saved == []
 
 
+def test_what_stop_drops_is_counted_as_dropped_at_shutdown(server):
+    staging, results = StagingPool(8 << 20, pinned=False), []
+    queue = PutQueue(Client.from_url(server.url), staging, results.append, batch_s=60.0)
+    put, expected = _put(staging, 7)
+    queue.add(put)
+    queue.stop()
+    assert _wait_for(lambda: staging.out_bytes == 0)
+    assert [(r.objects, dict(r.dropped)) for r in results] == [(0, {"shutdown": len(expected)})]
+
+
 def test_an_unreachable_server_drops_the_batch_and_returns_the_buffers():
     staging, saved = StagingPool(8 << 20, pinned=False), []
     with ServerProcess("--host-mem", "16MiB", "--disk-size", "0") as gone:
         client = Client.from_url(gone.url, timeout_s=2.0)
-    queue = PutQueue(client, staging, lambda objects, size: saved.append((objects, size)), batch_s=0.0)
-    put, _ = _put(staging, 8)
+    queue = PutQueue(client, staging, saved.append, batch_s=0.0)
+    put, expected = _put(staging, 8)
     queue.add(put)
     assert queue.flush(60)
-    assert staging.out_bytes == 0 and saved == [(0, 0)]  # nothing stored, nothing raised
+    assert staging.out_bytes == 0  # nothing stored, nothing raised, and every object counted as not stored
+    assert [(r.objects, dict(r.dropped)) for r in saved] == [(0, {"unreachable": len(expected)})]
     queue.stop()

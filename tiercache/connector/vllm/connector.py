@@ -39,6 +39,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiercache.client import BreakerPolicy, Client, ConnectionSettings, RetryPolicy
 from tiercache.client.client import PodEndpoints
+from tiercache.connector.delivery import DeliveryReporter
 from tiercache.connector.limits import check_spec
 from tiercache.connector.pod_registration import PodRegistration
 from tiercache.connector.prefix_cache import PrefixCache
@@ -168,10 +169,13 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             # events: elsewhere they would cost the scheduler's step and the worker's metadata for nothing.
             self._planner = Planner(cache, self.groups, engine_blocks=bool(settings.events_pod_id),
                                     registration=self._registration)
+            # What the engine loaded, reported to the server: its delivered-hit counters (tiercache.connector.delivery).
+            self._delivery = DeliveryReporter(lookups, self.spec.namespace)
             _SCHEDULERS.add(self)
         else:
+            self._delivery = DeliveryReporter(self.client, self.spec.namespace)
             self._transfers = Transfers(self.client, self.groups, self.spec, settings.max_pending_save_bytes,
-                                         settings.save_batch_s)
+                                         settings.save_batch_s, on_dropped=self._delivery.add)
         log.info("TierCacheConnector (%s) on %s: namespace %s, N=%d, u=%d", role.name, settings.connection.url,
                  self.spec.namespace, block, unit)
         vllm_unit = vllm_config.cache_config.prefix_match_unit
@@ -227,8 +231,10 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return TierCacheMetadata(self._planner.plan_step(scheduler_output))
 
     def update_connector_output(self, connector_output) -> None:
-        for req_id in connector_output.failed_recving or ():
-            self._planner.load_failed(req_id)
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        finished = set(connector_output.finished_recving or ())
+        if finished or failed:
+            self._delivery.add(self._planner.loads_reported(finished, failed))
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -299,6 +305,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 if scheduler._vllm_config is self._vllm_config and self._transfers.views is not None:
                     self._transfers.save(scheduler._planner.take_finishes(), inline=True)
             self._transfers.shutdown()
+        self._delivery.close()
         if self._registration is not None:
             self._registration.close()
         if self._planner is not None:

@@ -29,6 +29,7 @@ from tiercache.connector.pod_registration import PodRegistration
 from tiercache.connector.prefix_cache import EngineBlock, Lookup, PrefixCache
 from tiercache.connector.vllm.layout import EngineGroups
 from tiercache.prefix.admission import plan_finish_admission, plan_step_admission
+from tiercache.prefix.delivered import Delivered
 from tiercache.prefix.hashes import PrefixHashes, token_bytes
 from tiercache.prefix.objects import ObjectKind, ObjectRef
 
@@ -77,15 +78,26 @@ class _Tracked:
     hashes: PrefixHashes | None = None
     saved: set = field(default_factory=set)  # keys known to be in tiercache (found or written)
     load_failed: bool = False  # then the request is recomputed, never offered the same hit again
+    # The load in flight: the tokens it gives the engine beyond its own hit, by tier (counted as delivered only when
+    # the workers report it done, as failed when they report it failed).
+    loading: dict[str, int] | None = None
 
 
 @dataclass
 class SchedulerStats:
+    """The scheduler's counters, as vLLM logs them (its KV-transfer line). A hit counts when the workers report its
+    load done (`loaded_tokens`), not when it is planned (`load_tokens_planned`): a load that fails gives the engine
+    nothing (`loads_failed`, `failed_load_tokens`; vLLM recomputes)."""
+
     lookups: int = 0
     lookups_skipped: int = 0  # misses because the server was unreachable
     lookup_tokens: int = 0
-    hit_tokens: int = 0
-    loads: int = 0
+    loads_planned: int = 0
+    load_tokens_planned: int = 0  # tokens vLLM was told it could load (its external hit, at scheduling)
+    loads_done: int = 0
+    loaded_tokens: int = 0  # tokens the engine loaded from tiercache beyond its own prefix cache's hit
+    loads_failed: int = 0
+    failed_load_tokens: int = 0
     saves_planned: int = 0
 
 
@@ -142,14 +154,34 @@ class Planner:
         transfers = [self._transfer(o.ref, block_ids) for o in hit.objects
                      if o.ref.kind is ObjectKind.STATE or o.ref.position > first]
         self._loads.append(Job(request.request_id, tracked.cache.spec.salt, tuple(transfers)))
-        self.stats.loads += 1
-        self.stats.hit_tokens += num_external_tokens
+        tracked.loading = hit.loaded_tokens_by_tier(first)
+        self.stats.loads_planned += 1
+        self.stats.load_tokens_planned += num_external_tokens
 
-    def load_failed(self, req_id: str) -> None:
-        tracked = self._requests.get(req_id)
-        if tracked is not None:
-            tracked.load_failed = True
-            tracked.lookup = None
+    def loads_reported(self, finished: set[str], failed: set[str]) -> Delivered:
+        """The workers' report of loads (`finished` includes the failed ones, as vLLM's finished_recving does): what
+        they delivered, counted here and returned for the server."""
+        done = failed_count = failed_tokens = 0
+        by_tier: dict[str, int] = {}
+        for req_id in finished | failed:
+            tracked = self._requests.get(req_id)
+            if tracked is None or tracked.loading is None:
+                continue
+            tokens = sum(tracked.loading.values())
+            if req_id in failed:
+                failed_count, failed_tokens = failed_count + 1, failed_tokens + tokens
+                tracked.load_failed = True
+                tracked.lookup = None
+            else:
+                done += 1
+                for tier, n in tracked.loading.items():
+                    by_tier[tier] = by_tier.get(tier, 0) + n
+            tracked.loading = None
+        self.stats.loads_done += done
+        self.stats.loaded_tokens += sum(by_tier.values())
+        self.stats.loads_failed += failed_count
+        self.stats.failed_load_tokens += failed_tokens
+        return Delivered(done, by_tier, failed_count, failed_tokens)
 
     # -- saves ---------------------------------------------------------------------------------------------------
 

@@ -20,8 +20,9 @@ from typing import Callable
 import torch
 
 from tiercache.client import Client
-from tiercache.connector.prefix_cache import save_objects
+from tiercache.connector.prefix_cache import SaveResult, save_objects
 from tiercache.connector.vllm.staging import StagingPool
+from tiercache.prefix.delivered import DROPPED_ERROR, DROPPED_SHUTDOWN
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class Put:
 
 
 class PutQueue:
-    def __init__(self, client: Client, staging: StagingPool, on_sent: Callable[[int, int], None],
+    def __init__(self, client: Client, staging: StagingPool, on_sent: Callable[[SaveResult], None],
                  batch_s: float = 0.05, batch_bytes: int = 64 << 20,
                  on_start: Callable[[], None] | None = None) -> None:
         self.client = client
@@ -45,7 +46,7 @@ class PutQueue:
         self.batch_s = batch_s
         self.batch_bytes = batch_bytes
         self.batches = 0  # puts sent (each one per namespace)
-        self._on_sent = on_sent  # (objects, bytes) stored by each batch
+        self._on_sent = on_sent  # what each batch stored, and what it dropped (by reason)
         self._on_start = on_start  # the thread's first act (moving off the engine's cores)
         self._waiting: list[Put] = []
         self._waiting_bytes = 0
@@ -139,18 +140,25 @@ class PutQueue:
                 put.gathered.synchronize()  # CUDA: the side stream's copies (a wait that releases the GIL)
                 for namespace, payloads in put.by_namespace.items():
                     merged.setdefault(namespace, {}).update(payloads)
-            results = [save_objects(self.client, namespace, payloads) for namespace, payloads in merged.items()]
+            result = sum((save_objects(self.client, namespace, payloads) for namespace, payloads in merged.items()),
+                         SaveResult(0, {}))
         except Exception:  # a save must never take the engine down
             log.exception("tiercache save of %d bytes failed", sum(put.size for put in batch))
-            results = []
+            result = SaveResult(0, {}, {DROPPED_ERROR: _objects(batch)})
         finally:
             for put in batch:
                 self.staging.give_back(put.staged)
         self.batches += 1
-        self._on_sent(sum(r.objects for r in results), sum(sum(r.bytes_by_tier.values()) for r in results))
+        self._on_sent(result)
 
     def _drop(self, puts: list[Put]) -> None:
+        if puts:
+            self._on_sent(SaveResult(0, {}, {DROPPED_SHUTDOWN: _objects(puts)}))
         for put in puts:
             self.staging.give_back(put.staged)
         puts.clear()
         self._waiting_bytes = 0
+
+
+def _objects(puts: list[Put]) -> int:
+    return sum(len(payloads) for put in puts for payloads in put.by_namespace.values())

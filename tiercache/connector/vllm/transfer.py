@@ -29,18 +29,20 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from tiercache import kernels
 from tiercache.client import Client
-from tiercache.connector.prefix_cache import WithEngineBlock
+from tiercache.connector.prefix_cache import SaveResult, WithEngineBlock
 from tiercache.connector.vllm.cores import off_compute_cores
 from tiercache.connector.vllm.layout import EngineGroups, PagedViews
 from tiercache.connector.vllm.plan import Job, Transfer
 from tiercache.connector.vllm.put_queue import Put, PutQueue
 from tiercache.connector.vllm.staging import StagingPool
 from tiercache.errors import CircuitOpen, TierCacheError
+from tiercache.prefix.delivered import DROPPED_BACKLOG, DROPPED_ERROR, Delivered
 from tiercache.prefix.objects import CacheSpec, ObjectKind
 
 log = logging.getLogger(__name__)
@@ -53,18 +55,29 @@ FLUSH_TIMEOUT_S = 10.0  # how long vLLM's exit waits for saves already gathered
 
 @dataclass
 class WorkerStats:
+    """A worker's counters, as vLLM logs them (its KV-transfer line): every object that never reached a server is
+    counted, in `saves_dropped` and by why (tiercache.prefix.delivered's reasons)."""
+
     loads_done: int = 0
     loads_failed: int = 0
     bytes_loaded: int = 0
     bytes_saved: int = 0
     objects_saved: int = 0
     saves_dropped: int = 0
+    saves_dropped_backlog: int = 0
+    saves_dropped_unreachable: int = 0
+    saves_dropped_refused: int = 0
+    saves_dropped_error: int = 0
+    saves_dropped_shutdown: int = 0
 
 
 class Transfers:
     def __init__(self, client: Client, groups: EngineGroups, spec: CacheSpec,
-                 max_pending_save_bytes: int = 1 << 30, save_batch_s: float = 0.05) -> None:
+                 max_pending_save_bytes: int = 1 << 30, save_batch_s: float = 0.05,
+                 on_dropped: Callable[[Delivered], None] = lambda dropped: None) -> None:
+        """`on_dropped`: told of every object that will not reach a server (the connector reports them)."""
         self.client = client
+        self._on_dropped = on_dropped
         self.save_batch_s = save_batch_s
         self.groups = groups
         self.spec = spec  # this rank's: its namespace names this rank's shard of every object
@@ -275,8 +288,7 @@ class Transfers:
         sizes = [self.object_bytes(t) for _, t in transfers]
         staged = self._save_staging.take(sum(sizes))
         if staged is None:
-            with self._lock:
-                self.stats.saves_dropped += len(transfers)
+            self._dropped({DROPPED_BACKLOG: len(transfers)})
             log.warning("tiercache: %d bytes of saves pending, dropping %d objects of %d requests",
                         self._save_staging.out_bytes, len(transfers), len(jobs))
             self._finished_saving(finished, _COPIED)  # nothing to copy: vLLM may free the blocks
@@ -316,6 +328,7 @@ class Transfers:
             gathered = self._gather_in_inference_mode(transfers, rows)
         except Exception:  # a save must never take the engine down
             log.exception("tiercache: gathering %d objects to save failed; they are not saved", len(transfers))
+            self._dropped({DROPPED_ERROR: len(transfers)})
             self._save_staging.give_back(rows.buffer)
             return
         self._puts.add(Put(by_namespace, gathered, rows.buffer, rows.total))
@@ -353,10 +366,20 @@ class Transfers:
             else:
                 self._gathering.append((req_ids, gathered))
 
-    def _saved(self, objects: int, size: int) -> None:
+    def _saved(self, result: SaveResult) -> None:
         with self._lock:
-            self.stats.objects_saved += objects
-            self.stats.bytes_saved += size
+            self.stats.objects_saved += result.objects
+            self.stats.bytes_saved += sum(result.bytes_by_tier.values())
+        if result.dropped:
+            self._dropped(result.dropped)
+
+    def _dropped(self, by_reason: dict[str, int]) -> None:
+        with self._lock:
+            for reason, n in by_reason.items():
+                self.stats.saves_dropped += n
+                name = f"saves_dropped_{reason}"
+                setattr(self.stats, name, getattr(self.stats, name) + n)
+        self._on_dropped(Delivered(saves_dropped_by_reason=dict(by_reason)))
 
     # -- results -------------------------------------------------------------------------------------------------
 
