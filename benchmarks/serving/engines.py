@@ -49,7 +49,8 @@ class EngineSettings:
                 "--enable-prefix-caching", "--prefix-match-unit", "16",
                 "--prefix-cache-retention-interval", str(self.block_size),
                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-                "--max-model-len", str(self.max_model_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+                "--max-model-len", str(self.max_model_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
+                "--enable-prompt-tokens-details"]  # each answer's usage says how many prompt tokens were cached
         if self.connector is not None:
             args += ["--kv-transfer-config", json.dumps({**TIERCACHE_CONNECTOR,
                                                          "kv_connector_extra_config": self.connector})]

@@ -9,9 +9,10 @@ import asyncio
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from benchmarks.serving import trace
 from benchmarks.serving.trace import TraceRequest
 
 
@@ -24,13 +25,30 @@ class Outcome:
     e2e_s: float = 0.0
     output_tokens: int = 0
     error: str = ""
+    token_ids: list[int] = field(default_factory=list)  # what the model generated (greedy: compared across arms)
+    cached_tokens: int | None = None  # prompt tokens the engine did not compute (its own hit plus what it loaded)
+
+
+Route = Callable[[int, TraceRequest], int]  # (position in the replay, request) -> index of the server
+
+
+def round_robin(position: int, request: TraceRequest) -> int:
+    return position
+
+
+def by_conversation(position: int, request: TraceRequest) -> int:
+    """Session affinity: every turn of a conversation to the same server."""
+    return trace.conversation(request.hash_ids) & 0x7FFFFFFF
+
+
+ROUTES = {"round-robin": round_robin, "conversation": by_conversation}
 
 
 async def replay(requests: Sequence[TraceRequest], servers: Sequence[str], model: str,
-                 on_done: Callable[[Outcome], None] = lambda outcome: None, timeout_s: float = 600.0
-                 ) -> tuple[list[Outcome], float]:
-    """Send every request at its arrival time (offset from now) to `servers` in turn (round robin); the outcomes in
-    request order and the wall time from the first send to the last answer."""
+                 on_done: Callable[[Outcome], None] = lambda outcome: None, timeout_s: float = 600.0,
+                 route: Route = round_robin) -> tuple[list[Outcome], float]:
+    """Send every request at its arrival time (offset from now) to the server `route` picks (round robin unless
+    told); the outcomes in request order and the wall time from the first send to the last answer."""
     import aiohttp  # in the vLLM venv; imported here so the report and plot code runs in a venv without it
 
     # A connection per request: a kept-alive connection that the server closes as it idles (uvicorn: after 5 s) can
@@ -43,7 +61,7 @@ async def replay(requests: Sequence[TraceRequest], servers: Sequence[str], model
             delay = request.arrival_s - (time.perf_counter() - started)
             if delay > 0:
                 await asyncio.sleep(delay)
-            outcome = await complete(session, servers[position % len(servers)], model, request)
+            outcome = await complete(session, servers[route(position, request) % len(servers)], model, request)
             on_done(outcome)
             return outcome
 
@@ -56,7 +74,7 @@ async def complete(session, server: str, model: str, request: TraceRequest) -> O
     import aiohttp
 
     body = {"model": model, "prompt": list(request.prompt), "max_tokens": request.max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
+            "ignore_eos": True, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
     outcome = Outcome(request.index, server, ok=False)
     try:
@@ -68,11 +86,15 @@ async def complete(session, server: str, model: str, request: TraceRequest) -> O
                 event = line.strip()
                 if not event.startswith(b"data:") or event == b"data: [DONE]":
                     continue
-                choices = json.loads(event[5:]).get("choices") or []
-                tokens = sum(len(c.get("token_ids") or ()) for c in choices)
-                if tokens and not outcome.output_tokens:
+                message = json.loads(event[5:])
+                ids = [t for c in message.get("choices") or () for t in c.get("token_ids") or ()]
+                if ids and not outcome.output_tokens:
                     outcome.ttft_s = time.perf_counter() - sent
-                outcome.output_tokens += tokens
+                outcome.output_tokens += len(ids)
+                outcome.token_ids += ids
+                details = (message.get("usage") or {}).get("prompt_tokens_details") or {}
+                if details.get("cached_tokens") is not None:
+                    outcome.cached_tokens = int(details["cached_tokens"])
         outcome.e2e_s = time.perf_counter() - sent
         outcome.ok = outcome.output_tokens > 0
         if not outcome.ok:
@@ -83,7 +105,8 @@ async def complete(session, server: str, model: str, request: TraceRequest) -> O
 
 
 def summary(outcomes: Sequence[Outcome], wall_s: float) -> dict:
-    """Latency percentiles (ms) over the requests that succeeded, throughput over the whole replay."""
+    """Latency percentiles (ms) over the requests that succeeded, throughput over the whole replay (the offered rate
+    in an open-loop replay that the engines keep up with: a throughput figure comes from a saturated replay)."""
     good = [o for o in outcomes if o.ok]
     return {"requests": len(outcomes), "errors": len(outcomes) - len(good),
             "ttft_ms": percentiles([o.ttft_s for o in good], (50, 90, 99)),

@@ -18,27 +18,38 @@ TRACE = ROOT.parent / "shared" / "traces" / "mooncake-conversation.jsonl"
 
 @pytest.mark.slow
 @pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the repository")
-def test_two_arms_on_a_few_requests(tmp_path):
+def test_three_arms_on_a_few_requests(tmp_path):
     report_path, plot_path = tmp_path / "report.json", tmp_path / "plot.png"
-    command = [sys.executable, str(ROOT / "benchmarks" / "serve_trace.py"), "--arms", "alone,tiercache",
+    command = [sys.executable, str(ROOT / "benchmarks" / "serve_trace.py"), "--arms", "alone,tiercache,restart",
                "--max-requests", "6", "--conversations", "1", "--time-scale", "0.02", "--max-input-tokens", "1024",
                "--max-output-tokens", "4", "--work-dir", str(tmp_path / "work"), "--json", str(report_path),
                "--plot", str(plot_path), "--no-progress"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(report_path.read_text())
-    assert list(report["arms"]) == ["alone", "tiercache"]
+    assert list(report["arms"]) == ["alone", "tiercache", "restart"]
+    assert [(run["arm"], run["round"]) for run in report["runs"]] == [("alone", 0), ("tiercache", 0), ("restart", 0)]
     expected = trace.load(TRACE, trace.SliceSpec(max_requests=6, time_scale=0.02, max_input_tokens=1024,
                                                  max_output_tokens=4))
-    for name, arm in report["arms"].items():
+    for run in report["runs"]:
+        name, arm = run["arm"], run["result"]
         assert arm["requests"] == 6 and arm["errors"] == 0, (name, arm.get("error_kinds"))
         assert arm["ttft_ms"]["p50"] > 0 and arm["e2e_ms"]["p90"] >= arm["ttft_ms"]["p50"] > 0
         assert arm["prompt_tokens"] == report["params"]["slice_prompt_tokens"] > 0
         assert 0 <= arm["hit_tokens"] <= arm["prompt_tokens"]
-        # Every request streamed the tokens it asked for: the trace's output length, at most 4 here (some are 3).
+        # Every request streamed the tokens it asked for (the trace's output length, at most 4 here), and the ids.
         assert [o["output_tokens"] for o in arm["outcomes"]] == [r.max_tokens for r in expected]
+        assert [len(o["token_ids"]) for o in arm["outcomes"]] == [r.max_tokens for r in expected]
+        assert all(o["cached_tokens"] is not None for o in arm["outcomes"])
     # Every request of the trace's first seconds shares its first block: vLLM's own cache serves those hits.
-    assert report["arms"]["alone"]["hit_tokens_by_source"]["vllm_prefix_cache"] > 0
-    assert "tiercache_server" in report["arms"]["tiercache"]["hit_tokens_by_source"]
+    assert report["arms"]["alone"]["hits"]["vllm_prefix_cache"] > 0
+    tiercache = report["arms"]["tiercache"]["hits"]
+    assert tiercache["tiercache_failed_loads"] == 0
+    assert tiercache["tiercache_delivered"] <= tiercache["connector_promised"]
+    restart = report["arms"]["restart"]
+    assert set(restart["phases"]) == {"before", "after"}
+    # After the restart the engine's own cache is empty: what it did not compute came from tiercache.
+    assert restart["phases"]["after"]["hits"]["tiercache_delivered"] > 0
+    assert report["outputs"]["arms"]["tiercache"]["compared"] == 6
     assert plot_path.stat().st_size > 10_000
-    assert "alone" in result.stdout and "tiercache" in result.stdout  # the table
+    assert "alone" in result.stdout and "tiercache / alone:" in result.stdout  # the table and its ratios

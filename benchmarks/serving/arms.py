@@ -1,0 +1,219 @@
+"""The serving benchmark's arms: what a serving team would run, each on the same slice with fresh servers.
+
+Memory: vLLM's KV cache and tiercache's host tier are the same DRAM on a CPU host, so every arm that runs without
+tiercache but stands for "what a user would run instead" gets tiercache's bytes as KV cache (`alone-equal`,
+`alone-restart`, `two-alone`); `alone` (the small cache alone) stands in for an engine short of GPU memory, where the
+host bytes could not become KV cache (on a GPU host `offload` is that comparison). Cores: every engine computes on
+the cores compute_cpus names; the cache server, vLLM's API servers and the client share the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+
+from benchmarks.serving.engines import EngineFailed, EngineSettings, VllmServer
+from benchmarks.serving.measure import measure, merge
+
+MiB = 1 << 20
+ARMS = ("alone", "alone-equal", "offload", "tiercache", "restart", "alone-restart", "two", "two-conv", "two-alone",
+        "two-alone-conv", "noreuse")
+NOREUSE_ARMS = ("noreuse-alone", "noreuse-alone-equal", "noreuse-tiercache", "noreuse-offload")
+
+
+@dataclasses.dataclass
+class Bench:
+    args: object  # serve_trace's parsed arguments
+    model_dir: str
+    block_size: int
+    work: Path
+    requests: list
+    fresh: list
+
+    def engine(self, **changes) -> EngineSettings:
+        max_len = self.args.max_input_tokens + self.args.max_output_tokens + 16
+        return dataclasses.replace(EngineSettings(
+            model_dir=self.model_dir, block_size=self.block_size, kv_cache_bytes=self.args.kv_cache_mib * MiB,
+            max_model_len=max_len, max_num_batched_tokens=self.args.max_num_batched_tokens,
+            cpus=compute_cpus(os.cpu_count() or 2)), **changes)
+
+    @property
+    def equal_kv_bytes(self) -> int:
+        """vLLM's KV cache given tiercache's host bytes as well: the same total memory as vLLM + tiercache."""
+        return (self.args.kv_cache_mib + self.args.host_mib) * MiB
+
+    def connector(self, cache) -> dict:
+        return {"url": cache.url, "model_name": "serve-trace", "lookup_timeout_s": 2.0,
+                **json.loads(self.args.connector_config)}
+
+    def cache_server(self):
+        """tiercache's server on the cores the engines do not compute on (inherited from this process at its start),
+        as docs/vllm.md advises for CPU inference."""
+        from tiercache.process import ServerProcess, free_port
+
+        metrics = free_port()
+        server = ServerProcess("--host-mem", f"{self.args.host_mib}MiB", "--disk-size", "0",
+                               "--metrics-port", str(metrics))
+        mine = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, spare_cpus(os.cpu_count() or 2))
+        try:
+            server.start()
+        finally:
+            os.sched_setaffinity(0, mine)
+        server.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+        return server
+
+    def start(self, name: str, settings: EngineSettings) -> VllmServer:
+        return VllmServer(settings, self.work / f"{name}.log").start()
+
+
+# -- one engine ----------------------------------------------------------------------------------------------------
+
+def one_engine(bench: Bench, name: str, requests, settings: EngineSettings, with_cache: bool) -> dict:
+    cache = bench.cache_server() if with_cache else None
+    try:
+        if cache is not None:
+            settings = dataclasses.replace(settings, connector=bench.connector(cache))
+        engine = bench.start(name, settings)
+        try:
+            return measure(bench, name, [engine], requests, cache)
+        finally:
+            engine.stop()
+    finally:
+        if cache is not None:
+            cache.terminate()
+
+
+def arm_offload(bench: Bench, name: str, requests) -> dict:
+    try:
+        engine = bench.start(name, bench.engine(offload_bytes=bench.args.host_mib * MiB))
+    except EngineFailed:
+        log = bench.work / f"{name}.log"
+        return {"unavailable": first_error(log), "log": str(log)}
+    try:
+        return measure(bench, name, [engine], requests)
+    finally:
+        engine.stop()
+
+
+# -- restarts ------------------------------------------------------------------------------------------------------
+
+def restarted(bench: Bench, name: str, requests, settings: EngineSettings, with_cache: bool) -> dict:
+    """The first half on one vLLM, then vLLM is stopped (SIGTERM, as a deploy does) and a new one serves the second
+    half, its own prefix cache empty. With tiercache, the cache server lives on; without, nothing is kept (the
+    baseline for "after a restart"). Each phase is reported on its own: a figure over both is not "after"."""
+    cache = bench.cache_server() if with_cache else None
+    half = len(requests) // 2
+    if cache is not None:
+        settings = dataclasses.replace(settings, connector=bench.connector(cache))
+    try:
+        phases = {}
+        for phase, part in (("before", requests[:half]), ("after", shifted(requests[half:]))):
+            engine = bench.start(f"{name}-{phase}", settings)
+            try:
+                phases[phase] = measure(bench, f"{name}-{phase}", [engine], part, cache)
+            finally:
+                engine.stop()
+    finally:
+        if cache is not None:
+            cache.terminate()
+    merged = merge(phases["before"], phases["after"])
+    merged["restart_at"] = half
+    merged["phases"] = {phase: {k: v for k, v in result.items() if k != "outcomes"} for phase, result in phases.items()}
+    return merged
+
+
+# -- two instances -------------------------------------------------------------------------------------------------
+
+def two_engines(bench: Bench, name: str, requests, with_cache: bool, route: str) -> dict:
+    """Two vLLM servers, each on half the cores. With tiercache: each keeps the small KV cache and both share one
+    cache server. Without: each gets half of tiercache's host bytes as KV cache (the same total memory)."""
+    cache = bench.cache_server() if with_cache else None
+    engines = []
+    try:
+        for i, cpus in enumerate(halves(os.cpu_count() or 2)):
+            settings = bench.engine(cpus=cpus)
+            if cache is not None:
+                settings = dataclasses.replace(settings, connector=bench.connector(cache))
+            else:
+                settings = dataclasses.replace(settings, kv_cache_bytes=(bench.args.kv_cache_mib
+                                                                         + bench.args.host_mib // 2) * MiB)
+            engines.append(bench.start(f"{name}-{i}", settings))
+        return measure(bench, name, engines, requests, cache, route=route)
+    finally:
+        for engine in engines:
+            engine.stop()
+        if cache is not None:
+            cache.terminate()
+
+
+def run_arm(bench: Bench, name: str) -> dict:
+    requests = bench.fresh if name.startswith("noreuse-") else bench.requests
+    base = name.removeprefix("noreuse-")
+    equal = dataclasses.replace(bench.engine(), kv_cache_bytes=bench.equal_kv_bytes)
+    runners = {
+        "alone": lambda: one_engine(bench, name, requests, bench.engine(), with_cache=False),
+        "alone-equal": lambda: one_engine(bench, name, requests, equal, with_cache=False),
+        "tiercache": lambda: one_engine(bench, name, requests, bench.engine(), with_cache=True),
+        "offload": lambda: arm_offload(bench, name, requests),
+        "restart": lambda: restarted(bench, name, requests, bench.engine(), with_cache=True),
+        "alone-restart": lambda: restarted(bench, name, requests, equal, with_cache=False),
+        "two": lambda: two_engines(bench, name, requests, True, "round-robin"),
+        "two-conv": lambda: two_engines(bench, name, requests, True, "conversation"),
+        "two-alone": lambda: two_engines(bench, name, requests, False, "round-robin"),
+        "two-alone-conv": lambda: two_engines(bench, name, requests, False, "conversation"),
+    }
+    return runners[base]()
+
+
+def arms_to_run(spec: str) -> list[str]:
+    names = []
+    for name in (s.strip() for s in spec.split(",") if s.strip()):
+        if name == "noreuse":
+            names += list(NOREUSE_ARMS)
+        elif name in ARMS or name in NOREUSE_ARMS:
+            names.append(name)
+        else:
+            raise SystemExit(f"unknown arm {name!r}: choose from {', '.join(ARMS + NOREUSE_ARMS)}")
+    return names
+
+
+def compute_cpus(cores: int) -> str:
+    """Every arm's engine computes on the same cores: all but the last, which is left to vLLM's scheduler process, the
+    API server, tiercache's server and this client. (vLLM's CPU auto-binding keeps one core free, but two when a KV
+    connector is configured, and on a 2-core machine it then keeps none: the connector's arms would compute on more
+    cores than vLLM alone's, and fight its scheduler for them.)"""
+    return "0" if cores <= 2 else f"0-{cores - 2}"
+
+
+def spare_cpus(cores: int) -> set[int]:
+    """The cores compute_cpus leaves free."""
+    return {cores - 1} if cores > 1 else {0}
+
+
+def halves(cores: int) -> tuple[str, str]:
+    if cores <= 2:
+        return "0", str(cores - 1)
+    half = cores // 2
+    return f"0-{half - 1}", f"{half}-{cores - 1}"
+
+
+def shifted(requests) -> list:
+    """The requests with their arrival times starting at 0 (the second half of a slice, replayed after a restart)."""
+    origin = requests[0].arrival_s if requests else 0.0
+    return [dataclasses.replace(r, arrival_s=r.arrival_s - origin) for r in requests]
+
+
+def first_error(log_path: Path) -> str:
+    """The line that says why an engine did not start: vLLM prints a traceback per process and a summary that
+    points back at them, so the first raised exception's message is the root cause."""
+    lines = log_path.read_text(errors="replace").splitlines()
+    for pattern in (r"\bException: (.+)$", r"\w+Error: (.+)$"):
+        for line in lines:
+            match = re.search(pattern, line)
+            if match:
+                return match.group(0).strip()
+    return lines[-1] if lines else "unknown"

