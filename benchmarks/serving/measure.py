@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import re
 import sys
 import time
@@ -26,15 +27,21 @@ TIERCACHE_COUNTERS = {"delivered": "tiercache_delivered_tokens_total", "loads": 
                       "found": "tiercache_lookup_found_tokens_total", "saves_dropped": "tiercache_saves_dropped_total"}
 
 
-def measure(bench, name: str, engines: list[VllmServer], requests, cache=None, route: str = "round-robin") -> dict:
-    """Warm each engine up (lazy initialisation is not what users wait for), replay, and read the counters' change."""
+def measure(bench, name: str, engines: list[VllmServer], requests, cache=None, route: str = "round-robin",
+            drive=None) -> dict:
+    """Warm each engine up (lazy initialisation is not what users wait for), replay, and read the counters' change.
+    `drive`: a closed loop that sends the requests itself instead (chat_rounds.py: each prompt made from the replies
+    before it), called as drive(servers, model, on_done=) -> (outcomes, wall); `requests` then has the loop's length
+    and, once it has run, iterates over the requests it sent."""
     for engine in engines:
         warm_up(engine, bench)
+    if cache is not None:
+        settle(cache, tiercache_counters(cache))  # the warm-up's saves and reports land before the counters are read
     before = [engine.counters() for engine in engines]
     cache_before = tiercache_counters(cache)
-    outcomes, wall = asyncio.run(replay(requests, [e.url for e in engines], bench.model_dir,
-                                        on_done=progress(name, len(requests), bench.args.progress),
-                                        route=ROUTES[route]))
+    send = drive or functools.partial(replay, requests, route=ROUTES[route])
+    outcomes, wall = asyncio.run(send([e.url for e in engines], bench.model_dir,
+                                      on_done=progress(name, len(requests), bench.args.progress)))
     if cache is not None:
         settle(cache, cache_before)
     after = [engine.counters() for engine in engines]
@@ -59,25 +66,26 @@ def measure(bench, name: str, engines: list[VllmServer], requests, cache=None, r
 
 
 def merge(first: dict, second: dict) -> dict:
-    """One arm's figures from two phases replayed one after the other (outcomes renumbered in slice order)."""
-    offset = first["requests"]
-    renumbered = [{**o, "index": o["index"] + offset} for o in second["outcomes"]]
-    outcomes = [Outcome(**o) for o in first["outcomes"] + renumbered]
+    """One arm's figures from two phases replayed one after the other (outcomes keep their slice positions)."""
+    outcomes = [Outcome(**o) for o in first["outcomes"] + second["outcomes"]]
     merged = summary(outcomes, first["wall_s"] + second["wall_s"])
     merged["route"] = first.get("route", "round-robin")
     for key in ("prompt_tokens", "hit_tokens", "preemptions"):
         merged[key] = first[key] + second[key]
     merged["hits"] = {k: first["hits"][k] + second["hits"][k] for k in first["hits"]}
-    merged["outcomes"] = first["outcomes"] + renumbered
+    merged["outcomes"] = first["outcomes"] + second["outcomes"]
     return merged
 
 
 def warm_up(engine: VllmServer, bench) -> None:
-    """Two prompts of tokens no trace request has (ids past the trace's), outside the measured counters."""
+    """Two prompts no trace request shares, outside the measured counters; new ones for every engine started (an
+    engine restarted beside the same cache server must not find the last one's warm-up there)."""
     import numpy as np
 
-    warm = [trace.TraceRequest(i, 0.0, tuple(int(t) for t in np.random.default_rng(900 + i).integers(
-        trace.FIRST_TOKEN, bench.args.vocab, length)), 2, ()) for i, length in enumerate((300, 1000))]
+    rng = np.random.default_rng()
+    warm = [trace.TraceRequest(i, 0.0, tuple(int(t) for t in rng.integers(trace.FIRST_TOKEN, bench.args.vocab,
+                                                                          length)), 2, ())
+            for i, length in enumerate((300, 1000))]
     for request in warm:
         outcomes, _ = asyncio.run(replay([request], [engine.url], bench.model_dir))
         if not outcomes[0].ok:

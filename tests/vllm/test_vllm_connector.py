@@ -52,6 +52,12 @@ def test_second_engine_loads_what_the_first_saved_byte_for_byte(server, engines)
     # The 100-token prompt hits at 96: vLLM splits the prefill at the last block boundary, where it commits a state.
     assert second.hits["b"] == 96
     assert second.forward.checked_states >= 1 and second.forward.checked_tokens >= 96
+    # Counted as delivered once the workers reported the load done, and reported to the server as such.
+    stats = second.connector.planner.stats
+    assert (stats.loads_done, stats.loaded_tokens, stats.loads_failed) == (1, 96, 0)
+    second.connector._delivery.flush()
+    with Client.from_url(server.url) as client:
+        assert client.stats()["delivered"]["loaded_tokens_by_tier"] == {"host": 96}
 
     # What the worker loaded is byte-identical to what tiercache holds (and to what the first engine computed).
     spec = second.connector.spec
@@ -139,6 +145,8 @@ def test_a_failed_load_is_reported_and_recomputed(server, engines, damage):
     failed = [t for t in second.transfer_log if t.failed_recving]
     assert failed and failed[0].failed_recving == {"b"}
     assert second.hits["b"] == 0 and second.recomputed["b"] >= 100  # the failed load left nothing to reuse
+    stats = second.connector.planner.stats
+    assert (stats.loads_failed, stats.loaded_tokens) == (1, 0) and stats.failed_load_tokens == stats.load_tokens_planned
 
 
 def test_a_dead_server_makes_misses_not_errors(engines, unused_port):

