@@ -75,25 +75,26 @@ def _lookup_families(stats: StoreStats) -> Iterator[Metric]:
     yield CounterMetricFamily("tiercache_lookups", "Prefix lookups connectors made", value=lookups.lookups)
     yield CounterMetricFamily("tiercache_lookup_requested_tokens", "Prompt tokens of those lookups",
                               value=lookups.requested_tokens)
-    found = CounterMetricFamily("tiercache_lookup_found_tokens",
-                                "Prompt tokens lookups found restorable, by tier (includes what the engine held "
-                                "itself: tiercache_delivered_tokens counts what it loaded)", labels=["tier"])
-    # Every tier from the start, at 0 until a lookup finds something there: a family without samples is no series at
-    # all, so a dashboard or a `rate()` had nothing to show (and nothing to tell "none" from "not scraped").
-    for tier, n in sorted(({t.name: 0 for t in stats.tiers} | dict(lookups.found_tokens_by_tier)).items()):
-        found.add_metric([tier], n)
-    yield found
+    yield _by_tier("tiercache_lookup_found_tokens", "Prompt tokens lookups found restorable, by tier (includes what "
+                   "the engine held itself: tiercache_delivered_tokens counts what it loaded)", stats,
+                   lookups.found_tokens_by_tier)
+
+
+def _by_tier(name: str, doc: str, stats: StoreStats, counts: dict[str, int]) -> Metric:
+    """A counter by tier with every tier from the start, at 0 until something counts there: a family without samples
+    is no series at all, so a dashboard or a `rate()` had nothing to show (and nothing to tell "none" from "not
+    scraped"; tests/server/test_stats_log.py)."""
+    family = CounterMetricFamily(name, doc, labels=["tier"])
+    for tier, n in sorted(({t.name: 0 for t in stats.tiers} | dict(counts)).items()):
+        family.add_metric([tier], n)
+    return family
 
 
 def _delivery_families(stats: StoreStats) -> Iterator[Metric]:
     """What engines did with tiercache's bytes, as their connectors report it (ReportDelivery)."""
     delivered = stats.delivered
-    tokens = CounterMetricFamily("tiercache_delivered_tokens",
-                                 "Prompt tokens engines loaded from tiercache beyond their own prefix cache's hit, "
-                                 "by tier", labels=["tier"])
-    for tier, n in sorted(({t.name: 0 for t in stats.tiers} | dict(delivered.loaded_tokens_by_tier)).items()):
-        tokens.add_metric([tier], n)
-    yield tokens
+    yield _by_tier("tiercache_delivered_tokens", "Prompt tokens engines loaded from tiercache beyond their own prefix "
+                   "cache's hit, by tier", stats, delivered.loaded_tokens_by_tier)
     yield CounterMetricFamily("tiercache_delivered_loads", "Loads engines completed", value=delivered.loads)
     yield CounterMetricFamily("tiercache_failed_loads", "Loads that failed (the engine recomputed the tokens)",
                               value=delivered.failed_loads)
