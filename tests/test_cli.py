@@ -207,3 +207,18 @@ def test_token_hash_makes_the_digest_a_server_accepts(tmp_path):
     short = subprocess.run([sys.executable, "-m", "tiercache", "token-hash"], input="short\n", capture_output=True,
                            text=True, timeout=30, env=python_env())
     assert short.returncode == 2 and "at least 16 characters" in short.stderr and short.stdout == ""
+
+
+def test_stats_show_what_engines_loaded_apart_from_what_lookups_found():
+    from tiercache.cli import format_table
+
+    stats = {"tiers": [], "namespaces": [],
+             "lookups": {"lookups": 2, "requested_tokens": 600, "found_tokens_by_tier": {"host": 576}},
+             "delivered": {"loads": 0, "loaded_tokens_by_tier": {}, "failed_loads": 0, "failed_load_tokens": 0,
+                           "saves_dropped_by_reason": {"unreachable": 4}}}
+    lines = format_table(stats).splitlines()
+    # The same prompt twice in one engine: found by both lookups, loaded by neither (vLLM's own cache served it).
+    assert "loaded by engines: 0 of 600 prompt tokens (0.0%) (none) in 0 loads, 0 failed (0 tokens recomputed)" in lines
+    assert "found by lookups:  576 of 600 prompt tokens (96.0%) (host 576) in 2 lookups, with what the engines " \
+           "held themselves" in lines
+    assert "saves dropped:     4 objects (unreachable 4)" in lines

@@ -286,18 +286,24 @@ def _hit_lines(lookups: dict, delivered: dict) -> list[str]:
     engines held themselves)."""
     if not lookups["lookups"] and not delivered["loads"] and not delivered["failed_loads"]:
         return []
-    requested = max(lookups["requested_tokens"], 1)
-    loaded = delivered["loaded_tokens_by_tier"]
-    found = lookups["found_tokens_by_tier"]
+    requested = lookups["requested_tokens"]
+    loaded, found = delivered["loaded_tokens_by_tier"], lookups["found_tokens_by_tier"]
     dropped = delivered["saves_dropped_by_reason"]
-    lines = ["", f"loaded by engines: {sum(loaded.values())} of {lookups['requested_tokens']} prompt tokens "
-                 f"({100 * sum(loaded.values()) / requested:.1f}%; {_by_name(loaded)}) in {delivered['loads']} "
-                 f"loads, {delivered['failed_loads']} failed ({delivered['failed_load_tokens']} tokens recomputed)",
-             f"found by lookups:  {sum(found.values())} ({100 * sum(found.values()) / requested:.1f}%; "
-             f"{_by_name(found)}) in {lookups['lookups']} lookups, with what the engines held themselves"]
+    lines = ["", f"loaded by engines: {_share(sum(loaded.values()), requested)} ({_by_name(loaded)}) in "
+                 f"{delivered['loads']} loads, {delivered['failed_loads']} failed "
+                 f"({delivered['failed_load_tokens']} tokens recomputed)",
+             f"found by lookups:  {_share(sum(found.values()), requested)} ({_by_name(found)}) in "
+             f"{lookups['lookups']} lookups, with what the engines held themselves"]
     if any(dropped.values()):
         lines.append(f"saves dropped:     {sum(dropped.values())} objects ({_by_name(dropped)})")
     return lines
+
+
+def _share(tokens: int, requested: int) -> str:
+    """`tokens` of the prompt tokens lookups asked for (no share when none were asked: reports without lookups)."""
+    if not requested:
+        return f"{tokens} prompt tokens"
+    return f"{tokens} of {requested} prompt tokens ({100 * tokens / requested:.1f}%)"
 
 
 def _by_name(counts: dict[str, int]) -> str:
