@@ -22,18 +22,22 @@ else level. Every reply is compared with vLLM alone's at the same (user, round);
 user's later prompts, so the first differing (user, round) of each run is reported and later mismatches whose prompt
 already differed are counted apart (benchmarks/chat/report.py).
 
-The gap: --gap-s 4 by default. A user's conversation (its context, questions and replies: ~2.6-2.9 k tokens with the
-defaults) must be evicted from the small cache before the user comes back, or `alone` measures a cache big enough for
-the working set. vLLM evicts by LRU when other requests need blocks, so the gap must let the other users' rounds
-through first; 4 s, with 8 users started 0.5 s apart, lets about every other user send a round in between. Measured
-on a short run (2 cores, the defaults but 3 rounds; see the module's report in the notes): `alone` got only the shared
-system prompt's hits from round 1 on (its own prefix cache evicted each user's conversation) while `alone-equal` and
-`tiercache` hit the previous rounds.
+The gap: --gap-s 4 by default, so that under load every other user's next round is served between two of a user's
+rounds (8 users, TTFT ~0.1-0.5 s each on 2 cores with the defaults): the order in which conversations come back is
+round robin, LRU's worst case. But vLLM evicts only when other requests need blocks (LRU, no time-to-live): no gap
+evicts a working set that fits. Measured (2 cores, the defaults but --rounds 3, one run): vLLM's CPU KV cache of
+64 MiB holds 35,430 tokens of the tiny model, and the 8 users' conversations (~2.6-2.9 k tokens each) fit: `alone`
+hit 20,864 and 21,632 tokens in rounds 1 and 2, as many as `alone-equal` (the whole previous prompts), so with these
+defaults `alone` does not stand for an engine whose cache lost the conversations. Nor with --users 16 --rounds 2
+(41,728 hit tokens in round 1: every user's whole previous prompt). To make it lose them, give the users more than
+the cache holds (a smaller --kv-cache-mib, longer --context-tokens, more --users: not yet measured which suffices)
+and check that `alone`'s hit tokens per round fall to the shared system prompt's (1,024 per request).
 
-Turn-end hits need vLLM's async scheduling OFF: a round's prompt starts with the previous prompt and its reply, and
-tiercache holds that reply only if the connector saved the request's end. vLLM's CPU platform turns async scheduling
-off; on GPUs it is on by default, and the connector then does not save a request's end (docs/vllm.md): there run vLLM
-with --no-async-scheduling, or the hits stop at the previous prompt's last saved block.
+Turn-end hits depend on vLLM's scheduling: a round's prompt starts with the previous prompt and its reply, and
+tiercache holds that reply only if the connector saved the request's end. vLLM's CPU platform (this benchmark) turns
+async scheduling off. On GPUs it is on by default; docs/vllm.md says a request that ends with a step in flight is then
+not saved at its end, while tests/vllm has one such case saved under vLLM 0.33's scheduler: until that is settled on a
+real engine, run vLLM with --no-async-scheduling where turn-end hits matter.
 
 Without --model-dir the benchmark writes a tiny random-weight Qwen3-Next (GDN + attention, N = 256), on which compute
 is cheap: hits save less time than on a real model and moving bytes costs relatively more.

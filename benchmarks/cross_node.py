@@ -54,7 +54,7 @@ def measure(model, redis_url: str, cluster: bool, prefixes: list[np.ndarray], su
             for step, cached, suffix in zip(STEPS, (through_a, through_a, through_b, through_b), suffixes):
                 runs[step].append(_request(cached, np.concatenate([prefix, suffix])))
         stats_b = b.stats()
-    redis_hits = stats_b["lookups"]["hit_tokens_by_tier"].get("redis", 0)
+    redis_hits = stats_b["delivered"]["loaded_tokens_by_tier"].get("redis", 0)  # what node B's loads read from Redis
     return {"shared_tier": "redis-cluster (3+3)" if cluster else "redis", "chunk_tokens": through_a.spec.chunk_tokens,
             "steps": {step: {"hit_tokens": statistics.median(r["hit_tokens"] for r in rs),
                              "ttft_ms": statistics.median(r["ttft_ms"] for r in rs)} for step, rs in runs.items()},

@@ -97,8 +97,8 @@ class ChatLoop:
 
 class ChatPhase:
     """Rounds [first, end) of a loop, as measure() runs them: `drive` sends them (measure's closed-loop hook); the
-    phase's length is its requests'; iterating gives the requests sent (after the run). Outcome index within the
-    phase: (round - first) * users + user (the restart arm's merge numbers them on: round * users + user)."""
+    phase's length is its requests'; iterating gives the requests sent (after the run). Outcome index: round * users
+    + user, in every phase (measure.merge keeps the indices of the phases it joins)."""
 
     def __init__(self, loop: ChatLoop, first: int, end: int) -> None:
         self.loop, self.first, self.end = loop, first, end
@@ -129,7 +129,7 @@ class ChatPhase:
                     if round_ > self.first:
                         await asyncio.sleep(spec.gap_s)
                     prompt = self.loop.prompt(u, round_)
-                    index = (round_ - self.first) * spec.users + u
+                    index = round_ * spec.users + u
                     request = TraceRequest(index, time.perf_counter() - started, tuple(prompt), spec.answer_tokens,
                                            ())
                     self.requests[index] = request
@@ -137,7 +137,7 @@ class ChatPhase:
                     outcome = await complete(session, server, model, request)
                     self.loop.prompts[u] = prompt
                     self.loop.replies[u].append(list(outcome.token_ids))
-                    record = {"index": round_ * spec.users + u, "user": u, "round": round_,
+                    record = {"index": index, "user": u, "round": round_,
                               "prompt_tokens": len(prompt), "prompt_hash": prompt_hash(prompt),
                               "sent_s": round(request.arrival_s, 3)}
                     record.update(await meter.read(session, server))

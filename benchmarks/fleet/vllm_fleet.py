@@ -171,10 +171,10 @@ def run_policy(policy: str, requests: list[trace.TraceRequest], args) -> dict:
                 for name in names}
         connector = {name: int(after[name]["external_hit_tokens"] - before[name]["external_hit_tokens"])
                      for name in names}
-        served = {name: prometheus_sum(scrape(caches[name].metrics_url), "tiercache_lookup_hit_tokens_total")
-                  for name in names}
+        served = {name: prometheus_sum(scrape(caches[name].metrics_url), "tiercache_delivered_tokens_total")
+                  for name in names}  # what each pod's engine loaded from its tiercache (counters since its start)
         return {"rows": rows, "hit_tokens": sum(hits.values()), "hit_tokens_per_pod": hits,
-                "connector_hit_tokens_per_pod": connector, "tiercache_lookup_hit_tokens_per_pod": served,
+                "connector_hit_tokens_per_pod": connector, "tiercache_delivered_tokens_per_pod": served,
                 "errors": sum(1 for r in rows if r["ttft_ms"] is None),
                 "elapsed_s": round(elapsed, 1), "index_skipped": router.skipped(), "model_dir": model_dir,
                 "N": block_size, "cores": dict(zip(names, cores)), "logs": str(work)}

@@ -34,6 +34,7 @@ def test_three_arms_two_users_three_rounds(tmp_path):
         name, arm = run["arm"], run["result"]
         assert arm["requests"] == 6 and arm["errors"] == 0, (name, arm.get("error_kinds"))
         assert [len(o["token_ids"]) for o in arm["outcomes"]] == [8] * 6
+        assert [o["index"] for o in arm["outcomes"]] == list(range(6))  # round * users + user, phases joined
         assert all(o["cached_tokens"] is not None for o in arm["outcomes"])
         # Each round's prompt is the previous prompt, the reply the server streamed, and a new question.
         records = {(r["user"], r["round"]): r for r in arm["chat"]}
@@ -51,6 +52,6 @@ def test_three_arms_two_users_three_rounds(tmp_path):
     assert restart["phases"]["after"]["hits"]["tiercache_delivered"] > 0
     outputs = report["outputs"]["arms"]
     assert outputs["tiercache"]["compared"] == outputs["restart"]["compared"] == 6
-    assert set(report["rounds"]["tiercache"]) == {"0", "1", "2"}
+    assert set(report["rounds"]["tiercache"]) == set(report["rounds"]["restart"]) == {"0", "1", "2"}
     assert plot_path.stat().st_size > 10_000
     assert "tiercache / alone:" in result.stdout and "first differing (user, round)" in result.stdout
