@@ -53,22 +53,22 @@ class DeliveryReporter:
             self.sent = self.sent + report
         return True
 
-    def close(self) -> None:
-        """Stop the thread after one last report (bounded by the client's deadline)."""
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the thread after one last report, waiting for it at most `timeout_s`: an engine's exit must not wait
+        on a hung server (the thread is a daemon; what it could not send is lost with the process)."""
         with self._changed:
             self._stopped = True
             self._changed.notify()
-        self._thread.join()
-        self.flush()
+        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         while True:
             with self._changed:
                 while self._pending.is_empty() and not self._stopped:
                     self._changed.wait()
-                if self._stopped:
-                    return
+                stopped = self._stopped
             self.flush()
+            if stopped:
+                return
             with self._changed:
-                if self._changed.wait_for(lambda: self._stopped, self.interval_s):
-                    return
+                self._changed.wait_for(lambda: self._stopped, self.interval_s)
