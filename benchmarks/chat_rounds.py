@@ -54,8 +54,6 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +62,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.chat import report as chat_report  # noqa: E402
 from benchmarks.chat.loop import ChatLoop, ChatSpec  # noqa: E402
 from benchmarks.serve_trace import merge_reports, meta, write_plot  # noqa: E402
-from benchmarks.serving.arms import Bench, one_engine, restarted  # noqa: E402
+from benchmarks.serving.arms import Bench, interleaved, one_engine, restarted, work_and_model  # noqa: E402
 
 ARMS = ("alone", "alone-equal", "tiercache", "restart", "alone-restart")
 SPEC_FLAGS = tuple(field.name for field in dataclasses.fields(ChatSpec))
@@ -101,32 +99,15 @@ def run(args: argparse.Namespace) -> dict:
     spec = ChatSpec(**{name: getattr(args, name) for name in SPEC_FLAGS})
     # What Bench sizes vLLM's max_model_len with: the last round's prompt and its reply (measure's warm-up sends 1000).
     args.max_input_tokens, args.max_output_tokens = max(spec.max_prompt_tokens, 1024), spec.answer_tokens
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="tiercache-chat-rounds-"))
-    work.mkdir(parents=True, exist_ok=True)
-    model_dir, block_size, model_name = args.model_dir, args.block_size, args.model_dir
-    if model_dir is None:
-        from tests.vllm_engine.models import FOUR_LAYER
-
-        model_dir, block_size = FOUR_LAYER.write(work), FOUR_LAYER.block_size
-        model_name = "tiny random-weight Qwen3-Next (4 layers)"
-    elif not block_size:
-        raise SystemExit("--model-dir needs --block-size (vLLM's unified block size N for that model)")
+    work, model_dir, block_size, model_name = work_and_model(args, "tiercache-chat-rounds-")
     bench = Bench(args, model_dir, block_size, work, [], [])
     params = {**{k: v for k, v in vars(args).items() if k not in ("plot_from", "progress", "merge")}, "arms": arms,
               "model_dir": model_dir, "N": block_size, "work_dir": str(work),
               "max_prompt_tokens": spec.max_prompt_tokens}
     print(f"{spec.users} users x {spec.rounds} rounds, prompts up to {spec.max_prompt_tokens} tokens; "
           f"{args.repeats} rounds of {', '.join(arms)}; logs in {work}", file=sys.stderr)
-    runs = []
-    for repeat in range(args.repeats):
-        for name in arms:
-            started = time.monotonic()
-            result = run_arm(bench, spec, name)
-            result["arm_s"] = round(time.monotonic() - started, 1)
-            runs.append({"arm": name, "round": repeat, "result": result})
-            if args.json:  # as it goes: an interrupted run keeps what it measured
-                Path(args.json).write_text(json.dumps(chat_report.build(params, runs, meta(model_name)), indent=1))
-    return chat_report.build(params, runs, meta(model_name))
+    return interleaved(arms, args.repeats, lambda name: run_arm(bench, spec, name),
+                       lambda runs: chat_report.build(params, runs, meta(model_name)), args.json)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -47,7 +47,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.serving import report as reports  # noqa: E402
 from benchmarks.serving import trace  # noqa: E402
-from benchmarks.serving.arms import ARMS, NOREUSE_ARMS, Bench, arms_to_run, run_arm  # noqa: E402
+from benchmarks.serving.arms import (ARMS, NOREUSE_ARMS, Bench, arms_to_run, interleaved, run_arm,  # noqa: E402
+                                     work_and_model)
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake-conversation.jsonl"
 # The parameters that make two runs comparable (--merge refuses reports that differ in any of them).
@@ -59,16 +60,7 @@ SAME_SLICE = ("trace_name", "start", "max_requests", "conversations", "time_scal
 def run(args: argparse.Namespace) -> dict:
     arms = arms_to_run(args.arms)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="tiercache-serve-trace-"))
-    work.mkdir(parents=True, exist_ok=True)
-    model_dir, block_size, model_name = args.model_dir, args.block_size, args.model_dir
-    if model_dir is None:
-        from tests.vllm_engine.models import FOUR_LAYER
-
-        model_dir, block_size = FOUR_LAYER.write(work), FOUR_LAYER.block_size
-        model_name = "tiny random-weight Qwen3-Next (4 layers)"
-    elif not block_size:
-        raise SystemExit("--model-dir needs --block-size (vLLM's unified block size N for that model)")
+    work, model_dir, block_size, model_name = work_and_model(args, "tiercache-serve-trace-")
     spec = trace.SliceSpec(args.start, args.max_requests, args.time_scale, args.max_input_tokens,
                            args.max_output_tokens, args.vocab, conversations=args.conversations)
     requests, fresh = trace.load(args.trace, spec), trace.load(args.trace, dataclasses.replace(spec, fresh=True))
@@ -83,16 +75,8 @@ def run(args: argparse.Namespace) -> dict:
     print(f"{len(requests)} requests over {params['slice_span_s']} s, {params['slice_prompt_tokens']} prompt tokens, "
           f"{params['slice_reusable_tokens']} of them repeating an earlier prefix; {args.repeats} rounds of "
           f"{', '.join(arms)}; logs in {work}", file=sys.stderr)
-    runs = []
-    for round_ in range(args.repeats):
-        for name in arms:
-            started = time.monotonic()
-            result = run_arm(bench, name)
-            result["arm_s"] = round(time.monotonic() - started, 1)
-            runs.append({"arm": name, "round": round_, "result": result})
-            if args.json:  # as it goes: an interrupted run keeps what it measured
-                Path(args.json).write_text(json.dumps(reports.build(params, runs, meta(model_name)), indent=1))
-    return reports.build(params, runs, meta(model_name))
+    return interleaved(arms, args.repeats, lambda name: run_arm(bench, name),
+                       lambda runs: reports.build(params, runs, meta(model_name)), args.json)
 
 
 def meta(model_name: str) -> dict:

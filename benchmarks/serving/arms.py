@@ -173,6 +173,39 @@ def run_arm(bench: Bench, name: str) -> dict:
     return runners[base]()
 
 
+def work_and_model(args, prefix: str) -> tuple[Path, str, int, str]:
+    """The work folder (engine logs) and the model: --model-dir with its --block-size, else a tiny random-weight
+    Qwen3-Next written there. (work, model_dir, N, a name for reports)"""
+    import tempfile
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    if args.model_dir is None:
+        from tests.vllm_engine.models import FOUR_LAYER
+
+        return work, FOUR_LAYER.write(work), FOUR_LAYER.block_size, "tiny random-weight Qwen3-Next (4 layers)"
+    if not args.block_size:
+        raise SystemExit("--model-dir needs --block-size (vLLM's unified block size N for that model)")
+    return work, args.model_dir, args.block_size, args.model_dir
+
+
+def interleaved(arms: list[str], repeats: int, run_one, build, json_path: str | None) -> dict:
+    """Every arm `repeats` times in rounds (A B C A B C ...), each run kept; the report rebuilt and written after every
+    run, so an interrupted benchmark keeps what it measured. `run_one(name) -> result`, `build(runs) -> report`."""
+    import time
+
+    runs = []
+    for round_ in range(repeats):
+        for name in arms:
+            started = time.monotonic()
+            result = run_one(name)
+            result["arm_s"] = round(time.monotonic() - started, 1)
+            runs.append({"arm": name, "round": round_, "result": result})
+            if json_path:
+                Path(json_path).write_text(json.dumps(build(runs), indent=1))
+    return build(runs)
+
+
 def arms_to_run(spec: str) -> list[str]:
     names = []
     for name in (s.strip() for s in spec.split(",") if s.strip()):
