@@ -122,7 +122,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         if kv_cache_config is None:
-            raise InvalidArgument("TierCacheConnector needs vLLM's KVCacheConfig (vLLM 0.33 or newer)")
+            raise InvalidArgument("TierCacheConnector needs vLLM's KVCacheConfig, which vLLM 0.32 and 0.33 pass to "
+                                  "connectors (an older vLLM does not)")
         settings = VllmSettings.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         self.settings = settings
         self.groups = engine_groups(kv_cache_config)
