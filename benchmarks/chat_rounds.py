@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.chat import report as chat_report  # noqa: E402
 from benchmarks.chat.loop import ChatLoop, ChatSpec  # noqa: E402
+from benchmarks.serving.report import add_output_flags  # noqa: E402
 from benchmarks.serve_trace import merge_reports, meta, write_plot  # noqa: E402
 from benchmarks.serving.arms import Bench, interleaved, one_engine, restarted, work_and_model  # noqa: E402
 
@@ -141,12 +142,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=0, help="N of --model-dir's model (default: the tiny one's)")
     parser.add_argument("--connector-config", default="{}",
                         help="JSON merged into TierCacheConnector's kv_connector_extra_config where it runs")
-    parser.add_argument("--json", help="write the report here (after every run)")
-    parser.add_argument("--plot", help="write a PNG here (TTFT and hit tokens per round per arm)")
-    parser.add_argument("--plot-from", help="plot a report written by --json, and run nothing")
-    parser.add_argument("--merge", nargs="+", metavar="REPORT", help="merge these reports into --json, run nothing")
-    parser.add_argument("--work-dir", help="where engine logs (and the tiny model) go (default: a temp dir)")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    add_output_flags(parser, "write a PNG here (TTFT and hit tokens per round per arm)")
     return parser.parse_args(argv)
 
 

@@ -159,15 +159,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a hybrid model directory (else a tiny random-weight Qwen3-Next is written)")
     parser.add_argument("--block-size", type=int, default=0, help="N of --model-dir's model (default: the tiny one's)")
     parser.add_argument("--vocab", type=int, default=1024, help="token ids are drawn from [3, vocab)")
-    parser.add_argument("--json", help="write the report here (after every run)")
-    parser.add_argument("--plot", help="write a PNG here (TTFT distributions and hit tokens per arm)")
-    parser.add_argument("--plot-from", help="plot a report written by --json, and run nothing")
-    parser.add_argument("--merge", nargs="+", metavar="REPORT", help="merge these reports into --json, run nothing")
     parser.add_argument("--connector-config", default="{}",
                         help="JSON merged into TierCacheConnector's kv_connector_extra_config in every arm that has "
                              "it, e.g. '{\"max_pending_save_bytes\": 0}' (saves off: what lookups alone cost)")
-    parser.add_argument("--work-dir", help="where engine logs (and the tiny model) go (default: a temp dir)")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    reports.add_output_flags(parser, "write a PNG here (TTFT distributions and hit tokens per arm)")
     return parser.parse_args(argv)
 
 

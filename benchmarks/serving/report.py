@@ -90,6 +90,16 @@ def _per_request(result: dict, field: str, phase: str) -> dict[int, float]:
     return chosen
 
 
+def add_output_flags(parser, plot_help: str) -> None:
+    """The flags every serving benchmark shares: where the report, the plot and the engines' logs go; merging."""
+    parser.add_argument("--json", help="write the report here (after every run)")
+    parser.add_argument("--plot", help=plot_help)
+    parser.add_argument("--plot-from", help="plot a report written by --json, and run nothing")
+    parser.add_argument("--merge", nargs="+", metavar="REPORT", help="merge these reports into --json, run nothing")
+    parser.add_argument("--work-dir", help="where engine logs (and the tiny model) go (default: a temp dir)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+
 # -- text ----------------------------------------------------------------------------------------------------------
 
 def table(report: dict) -> str:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from tiercache.errors import InvalidArgument
+
 # Why a saved object never reached a server (Delivered.saves_dropped_by_reason).
 DROPPED_BACKLOG = "backlog"  # more than max_pending_save_bytes were waiting to be sent
 DROPPED_UNREACHABLE = "unreachable"  # the server did not answer (or the client's breaker was open)
@@ -42,6 +44,16 @@ class Delivered:
     @property
     def saves_dropped(self) -> int:
         return sum(self.saves_dropped_by_reason.values())
+
+    def checked(self) -> "Delivered":
+        """This report, when a server may count it (it comes off the wire): known reasons, a bounded set of tiers."""
+        unknown = set(self.saves_dropped_by_reason) - set(DROP_REASONS)
+        if unknown:
+            raise InvalidArgument(f"unknown reasons for dropped saves: {', '.join(sorted(unknown))} (known: "
+                                  f"{', '.join(DROP_REASONS)})")
+        if len(self.loaded_tokens_by_tier) > 16 or any(len(tier) > 64 for tier in self.loaded_tokens_by_tier):
+            raise InvalidArgument("a delivery names at most 16 tiers of at most 64 characters")
+        return self
 
     def is_empty(self) -> bool:
         return not (self.loads or self.failed_loads or self.loaded_tokens or self.saves_dropped)

@@ -18,7 +18,6 @@ from tiercache.config import Config
 from tiercache.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from tiercache.events.query import PodHit, query_hashes, query_tokens
 from tiercache.events.restorable import Pod
-from tiercache.prefix.delivered import DROP_REASONS
 from tiercache.prefix.lookup import find_hit
 from tiercache.protocol.data_channel import PutEntry
 from tiercache.protocol.wire import (chain_shape, chunk_meta, delivered, delivery_totals, frames, lookup_query, pb,
@@ -178,14 +177,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
     @rpc
     async def ReportDelivery(self, request: pb.DeliveryReport, context, tenant: Tenant) -> pb.DeliveryReportAck:
         tenant.checked_namespace(request.namespace)
-        report = delivered(request.delivered)
-        unknown = set(report.saves_dropped_by_reason) - set(DROP_REASONS)
-        if unknown:
-            raise InvalidArgument(f"unknown reasons for dropped saves: {', '.join(sorted(unknown))} (known: "
-                                  f"{', '.join(DROP_REASONS)})")
-        if len(report.loaded_tokens_by_tier) > 16 or any(len(tier) > 64 for tier in report.loaded_tokens_by_tier):
-            raise InvalidArgument("a delivery names at most 16 tiers of at most 64 characters")
-        self.store.reports.record_delivery(report)
+        self.store.reports.record_delivery(delivered(request.delivered).checked())
         return pb.DeliveryReportAck()
 
     @rpc

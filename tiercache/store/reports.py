@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 
-from tiercache.prefix.delivered import Delivered
+from tiercache.prefix.delivered import Delivered, summed_counts
 from tiercache.store.stats import LookupStats
 
 
@@ -23,9 +23,7 @@ class EngineReports:
     def record_lookup(self, requested_tokens: int, found_tokens_by_tier: dict[str, int]) -> None:
         """Count one lookup the server answered (the hit rule runs in Lookup)."""
         with self._lock:
-            found = dict(self._lookups.found_tokens_by_tier)
-            for tier, n in found_tokens_by_tier.items():
-                found[tier] = found.get(tier, 0) + n
+            found = summed_counts(self._lookups.found_tokens_by_tier, found_tokens_by_tier)
             self._lookups = LookupStats(self._lookups.lookups + 1, self._lookups.requested_tokens + requested_tokens,
                                         found)
 

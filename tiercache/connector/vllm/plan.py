@@ -160,28 +160,24 @@ class Planner:
 
     def loads_reported(self, finished: set[str], failed: set[str]) -> Delivered:
         """The workers' report of loads (`finished` includes the failed ones, as vLLM's finished_recving does): what
-        they delivered, counted here and returned for the server."""
-        done = failed_count = failed_tokens = 0
-        by_tier: dict[str, int] = {}
+        they delivered, counted here and returned for the server. A failed request is recomputed, never offered the
+        same hit again."""
+        report = Delivered()
         for req_id in finished | failed:
             tracked = self._requests.get(req_id)
-            if tracked is None or tracked.loading is None:
+            if tracked is None:
                 continue
-            tokens = sum(tracked.loading.values())
             if req_id in failed:
-                failed_count, failed_tokens = failed_count + 1, failed_tokens + tokens
-                tracked.load_failed = True
-                tracked.lookup = None
-            else:
-                done += 1
-                for tier, n in tracked.loading.items():
-                    by_tier[tier] = by_tier.get(tier, 0) + n
-            tracked.loading = None
-        self.stats.loads_done += done
-        self.stats.loaded_tokens += sum(by_tier.values())
-        self.stats.loads_failed += failed_count
-        self.stats.failed_load_tokens += failed_tokens
-        return Delivered(done, by_tier, failed_count, failed_tokens)
+                tracked.load_failed, tracked.lookup = True, None
+            if tracked.loading is not None:
+                report += Delivered(failed_loads=1, failed_load_tokens=sum(tracked.loading.values())) \
+                    if req_id in failed else Delivered(1, tracked.loading)
+                tracked.loading = None
+        self.stats.loads_done += report.loads
+        self.stats.loaded_tokens += report.loaded_tokens
+        self.stats.loads_failed += report.failed_loads
+        self.stats.failed_load_tokens += report.failed_load_tokens
+        return report
 
     # -- saves ---------------------------------------------------------------------------------------------------
 
