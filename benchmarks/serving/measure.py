@@ -50,6 +50,8 @@ def measure(bench, name: str, engines: list[VllmServer], requests, cache=None, r
     served = {key: int(cache_after[key] - cache_before[key]) for key in TIERCACHE_COUNTERS}
     result = summary(outcomes, wall)
     result["route"] = route
+    if drive is None:
+        result["drain_s"] = drain_s(requests, wall)
     result["prompt_tokens"] = sum(len(r.prompt) for r in requests)
     own = int(counted["local_hit_tokens"])
     promised = int(counted["external_hit_tokens"])
@@ -70,11 +72,20 @@ def merge(first: dict, second: dict) -> dict:
     outcomes = [Outcome(**o) for o in first["outcomes"] + second["outcomes"]]
     merged = summary(outcomes, first["wall_s"] + second["wall_s"])
     merged["route"] = first.get("route", "round-robin")
+    if "drain_s" in first and "drain_s" in second:
+        merged["drain_s"] = max(first["drain_s"], second["drain_s"])
     for key in ("prompt_tokens", "hit_tokens", "preemptions"):
         merged[key] = first[key] + second[key]
     merged["hits"] = {k: first["hits"][k] + second["hits"][k] for k in first["hits"]}
     merged["outcomes"] = first["outcomes"] + second["outcomes"]
     return merged
+
+
+def drain_s(requests, wall_s: float) -> float:
+    """Seconds from the last arrival to the last answer. An open-loop replay the engines keep up with drains in about
+    one request's time; a saturated one drains its queue, which grows with the slice (docs/benchmarks.md states the
+    clock of the two-instance arms by it)."""
+    return round(wall_s - max((r.arrival_s for r in requests), default=0.0), 2)
 
 
 def warm_up(engine: VllmServer, bench) -> None:

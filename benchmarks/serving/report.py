@@ -51,6 +51,8 @@ def _medians(results: list[dict]) -> dict:
         figures[group] = {f"p{p}": stats.median_of_runs(results, lambda r, p=p, g=group: r[g][f"p{p}"])
                           for p in points}
     figures["throughput_rps"] = stats.median_of_runs(results, lambda r: r["throughput_rps"])
+    if all("drain_s" in r for r in results):
+        figures["drain_s"] = stats.median_of_runs(results, lambda r: r["drain_s"])
     figures["hit_tokens"] = stats.median_of_runs(results, lambda r: r["hit_tokens"])
     figures["hits"] = {key: stats.median_of_runs(results, lambda r, k=key: r["hits"].get(k))
                        for key in results[0]["hits"]}
@@ -105,7 +107,7 @@ def add_output_flags(parser, plot_help: str) -> None:
 def table(report: dict) -> str:
     saturated = report["params"].get("saturated")
     head = (f"{'arm':<20}{'runs':>5}{'err':>5}{'TTFT p50':>10}{'p90':>9}{'p99':>9}{'E2E p50':>9}"
-            f"{'hit tok':>10}{'own':>9}{'loaded':>9}{'failed':>7}" + (f"{'req/s':>7}" if saturated else ""))
+            f"{'hit tok':>10}{'own':>9}{'loaded':>9}{'failed':>7}{'drain s':>8}" + (f"{'req/s':>7}" if saturated else ""))
     lines = [head]
     for name, arm in report["arms"].items():
         if "unavailable" in arm:
@@ -132,7 +134,7 @@ def _row(name: str, arm: dict, saturated: bool) -> str:
     return (f"{name:<20}{arm.get('runs', ''):>5}{arm['errors']:>5}{_num(t['p50']):>10}{_num(t['p90']):>9}"
             f"{_num(t['p99']):>9}{_num(e['p50']):>9}{_num(arm['hit_tokens'], 0):>10}"
             f"{_num(hits.get('vllm_prefix_cache'), 0):>9}{_num(loaded, 0):>9}"
-            f"{_num(hits.get('tiercache_failed_loads'), 0):>7}"
+            f"{_num(hits.get('tiercache_failed_loads'), 0):>7}{_num(arm.get('drain_s')):>8}"
             + (f"{arm['throughput_rps']:>7.2f}" if saturated else ""))
 
 

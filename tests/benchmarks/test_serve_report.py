@@ -108,3 +108,15 @@ def test_reports_made_apart_merge_as_further_rounds(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["serve_trace.py", "--merge", *paths, "--json", str(out)])
     serve_trace.main()
     assert json.loads(out.read_text())["arms"]["alone"]["runs"] == 4
+
+
+def test_drain_says_whether_a_replay_kept_up():
+    from benchmarks.serving.measure import drain_s
+    from benchmarks.serving.trace import TraceRequest
+
+    requests = [TraceRequest(i, float(i), (1, 2), 1, ()) for i in range(5)]  # last arrival at 4 s
+    assert drain_s(requests, 4.5) == 0.5
+    runs = [{"arm": "alone", "round": r, "result": _result(1.0, r, drain_s=d)} for r, d in enumerate((0.5, 9.0, 1.0))]
+    report = reports.build(PARAMS, runs, {})
+    assert report["arms"]["alone"]["drain_s"] == 1.0  # the median of the runs
+    assert "drain s" in reports.table(report)
