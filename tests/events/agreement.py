@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from benchmarks.fleet.checkpoint_index import CheckpointIndex
 from benchmarks.fleet.llmd_subscriber import Feeds
@@ -23,7 +22,7 @@ from tiercache.client import Client
 from tiercache.connector.prefix_cache import PrefixCache
 from tiercache.prefix.layout import GroupKind, LayerGroup, StateTensor
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake-conversation.jsonl"
+TRACE = ROOT / "tests" / "data" / "mooncake-conversation-slice.jsonl"  # tests/data/README.md
 UNKNOWN = 2  # a token no saved sequence has: trace prompts' tokens start at 3, and so do the outputs made here
 MODEL = "tiny"
 # A hybrid model whose recurrent state (4 KiB) outweighs a chunk's kv (512 B), as real ones' do (Qwen3.5-0.8B: MiBs
@@ -34,8 +33,6 @@ HYBRID = layout(LayerGroup(GroupKind.FULL_ATTENTION, (0,), kv_heads=1, head_dim=
 
 
 def trace_slice(requests: int, one_in: int, max_input: int) -> list[trace.TraceRequest]:
-    if not TRACE.exists():
-        pytest.skip(f"the trace is not here: {TRACE}")
     return trace.load(TRACE, trace.SliceSpec(max_requests=requests, conversations=one_in, max_input_tokens=max_input,
                                              max_output_tokens=48, vocab=1024))
 

@@ -13,14 +13,14 @@ import pytest
 from benchmarks.serving import trace
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake-conversation.jsonl"
+TRACE = ROOT / "tests" / "data" / "mooncake-conversation-slice.jsonl"  # its first 6 rows are the trace's
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the repository")
 def test_three_arms_on_a_few_requests(tmp_path):
     report_path, plot_path = tmp_path / "report.json", tmp_path / "plot.png"
     command = [sys.executable, str(ROOT / "benchmarks" / "serve_trace.py"), "--arms", "alone,tiercache,restart",
+               "--trace", str(TRACE),
                "--max-requests", "6", "--conversations", "1", "--time-scale", "0.02", "--max-input-tokens", "1024",
                "--max-output-tokens", "4", "--work-dir", str(tmp_path / "work"), "--json", str(report_path),
                "--plot", str(plot_path), "--no-progress"]
