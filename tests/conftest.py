@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import tempfile
 
 import pytest
 
@@ -10,6 +12,16 @@ from tests.redis_processes import RedisProcess
 from tiercache.config import (Config, DiskTierConfig, EventsConfig, HostTierConfig, MiB, RedisTierConfig,
                               SecurityConfig, ServerConfig)
 from tiercache.server.app import CacheServer
+
+
+def pytest_configure(config):
+    """The whole session (and every server, engine and CLI it starts) gets a home of its own: no test reads or
+    writes the user's ~/.cache/tiercache (the default disk tier, locked by a running `tiercache serve`) or anything
+    else under their home. Workers of a session share their controller's."""
+    if "TIERCACHE_TEST_HOME" not in os.environ:
+        home = tempfile.mkdtemp(prefix="tiercache-tests-home-")
+        os.environ.update(TIERCACHE_TEST_HOME=home, HOME=home, XDG_CACHE_HOME=os.path.join(home, ".cache"))
+        config.add_cleanup(lambda: shutil.rmtree(home, ignore_errors=True))
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 from tiercache.process import ServerProcess, free_port
 
-__all__ = ["ROOT", "ServerProcess", "free_port", "python_env", "wait_for"]
+__all__ = ["ROOT", "ServerProcess", "free_port", "leaked_arenas", "python_env", "wait_for"]
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout
 
@@ -25,6 +25,21 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0, what: str =
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(interval_s)
+
+
+@contextlib.contextmanager
+def leaked_arenas() -> Iterator[list[str]]:
+    """The host arenas (/dev/shm/tiercache-<pid>-*) that appeared inside the block and whose server is gone by its
+    end: what a command that ran a server left behind. Servers of others (a user's, a concurrent test's) are alive
+    or were there before, and are not counted."""
+    from tiercache.tiers.host import _arenas
+
+    before = {path for _, path in _arenas()}
+    leaked: list[str] = []
+    yield leaked
+    for pid, path in _arenas():
+        if path not in before and not Path(f"/proc/{pid}").exists():
+            leaked.append(path)
 
 
 def python_env() -> dict:

@@ -8,16 +8,19 @@ import sys
 
 import pytest
 
-from tests.helpers import python_env
+from tests.helpers import leaked_arenas, python_env
 
 pytestmark = pytest.mark.slow
 
 
 def test_cliff_quick(tmp_path):
     plot = tmp_path / "cliff.png"
-    result = subprocess.run([sys.executable, "-m", "tiercache", "bench", "cliff", "--quick", "--json", "--no-progress",
-                             "--plot", str(plot)], capture_output=True, text=True, env=python_env(), timeout=600)
+    with leaked_arenas() as leaked:
+        result = subprocess.run([sys.executable, "-m", "tiercache", "bench", "cliff", "--quick", "--json",
+                                 "--no-progress", "--plot", str(plot)], capture_output=True, text=True,
+                                env=python_env(), timeout=600)
     assert result.returncode == 0, result.stderr
+    assert leaked == [], "bench cliff's server left its host arena in /dev/shm"
     report = json.loads(result.stdout)
     n = report["N"]
     assert report["preset"] == "qwen3.5-0.8b" and n == 544 and report["u"] == 16

@@ -303,7 +303,7 @@ def cliff_command(args) -> int:
                                show_progress=not args.no_progress, tp_size=args.tp)
     finally:
         if server is not None:
-            server.kill()
+            server.stop()
     if args.plot:
         plot(result, args.plot)
         result["plot"] = args.plot

@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "tier and a 2 GiB disk tier in a temp dir)")
     demo.add_argument("--turns", type=_positive, default=4, metavar="N",
                       help="chat turns after the single prompts (default 4)")
+    demo.add_argument("--repeats", type=_positive, default=3, metavar="R",
+                      help="each cold and warm request R times on prompts of its own; medians printed (default 3)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     stats = commands.add_parser("stats", help="show a running server's tiers and namespaces")
@@ -252,7 +254,7 @@ def token_hash(args: argparse.Namespace) -> int:
 def demo(args: argparse.Namespace) -> int:
     from tiercache.demo import run_demo
 
-    return run_demo(args.server, args.turns, show_progress=not args.no_progress)
+    return run_demo(args.server, args.turns, show_progress=not args.no_progress, repeats=args.repeats)
 
 
 def run_bench(args: argparse.Namespace) -> int:

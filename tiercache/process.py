@@ -88,10 +88,27 @@ class ServerProcess:
         self.process.terminate()
         return self.wait(timeout_s)
 
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Stop the server the way that cleans up (SIGTERM: it unlinks its /dev/shm arena and closes its tiers), or
+        kill it if it has not exited after `grace_s`. `kill` is for a crash."""
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
     def kill(self) -> None:
+        """SIGKILL, as a crash or the OOM killer would; what the server would have cleaned up (its scratch disk
+        folder, its host arena in /dev/shm) is removed here once the process is gone."""
         if self.process and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        if self.process:
+            from tiercache.tiers.host import remove_arenas_of  # here: engine processes import this module too
+
+            remove_arenas_of(self.process.pid)
         self._remove_scratch()
 
     def _remove_scratch(self) -> None:
@@ -102,4 +119,4 @@ class ServerProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:
-        self.kill()
+        self.stop()

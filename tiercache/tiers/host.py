@@ -115,22 +115,38 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def _remove_stale_arenas() -> None:
-    """Delete arenas of tiercache servers that no longer run (named tiercache-<pid>-<random>)."""
+def _arenas() -> list[tuple[int, str]]:
+    """(server pid, path) of every tiercache arena in /dev/shm (named tiercache-<pid>-<random>)."""
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
-        return
+        return []
+    found = []
     for name in names:
         parts = name.split("-")
-        if len(parts) != 3 or parts[0] != "tiercache" or not parts[1].isdigit():
-            continue
+        if len(parts) == 3 and parts[0] == "tiercache" and parts[1].isdigit():
+            found.append((int(parts[1]), os.path.join(SHM_DIR, name)))
+    return found
+
+
+def _remove_stale_arenas() -> None:
+    """Delete arenas of tiercache servers that no longer run."""
+    for pid, path in _arenas():
         try:
-            os.kill(int(parts[1]), 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
-            _unlink_quietly(os.path.join(SHM_DIR, name))
+            _unlink_quietly(path)
         except PermissionError:
             pass  # another user's live process
+
+
+def remove_arenas_of(pid: int) -> int:
+    """Delete the arenas of a server that was killed (SIGKILL runs no cleanup: process.ServerProcess.kill calls this
+    once the process is reaped); how many there were."""
+    paths = [path for owner, path in _arenas() if owner == pid]
+    for path in paths:
+        _unlink_quietly(path)
+    return len(paths)
 
 
 def _pin(arena: mmap.mmap):
