@@ -107,8 +107,9 @@ def run(args: argparse.Namespace) -> dict:
               "max_prompt_tokens": spec.max_prompt_tokens}
     print(f"{spec.users} users x {spec.rounds} rounds, prompts up to {spec.max_prompt_tokens} tokens; "
           f"{args.repeats} rounds of {', '.join(arms)}; logs in {work}", file=sys.stderr)
+    started = meta(model_name)  # the commit the runs started from (HEAD may move while they run)
     return interleaved(arms, args.repeats, lambda name: run_arm(bench, spec, name),
-                       lambda runs: chat_report.build(params, runs, meta(model_name)), args.json)
+                       lambda runs: chat_report.build(params, runs, started), args.json)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

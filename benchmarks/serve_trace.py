@@ -75,8 +75,9 @@ def run(args: argparse.Namespace) -> dict:
     print(f"{len(requests)} requests over {params['slice_span_s']} s, {params['slice_prompt_tokens']} prompt tokens, "
           f"{params['slice_reusable_tokens']} of them repeating an earlier prefix; {args.repeats} rounds of "
           f"{', '.join(arms)}; logs in {work}", file=sys.stderr)
+    started = meta(model_name)  # the commit the runs started from (HEAD may move while they run)
     return interleaved(arms, args.repeats, lambda name: run_arm(bench, name),
-                       lambda runs: reports.build(params, runs, meta(model_name)), args.json)
+                       lambda runs: reports.build(params, runs, started), args.json)
 
 
 def meta(model_name: str) -> dict:

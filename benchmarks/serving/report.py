@@ -107,7 +107,8 @@ def add_output_flags(parser, plot_help: str) -> None:
 def table(report: dict) -> str:
     saturated = report["params"].get("saturated")
     head = (f"{'arm':<20}{'runs':>5}{'err':>5}{'TTFT p50':>10}{'p90':>9}{'p99':>9}{'E2E p50':>9}"
-            f"{'hit tok':>10}{'own':>9}{'loaded':>9}{'failed':>7}{'drain s':>8}" + (f"{'req/s':>7}" if saturated else ""))
+            f"{'hit tok':>10}{'own':>9}{'loaded':>9}{'failed':>7}{'drain s':>8}"
+            + (f"{'req/s':>7}" if saturated else ""))
     lines = [head]
     for name, arm in report["arms"].items():
         if "unavailable" in arm:
