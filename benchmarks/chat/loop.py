@@ -29,10 +29,10 @@ SYSTEM, CONTEXT, QUESTION = 0, 1, 2  # the parts of a prompt, in the generators'
 
 @dataclasses.dataclass(frozen=True)
 class ChatSpec:
-    users: int = 8
+    users: int = 16
     rounds: int = 6
     system_tokens: int = 1024
-    context_tokens: int = 1536
+    context_tokens: int = 3072
     question_tokens: int = 64
     answer_tokens: int = 32
     vocab: int = 1024
