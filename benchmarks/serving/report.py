@@ -122,7 +122,12 @@ def table(report: dict) -> str:
         cells = "  ".join(f"{label} {_ratio(row[label])}" for label, _, _ in FIGURES)
         phase = "" if row["phase"] == "all" else f" ({row['phase']} restart)"
         lines.append(f"  {row['arm']} / {row['baseline']}{phase}: {cells}   [{row['question']}]")
+    outputs = report["outputs"]
     lines += ["", "outputs against vLLM alone (greedy, every generated token):"]
+    if outputs.get("reference_runs", 0) > 1:
+        unstable, requests = len(outputs["reference_unstable"]), report["params"].get("max_requests", "?")
+        lines.append(f"  vLLM alone against itself: {unstable} of {requests} requests answered differently in two of "
+                     f"its {outputs['reference_runs']} runs")
     for name, tally in report["outputs"].get("arms", {}).items():
         causes = ", ".join(f"{n} {cause}" for cause, n in tally["causes"].items()) or "none differ"
         lines.append(f"  {name}: {tally['identical']} of {tally['compared']} identical ({causes})")

@@ -120,3 +120,22 @@ def test_drain_says_whether_a_replay_kept_up():
     report = reports.build(PARAMS, runs, {})
     assert report["arms"]["alone"]["drain_s"] == 1.0  # the median of the runs
     assert "drain s" in reports.table(report)
+
+
+def test_a_request_vllm_alone_itself_answers_differently_is_put_down_to_batching():
+    from benchmarks.serving.outputs import BATCHING
+
+    runs = _runs(2)
+    reference = [o["token_ids"] for o in runs[0]["result"]["outcomes"]]
+    wobbly = [list(t) for t in reference]
+    wobbly[4][1] += 1  # vLLM alone's second run answers request 4 otherwise: its step split followed the batch
+    runs[5]["result"] = _result(1.0, 11, outcomes=_outcomes(1.0, 11, tokens=wobbly))
+    steady = [list(t) for t in reference]
+    steady[4][1] += 7
+    steady[6][0] += 1  # request 6: vLLM alone answered it alike both times
+    runs[2]["result"] = _result(0.6, 30, outcomes=_outcomes(0.6, 30, tokens=steady))
+    outputs = reports.build(PARAMS, runs, {})["outputs"]
+    assert outputs["reference_unstable"] == [4] and outputs["reference_runs"] == 2
+    causes = {m["request"]: m["cause"] for m in outputs["arms"]["tiercache"]["mismatches"]}
+    assert causes == {4: BATCHING, 6: UNEXPLAINED}
+    assert "vLLM alone against itself: 1 of 40 requests" in reports.table(reports.build(PARAMS, runs, {}))

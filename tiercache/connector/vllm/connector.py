@@ -46,6 +46,7 @@ from tiercache.connector.prefix_cache import PrefixCache
 from tiercache.connector.vllm.identity import engine_identity
 from tiercache.connector.vllm.cores import born_off_compute_cores
 from tiercache.connector.vllm.layout import engine_groups, model_layout, paged_views
+from tiercache.connector.vllm.logs import join_vllm_log
 from tiercache.connector.vllm.plan import Planner, StepPlan
 from tiercache.connector.vllm.transfer import Transfers
 from tiercache.config import refuse_unknown
@@ -120,6 +121,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        join_vllm_log()  # before anything is logged, a refusal included
         super().__init__(vllm_config, role, kv_cache_config)
         if kv_cache_config is None:
             raise InvalidArgument("TierCacheConnector needs vLLM's KVCacheConfig, which vLLM 0.32 and 0.33 pass to "
