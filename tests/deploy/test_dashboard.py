@@ -1,10 +1,13 @@
-"""The Grafana dashboard only references metrics a running server really exports (scraped from /metrics)."""
+"""The Grafana dashboard only references metrics, and labels, that a running server really exports (scraped from
+/metrics)."""
 
 from __future__ import annotations
 
 import json
 import re
 import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import ROOT
 from tiercache.client import Client
@@ -26,3 +29,13 @@ def test_dashboard_metrics_exist(start_server):
     assert referenced, "the dashboard references no metric"
     missing = sorted(name for name in referenced if name not in exported)
     assert missing == [], f"dashboard metrics the server does not export: {missing}"
+    # Labels too: a renamed label (namespace -> cache_namespace, tests/server/test_metrics_labels.py) left behind in a
+    # `by (...)` or a selector would make a panel show one unlabelled series, or nothing, without any error.
+    labels = {label for family in text_string_to_metric_families(text) for sample in family.samples
+              for label in sample.labels}
+    used = {label.strip() for e in expressions
+            for group in re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", e) for label in group.split(",")}
+    used |= {label for e in expressions for selector in re.findall(r"\{([^}]*)\}", e)
+             for label in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", selector)}
+    assert used, "the dashboard groups by no label"
+    assert sorted(used - labels - {""}) == [], "dashboard labels the server does not export"

@@ -14,42 +14,28 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
-import yaml
 
+from tests.deploy.kustomize import KUBECTL, KUBERNETES_VERSION, OVERLAYS, WORKLOADS
+from tests.deploy.kustomize import one as _one
+from tests.deploy.kustomize import render_overlay as _render
 from tests.helpers import ROOT
 from tiercache.cli import build_parser, config_from_args
 from tiercache.config import Config, GiB, parse_size
 from tiercache.protocol.wire import SERVICE_NAME
 
-OVERLAYS = ("cpu", "gpu", "redis-cluster")
-KUBERNETES_VERSION = "1.30"  # the oldest release the manifests promise to work on (native gRPC probes are GA in 1.27)
 NO_SCHEMA = {"ServiceMonitor"}  # CRD of the Prometheus Operator: checked by the consistency tests below instead
 SERVER_OVERHEAD = 1 * GiB  # the DaemonSet's memory request beyond the host tier
 REDIS_OVERHEAD = 2 * GiB
 # Kinds without a namespace; every other object must land in the Namespace the base creates.
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "PersistentVolume",
                   "PriorityClass", "StorageClass"}
-WORKLOADS = {"DaemonSet", "Deployment", "StatefulSet", "Job"}
 
-KUBECTL = shutil.which("kubectl")
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl (with kustomize) is not installed")
-
-
-def _render(overlay: str) -> list[dict]:
-    out = subprocess.run([KUBECTL, "kustomize", str(ROOT / "deploy" / "overlays" / overlay)], check=True,
-                         capture_output=True, text=True).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
 def rendered(request) -> tuple[str, list[dict]]:
     return request.param, _render(request.param)
-
-
-def _one(objects: list[dict], kind: str, name: str | None = None) -> dict:
-    found = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
-    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
-    return found[0]
 
 
 def _server_container(objects: list[dict]) -> dict:
@@ -104,8 +90,11 @@ def test_ports_and_probes_match_the_server(rendered, tmp_path):
     monitor = _one(objects, "ServiceMonitor", "tiercache")
     assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {p["name"] for p in service["spec"]["ports"]}
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-    policy = _one(objects, "NetworkPolicy", "tiercache")
-    assert {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]} == set(ports)
+    # Policies add up (the metrics port has one of its own: tests/deploy/test_prerequisites.py): together they open
+    # every port the server listens on, and nothing else.
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"
+                and o["spec"]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "tiercache"}]
+    assert {p["port"] for policy in policies for rule in policy["spec"]["ingress"] for p in rule["ports"]} == set(ports)
 
 
 def _mounted(container: dict, path: str) -> dict | None:
@@ -261,7 +250,29 @@ def test_memory_request_is_the_host_tier_plus_overhead(rendered, tmp_path):
     request = parse_size(resources["requests"]["memory"])
     assert request == config.host.capacity_bytes + SERVER_OVERHEAD
     assert parse_size(resources["limits"]["memory"]) >= request
-    assert _one(objects, "DaemonSet", "tiercache")["spec"]["template"]["spec"]["hostIPC"] is True
+    # The host tier's /dev/shm: the node's (hostIPC, for same-host copies), or the pod's own memory-backed emptyDir
+    # that holds the whole tier (overlays/restricted); the runtime's default of 64 MB would not.
+    pod = _one(objects, "DaemonSet", "tiercache")["spec"]["template"]["spec"]
+    assert config.host.shared_memory
+    if not pod.get("hostIPC"):
+        shm = {v["name"]: v for v in pod["volumes"]}[_mounted(_server_container(objects), "/dev/shm")["name"]]
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert parse_size(shm["emptyDir"]["sizeLimit"]) >= config.host.capacity_bytes
+
+
+def test_ephemeral_storage_request_holds_the_pods_disk_volumes(rendered, tmp_path):
+    """An emptyDir on disk is charged to the pod's ephemeral storage (a hostPath is not): the request holds all of
+    them, and the disk tier's volume its capacity, or the kubelet evicts the pod as the tier fills."""
+    _, objects = rendered
+    config = _server_config(objects, tmp_path)
+    pod = _one(objects, "DaemonSet", "tiercache")["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    on_disk = {v["name"]: parse_size(v["emptyDir"]["sizeLimit"]) for v in pod["volumes"]
+               if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory"}
+    assert parse_size(container["resources"]["requests"]["ephemeral-storage"]) >= sum(on_disk.values())
+    disk_volume = _mounted(container, config.disk.path)["name"]
+    if disk_volume in on_disk:
+        assert on_disk[disk_volume] >= config.disk.capacity_bytes
 
 
 def test_redis_is_the_service_the_server_points_at_and_is_sized_from_maxmemory(rendered, tmp_path):

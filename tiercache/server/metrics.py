@@ -17,6 +17,10 @@ from tiercache.server.limits import StreamLimits
 from tiercache.store.stats import StoreStats
 from tiercache.store.tiered import TieredStore
 
+# Labels Prometheus sets on every series from the target it scraped (job, instance, and the Kubernetes ones a
+# ServiceMonitor adds): a metric's own label of one of these names is renamed exported_<name>, so none of ours has one.
+TARGET_LABELS = frozenset({"job", "instance", "namespace", "pod", "service", "container", "endpoint"})
+
 # name, help, attribute of TierStats; counters get the `_total` suffix from prometheus_client.
 _TIER_COUNTERS = (
     ("tiercache_tier_hits", "Reads served by this tier", "hits"),
@@ -61,8 +65,10 @@ class StoreCollector:
         yield up
         yield from _lookup_families(stats)
         yield from _delivery_families(stats)
-        used = GaugeMetricFamily("tiercache_namespace_used_bytes", "Bytes held in local tiers per namespace",
-                                 labels=["namespace"])
+        # Not `namespace`: Prometheus gives every scraped series its target's Kubernetes namespace under that name and
+        # renames ours to exported_namespace (TARGET_LABELS; tests/server/test_metrics_labels.py).
+        used = GaugeMetricFamily("tiercache_namespace_used_bytes", "Bytes held in local tiers per cache namespace",
+                                 labels=["cache_namespace"])
         for ns in stats.namespaces:
             used.add_metric([ns.namespace], ns.used_bytes)
         yield used
