@@ -12,12 +12,13 @@ import pytest
 
 from tests.helpers import ServerProcess, free_port, python_env
 from tiercache.cli import build_parser
-from tiercache.client import Client
+from tiercache.client import DEFAULT_URL, Client
 
 
-def run_cli(*args: str, timeout_s: float = 30) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout_s: float = 30, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`tiercache *args`, with `env` added to the test's environment."""
     return subprocess.run([sys.executable, "-m", "tiercache", *args], capture_output=True, text=True,
-                          timeout=timeout_s, env=python_env())
+                          timeout=timeout_s, env={**python_env(), **(env or {})})
 
 
 @pytest.fixture
@@ -44,6 +45,39 @@ def test_serve_round_trip_stats_and_graceful_sigterm(served):
     assert code == 0 and "stopped" in err
 
 
+def test_stats_asks_the_server_in_tiercache_url_unless_told_another(served):
+    # Before: stats always asked grpc://127.0.0.1:50051 without --server, while every client and connector honoured
+    # $TIERCACHE_URL (client.settings). Now the flag, else the variable, else the default, as everywhere.
+    dead = f"grpc://127.0.0.1:{free_port()}"
+    from_env = run_cli("stats", env={"TIERCACHE_URL": served.url})
+    assert from_env.returncode == 0, from_env.stderr
+    assert from_env.stdout.startswith("tiercache ") and f" at {served.url}, up " in from_env.stdout.splitlines()[0]
+    flag_first = run_cli("stats", "--json", "--server", served.url, env={"TIERCACHE_URL": dead})
+    assert flag_first.returncode == 0 and json.loads(flag_first.stdout)["tiers"], flag_first.stderr
+    env_dead = run_cli("stats", env={"TIERCACHE_URL": dead})
+    assert env_dead.returncode == 2 and f"no tiercache server at {dead}" in env_dead.stderr
+    help_text = " ".join(run_cli("stats", "--help").stdout.split())
+    assert f"(default: $TIERCACHE_URL, else {DEFAULT_URL}" in help_text
+
+
+def test_stats_shortens_long_namespaces_and_its_json_keeps_them(served):
+    # Before: the namespace column was as wide as the longest namespace: 256 characters made every row 260 wide.
+    long_name, short_name = "qwen3.5-0.8b@main#" + "f" * 200 + "~tail-0123456789", "ns"
+    with Client.from_url(served.url) as client:
+        client.put(long_name, b"k", b"x" * 1000)
+        client.put(short_name, b"k", b"y")
+    table = run_cli("stats", "--server", served.url)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    rows = lines[lines.index(next(line for line in lines if line.startswith("namespace "))):]
+    assert max(len(line) for line in rows) < 100, rows
+    shortened = next(line for line in rows if line.startswith("qwen3.5-0.8b@main#ff"))
+    assert "..." in shortened and shortened.split()[0].endswith("~tail-0123456789")
+    assert "--json has them in full" in rows[-1]
+    as_json = json.loads(run_cli("stats", "--server", served.url, "--json").stdout)
+    assert {n["namespace"] for n in as_json["namespaces"]} == {long_name, short_name}
+
+
 def test_config_file_with_flag_override(tmp_path):
     config = tmp_path / "tiercache.yaml"
     config.write_text(f"server:\n  port: {free_port()}\nhost:\n  capacity_bytes: 8MiB\n"
@@ -58,18 +92,23 @@ def test_config_file_with_flag_override(tmp_path):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["serve", "--bogus"], "unrecognized arguments: --bogus"),
-    (["serve", "--host-mem", "lots"], "not a size"),
-    (["serve", "--port", "99999", "--disk-size", "0"], "server.port"),
-    (["serve", "--disk-dir", "/proc/tiercache-cannot-exist"], "is not usable"),
+    # Before, the first two were said as `tiercache: error:` and `tiercache serve: error:`, and --port as the config
+    # key `server.port`: every error of a command is now said in one shape, by that command, naming the flag.
+    (["serve", "--bogus"], "unrecognized arguments: --bogus (see --help)"),
+    (["serve", "--host-mem", "lots"], "argument --host-mem: not a size"),
+    (["serve", "--port", "99999", "--disk-size", "0"], "argument --port: expected a port 0..65535, got '99999'"),
+    (["serve", "--metrics-port", "http"], "argument --metrics-port: expected a port 0..65535, got 'http'"),
+    (["serve", "--port", "0", "--disk-dir", "/proc/tiercache-cannot-exist"], "is not usable"),
     (["serve", "--config", "/nonexistent/tiercache.yaml"], "cannot read config file"),
     (["serve", "--redis-url", "http://x"], "redis.url"),
     (["serve", "--gpu-mem", "1GiB", "--port", "0"], "CUDA"),
     (["stats", "--server", "nonsense://x"], "grpc://host:port"),
+    (["stats", "--json", "--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_bad_input_is_one_clear_line(args, needle):
     result = run_cli(*args)
     assert result.returncode == 2
+    assert result.stderr.startswith(f"tiercache {args[0]}: error: "), result.stderr
     assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.stderr
 
@@ -80,8 +119,18 @@ def test_a_bad_size_in_the_config_file_is_one_line_naming_file_and_key(tmp_path)
     result = run_cli("serve", "--config", str(config))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"tiercache: error: config file {config}: host.capacity_bytes: not a size: 'lots' (use e.g. 512MiB, 4GiB or "
-        f"a byte count)"], result.stderr
+        f"tiercache serve: error: config file {config}: host.capacity_bytes: not a size: 'lots' (use e.g. 512MiB, "
+        f"4GiB or a byte count)"], result.stderr
+
+
+def test_a_config_file_that_is_not_yaml_is_one_line_naming_file_line_and_column(tmp_path):
+    config = tmp_path / "tiercache.yaml"
+    config.write_text("server:\n  port: [1\nhost: {\n")
+    result = run_cli("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"tiercache serve: error: config file {config} is not valid YAML: line 3, column 5: expected ',' or ']', but "
+        f"got ':' (while parsing a flow sequence that starts at line 2, column 9)"], result.stderr
 
 
 @pytest.mark.parametrize("flag", ["--port", "--data-port"])
@@ -96,8 +145,8 @@ def test_port_in_use_is_one_clear_line(tmp_path, flag):
         result = run_cli("serve", *args, "--disk-dir", str(tmp_path / "d2"))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"tiercache: error: cannot listen on 127.0.0.1:{port} for {'gRPC' if flag == '--port' else 'the data channel'} "
-        f"({flag}): Address already in use"], result.stderr
+        f"tiercache serve: error: cannot listen on 127.0.0.1:{port} for "
+        f"{'gRPC' if flag == '--port' else 'the data channel'} ({flag}): Address already in use"], result.stderr
 
 
 @pytest.mark.parametrize("command", [["stats"], ["demo", "--no-progress"],
@@ -108,8 +157,9 @@ def test_a_command_pointed_at_a_dead_server_says_so_in_one_line(command):
     url = f"grpc://127.0.0.1:{free_port()}"  # nobody listens there
     result = run_cli(*command, "--server", url)
     assert result.returncode != 0
+    prog = " ".join(["tiercache", *(a for a in command if not a.startswith("-"))])  # e.g. tiercache bench cliff
     assert result.stderr.strip().splitlines() == [
-        f"tiercache: error: no tiercache server at {url}: is `tiercache serve` running?"], result.stderr
+        f"{prog}: error: no tiercache server at {url}: is `tiercache serve` running?"], result.stderr
     assert result.stdout == ""
 
 
@@ -151,6 +201,19 @@ def test_every_flag_says_what_it_does():
     assert missing == []
 
 
+def test_serve_help_states_each_default_and_calls_every_port_port():
+    # Before: --host-mem, --disk-dir and --disk-size had no default in --help, and ports were METRICS_PORT,
+    # HEALTH_PORT, DATA_PORT or PORT by flag.
+    text = " ".join(run_cli("serve", "--help").stdout.split())
+    for flag, default in (("--host-mem SIZE", "default 1.0 GiB; 0: off"), ("--disk-size SIZE", "default 4.0 GiB"),
+                          ("--disk-dir DIR", "default $XDG_CACHE_HOME/tiercache/chunks, else ~/.cache/tiercache"),
+                          ("--port PORT", "default 50051"), ("--host ADDR", "default 127.0.0.1")):
+        assert f"{flag} " in text and default in text.split(f"{flag} ", 1)[1].split(" --", 1)[0], flag
+    serve = dict(_parsers(build_parser()))["tiercache serve"]
+    ports = {a.option_strings[0]: a.metavar for a in serve._actions if a.option_strings[0].endswith("-port")}
+    assert len(ports) == 5 and set(ports.values()) == {"PORT"}, ports
+
+
 def test_bench_cliff_lists_its_presets_and_takes_a_tp_size():
     from tiercache.prefix.presets import PRESETS
 
@@ -162,7 +225,8 @@ def test_bench_cliff_lists_its_presets_and_takes_a_tp_size():
     # Checked before a server is started or asked for (none listens at this URL).
     uneven = run_cli("bench", "cliff", "--tp", "3", "--server", f"grpc://127.0.0.1:{free_port()}")
     assert uneven.returncode == 2
-    assert uneven.stderr.strip().splitlines() == ["tiercache: error: kv_heads=2 does not split over tp_size=3"]
+    assert uneven.stderr.strip().splitlines() == ["tiercache bench cliff: error: kv_heads=2 does not split "
+                                                  "over tp_size=3"]
 
 
 def test_bench_cliff_simulates_one_tp_rank_and_plots_only_when_asked(tmp_path):

@@ -50,10 +50,22 @@ def test_a_bad_value_in_a_file_names_the_file_and_the_key(tmp_path):
         load_file(path)
 
 
-def test_bad_yaml_is_a_config_error(tmp_path):
+def test_bad_yaml_is_a_config_error_naming_file_line_and_column(tmp_path):
+    # Before: PyYAML's four lines flattened into one, naming the file "<unicode string>" (it parsed a string).
     path = tmp_path / "c.yaml"
-    path.write_text("server: [unclosed")
-    with pytest.raises(ConfigError):
+    for text, where in (("server: [unclosed", "line 1, column 18: expected ',' or ']', but got '<stream end>' (while "
+                                              "parsing a flow sequence that starts at line 1, column 9)"),
+                        ("server:\n  port: 1\n host: x\n", "line 3, column 2: expected <block end>, but found "
+                                                             "'<block mapping start>' (while parsing a block mapping "
+                                                             "that starts at line 1, column 1)"),
+                        ("server:\n\tport: 1\n", "line 2, column 1: found character '\\t' that cannot start any "
+                                                  "token (while scanning for the next token)")):
+        path.write_text(text)
+        with pytest.raises(ConfigError) as bad:
+            load_file(path)
+        assert str(bad.value) == f"config file {path} is not valid YAML: {where}"
+    path.write_bytes(b"server:\n  host: \xff\n")
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(byte 0xff at offset 16\)$"):
         load_file(path)
     with pytest.raises(ConfigError):
         load_file(tmp_path / "missing.yaml")

@@ -10,13 +10,28 @@ import signal
 import sys
 from typing import Sequence
 
-from tiercache.config import Config, format_size, load_file, parse_size, with_overrides
+from tiercache.config import (Config, DiskTierConfig, HostTierConfig, ServerConfig, format_size, load_file, parse_size,
+                              with_overrides)
 from tiercache.errors import ConfigError, StartCancelled, TierCacheError
+
+# The stats table's namespace column at most: a namespace may be 256 characters (record.keys), and padding the column
+# to one such made every row of the table 200+ columns wide (tests/test_cli.py). --json has the full names.
+NAMESPACE_COLUMN_CHARS = 60
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one clear line, not usage + traceback
+    """Every error a command's arguments get is one line, `tiercache <command>: error: ...` (main prints the errors
+    found later in the same shape), never usage + traceback."""
+
+    def error(self, message: str) -> None:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    def parse_args(self, args=None, namespace=None) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:  # argparse says these as the top parser (`tiercache: error:`), not as the command they went to
+            self.exit(2, f"{getattr(parsed, 'command_prog', self.prog)}: error: unrecognized arguments: "
+                         f"{' '.join(extras)} (see --help)\n")
+        return parsed
 
 
 def _size(text: str) -> int:
@@ -33,6 +48,17 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    """A port flag's value, refused as that flag (a config key's check would name `server.port` for `--port`)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {text!r}")
     return value
 
 
@@ -54,33 +80,43 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tiercache", description="Tiered cache service for LLM inference.")
     parser.add_argument("--version", action="version", version=f"tiercache {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    # The defaults --help states are the config's own (a default changed there cannot leave --help behind).
+    server = ServerConfig()
+    host_mem, disk_size = format_size(HostTierConfig.capacity_bytes), format_size(DiskTierConfig.capacity_bytes)
+    disk_dir = "$XDG_CACHE_HOME/tiercache/chunks, else ~/.cache/tiercache/chunks"
 
-    serve = commands.add_parser("serve", help="run the cache server", description=(
-        "Run the cache server. Without flags: host tier 1 GiB in RAM, disk tier 4 GiB under ~/.cache/tiercache, "
-        "no Redis, gRPC on 127.0.0.1:50051. Flags override the --config file."))
+    serve = _command(commands, "serve", help="run the cache server", description=(
+        f"Run the cache server. Without flags: host tier {host_mem} in RAM, disk tier {disk_size} under "
+        f"~/.cache/tiercache, no Redis, gRPC on {server.host}:{server.port}. Flags override the --config file."))
     serve.add_argument("--config", metavar="FILE", help="YAML config file (see README, 'Configuration')")
-    serve.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
-    serve.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
+    serve.add_argument("--host", metavar="ADDR",
+                       help=f"address to listen on (default {server.host}; 0.0.0.0 for all)")
+    serve.add_argument("--port", type=_port, metavar="PORT",
+                       help=f"gRPC port (default {server.port}; 0 picks a free one)")
     serve.add_argument("--unix-socket", metavar="PATH", help="also listen on a unix socket (grpc+unix:///PATH)")
-    serve.add_argument("--data-port", type=int, help="port of the data channel, remote clients' payloads beside gRPC "
-                       "(default 0: a free one, announced to clients)")
+    serve.add_argument("--data-port", type=_port, metavar="PORT", help="port of the data channel, remote clients' "
+                       "payloads beside gRPC (default 0: a free one, announced to clients)")
     serve.add_argument("--no-data-channel", dest="data_channel", action="store_false", default=None,
                        help="no data channel: remote payloads are streamed over gRPC")
     serve.add_argument("--gpu-mem", type=_size, metavar="SIZE", help="GPU memory tier size, e.g. 8GiB (needs CUDA; "
                                                                       "default: off)")
-    serve.add_argument("--host-mem", type=_size, metavar="SIZE", help="host memory tier size, e.g. 4GiB (0: off)")
-    serve.add_argument("--disk-dir", metavar="DIR", help="disk tier directory")
-    serve.add_argument("--disk-size", type=_size, metavar="SIZE", help="disk tier byte cap, e.g. 100GiB (0: off)")
+    serve.add_argument("--host-mem", type=_size, metavar="SIZE",
+                       help=f"host memory tier size, e.g. 4GiB (default {host_mem}; 0: off)")
+    serve.add_argument("--disk-dir", metavar="DIR", help=f"disk tier directory (default {disk_dir})")
+    serve.add_argument("--disk-size", type=_size, metavar="SIZE",
+                       help=f"disk tier byte cap, e.g. 100GiB (default {disk_size}; 0: off)")
     serve.add_argument("--redis-url", metavar="URL", help="Redis tier, e.g. redis://host:6379/0 (default: none)")
     serve.add_argument("--redis-cluster", action="store_true", default=None,
                        help="--redis-url names a node of a Redis Cluster")
     serve.add_argument("--write-through", action="store_true", default=None,
                        help="also write every chunk to Redis at once (cross-node sharing)")
     serve.add_argument("--max-chunk-size", type=_size, metavar="SIZE",
-                       help="largest chunk accepted (default 256MiB: the largest state of the models docs/deploy.md "
-                            "sizes)")
-    serve.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: off)")
-    serve.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
+                       help=f"largest chunk accepted (default {format_size(server.max_chunk_bytes)}: the largest "
+                            f"state of the models docs/deploy.md sizes)")
+    serve.add_argument("--metrics-port", type=_port, metavar="PORT",
+                       help="serve Prometheus /metrics on this port (default: off)")
+    serve.add_argument("--metrics-host", metavar="ADDR",
+                       help=f"address of the metrics endpoint (default {server.metrics_host})")
     serve.add_argument("--disk-fsync", action="store_true", default=None,
                        help="fsync each disk chunk before acknowledging its put (durable across crashes)")
     serve.add_argument("--redis-user", metavar="NAME", help="Redis ACL user")
@@ -90,11 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-key", metavar="FILE", help="private key of --tls-cert (PEM)")
     serve.add_argument("--tls-client-ca", metavar="FILE", help="require client certificates from this CA (mTLS)")
     serve.add_argument("--tenants-file", metavar="FILE", help="bearer tokens -> tenants (YAML); turns on auth")
-    serve.add_argument("--health-port", type=int, help="plaintext grpc.health.v1 port for probes (default: off)")
+    serve.add_argument("--health-port", type=_port, metavar="PORT",
+                       help="plaintext grpc.health.v1 port for probes (default: off)")
     serve.add_argument("--events", dest="events", action="store_true", default=None,
                        help="publish KV events for routers, per registered pod (docs/events.md; default: off)")
     serve.add_argument("--events-host", metavar="ADDR", help="address of the pods' event sockets (default 127.0.0.1)")
-    serve.add_argument("--events-query-port", type=int, metavar="PORT",
+    serve.add_argument("--events-query-port", type=_port, metavar="PORT",
                        help="serve the pod query over HTTP (POST /query, /query_by_hash) on --events-host:PORT "
                             "(docs/events.md; default: off)")
     serve.add_argument("--events-encoding", choices=["map", "array"],
@@ -110,11 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                        help="least severe log lines shown (default INFO)")
 
-    bench = commands.add_parser("bench", help="benchmarks against a real server")
+    bench = _command(commands, "bench", help="benchmarks against a real server")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
-    cliff = benches.add_parser("cliff", help="prefix hit ratio of a hybrid model: repeated prompts, chat, long context",
-                               description="Runs a simulated engine with objects of a preset's real sizes against "
-                                           "a server (one it starts when --server is omitted).")
+    cliff = _command(benches, "cliff", help="prefix hit ratio of a hybrid model: repeated prompts, chat, long "
+                     "context", description="Runs a simulated engine with objects of a preset's real sizes against a "
+                                            "server (one it starts when --server is omitted).")
     cliff.add_argument("--server", metavar="URL", help="use a running server (default: start one with a 4 GiB host "
                                                        "tier, 1 GiB with --quick, and 16 GiB of disk in a temp dir)")
     cliff.add_argument("--preset", default="qwen3.5-0.8b", choices=sorted(PRESETS), type=str.lower,
@@ -139,8 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     cliff.add_argument("--plot", metavar="FILE.png", help="also plot the repeated prompts' hit ratios to this PNG")
     cliff.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
-    demo = commands.add_parser("demo", help="cold vs warm TTFT of a tiny Qwen3.5-architecture model (needs the hf "
-                                            "extra)")
+    demo = _command(commands, "demo", help="cold vs warm TTFT of a tiny Qwen3.5-architecture model (needs the "
+                                             "hf extra)")
     demo.add_argument("--server", metavar="URL", help="use a running server (default: start one with a 512 MiB host "
                                                       "tier and a 2 GiB disk tier in a temp dir)")
     demo.add_argument("--turns", type=_positive, default=4, metavar="N",
@@ -149,16 +186,25 @@ def build_parser() -> argparse.ArgumentParser:
                       help="each cold and warm request R times on prompts of its own; medians printed (default 3)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
-    stats = commands.add_parser("stats", help="show a running server's tiers and namespaces")
-    stats.add_argument("--server", default="grpc://127.0.0.1:50051", metavar="URL",
-                       help="grpc://, grpcs:// or grpc+unix:// URL; token and TLS files from $TIERCACHE_TOKEN(_FILE), "
-                            "$TIERCACHE_TLS_CA_FILE, ...")
-    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    stats = _command(commands, "stats", help="show a running server's tiers and namespaces")
+    stats.add_argument("--server", metavar="URL",
+                       help=f"grpc://, grpcs:// or grpc+unix:// URL (default: $TIERCACHE_URL, else "
+                            f"grpc://{server.host}:{server.port}, as for every client); token and TLS files from "
+                            f"$TIERCACHE_TOKEN(_FILE), $TIERCACHE_TLS_CA_FILE, ...")
+    stats.add_argument("--json", action="store_true", help="print JSON instead of a table (full namespace names)")
 
-    commands.add_parser("token-hash", help="print the token_sha256 of a token for the tenants file",
-                        description="Reads a bearer token from stdin (or asks for it, without echo, on a terminal) "
-                                    "and prints the token_sha256 a tenants file names it by (README, 'Security').")
+    _command(commands, "token-hash", help="print the token_sha256 of a token for the tenants file",
+             description="Reads a bearer token from stdin (or asks for it, without echo, on a terminal) and prints "
+                         "the token_sha256 a tenants file names it by (README, 'Security').")
     return parser
+
+
+def _command(commands: argparse._SubParsersAction, name: str, **kwargs) -> argparse.ArgumentParser:
+    """A command's parser, which leaves its prog in the parsed arguments: what main and _Parser name an error by
+    (`tiercache serve: error: ...`; a nested command's own parser runs last, so `tiercache bench cliff` wins)."""
+    command = commands.add_parser(name, **kwargs)
+    command.set_defaults(command_prog=command.prog)
+    return command
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -225,12 +271,14 @@ def serve(args: argparse.Namespace) -> int:
 
 def show_stats(args: argparse.Namespace) -> int:
     from tiercache.client.probe import require_server
+    from tiercache.client.settings import ConnectionSettings
 
-    stats = require_server(args.server)
+    url = ConnectionSettings.from_env(url=args.server).url  # --server, else $TIERCACHE_URL, else the default
+    stats = require_server(url)
     if args.json:
         print(json.dumps(stats, indent=2))
         return 0
-    print(f"tiercache {stats['version']} at {args.server}, up {stats['uptime_s']:.0f} s, "
+    print(f"tiercache {stats['version']} at {url}, up {stats['uptime_s']:.0f} s, "
           f"max chunk {format_size(stats['max_chunk_bytes'])}")
     print(format_table(stats))
     return 0
@@ -278,9 +326,20 @@ def format_table(stats: dict) -> str:
     if stats["namespaces"]:
         lines.append("")
         ns_rows = [("namespace", "chunks", "used")] + [
-            (n["namespace"], str(n["chunks"]), format_size(n["used_bytes"])) for n in stats["namespaces"]]
+            (_shortened(n["namespace"], NAMESPACE_COLUMN_CHARS), str(n["chunks"]), format_size(n["used_bytes"]))
+            for n in stats["namespaces"]]
         lines += [_row(ns_rows, r) for r in ns_rows]
+        if any(len(n["namespace"]) > NAMESPACE_COLUMN_CHARS for n in stats["namespaces"]):
+            lines.append("(long namespaces shortened in the middle: --json has them in full)")
     return "\n".join(lines)
+
+
+def _shortened(name: str, chars: int) -> str:
+    """`name` in at most `chars` characters: its start (the model) and its end (a salt's digest, a rank) kept."""
+    if len(name) <= chars:
+        return name
+    tail = (chars - 3) // 2
+    return f"{name[:chars - 3 - tail]}...{name[-tail:]}"
 
 
 def _hit_lines(lookups: dict, delivered: dict) -> list[str]:
@@ -322,8 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return {"serve": serve, "stats": show_stats, "bench": run_bench, "demo": demo,
                 "token-hash": token_hash}[args.command](args)
-    except TierCacheError as exc:
-        print(f"tiercache: error: {exc}", file=sys.stderr)
+    except TierCacheError as exc:  # the shape of _Parser's errors: which command failed, on one line
+        print(f"{args.command_prog}: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -349,15 +349,34 @@ def from_mapping(values: Mapping[str, Any]) -> Config:
 def load_file(path: str | Path) -> Config:
     import yaml  # here, not at the top: engine processes import this module for its defaults, never a YAML file
 
-    text = read_file(path, "config file").decode()
+    raw = read_file(path, "config file")
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {raw[exc.start]:#04x} at offset "
+                          f"{exc.start})") from None
     try:
         values = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}".replace("\n", " ")) from None
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from None
     try:
         return from_mapping(values)
     except ConfigError as exc:  # the key alone does not say where it was written
         raise ConfigError(f"config file {path}: {exc}") from None
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """PyYAML's error on one line, by line and column (1-based, as editors count). Its own text spans four lines
+    with the source quoted under a caret, and names the file "<unicode string>": it parsed a string
+    (tests/test_config.py)."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is None or problem is None:
+        return " ".join(str(exc).split())
+    where = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and start is not None and (start.line, start.column) != (mark.line, mark.column):
+        return f"{where} ({context} that starts at line {start.line + 1}, column {start.column + 1})"
+    return f"{where} ({context})" if context else where
 
 
 def with_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:

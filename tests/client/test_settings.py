@@ -114,11 +114,36 @@ def test_every_error_names_one_status_on_each_wire_and_comes_back_from_it():
 
 
 def test_a_call_that_reaches_no_server_is_connection_broken_and_a_passed_deadline_timed_out(hung_port):
-    for port, kind in ((free_port(), ConnectionBroken), (hung_port, TimedOut)):
+    for port, kind in ((free_port(), ConnectFailed), (hung_port, TimedOut)):
         with Client.from_url(f"grpc://127.0.0.1:{port}", timeout_s=0.5, retry=RetryPolicy(attempts=1)) as client:
             with pytest.raises(kind) as failed:
                 client.stats()
-            assert isinstance(failed.value, Unavailable)  # both retried, both open a breaker
+            assert isinstance(failed.value, ConnectionBroken)  # both retried, both open a breaker
+
+
+@pytest.mark.parametrize("where", ["port", "unix socket"])
+def test_a_server_that_is_not_there_is_connect_failed_in_one_line_naming_its_url(where, tmp_path):
+    # Before: gRPC's own text, "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Failed to
+    # connect to remote host: Connection refused", as a ConnectionBroken that named no URL the caller had given.
+    url, reason = ((f"grpc://127.0.0.1:{free_port()}", "Connection refused") if where == "port" else
+                   (f"grpc+unix://{tmp_path / 'nobody.sock'}", "No such file or directory"))
+    with Client.from_url(url, timeout_s=5) as client:  # the default retries: each try fails the same way
+        for call in (lambda: client.put(NS, b"k", b"v"), lambda: client.get(NS, b"k"), client.stats):
+            with pytest.raises(ConnectFailed) as failed:
+                call()
+            assert str(failed.value) == f"cannot connect to the tiercache server at {url}: {reason}"
+
+
+def test_data_that_is_not_bytes_is_invalid_argument_before_any_call(start_server):
+    server = start_server()
+    with Client.from_url(server.url, timeout_s=5) as client:
+        with pytest.raises(InvalidArgument, match=r"^chunk data must be bytes-like .*got str: encode it first$"):
+            client.put(NS, b"k", "v")  # before: memoryview's raw TypeError
+        with pytest.raises(InvalidArgument, match=r"^chunk data must be a contiguous bytes-like object .*got int$"):
+            client.put_many(NS, [(b"k", 5)])
+        with pytest.raises(InvalidArgument, match=r"^a get_many buffer must be .*got str"):
+            client.get_many(NS, [b"k"], into=["not a buffer"])
+        assert client.locate(NS, [b"k"]) == [None]  # nothing was stored
 
 
 # -- the one backoff ------------------------------------------------------------------------------------------------

@@ -61,6 +61,19 @@ def test_a_second_server_on_a_disk_directory_in_use_is_refused_and_the_first_los
         first.kill()
 
 
+def test_a_disk_dir_that_names_a_file_is_one_line_and_the_file_is_kept(tmp_path):
+    # Before: "disk tier directory ... is not usable: File exists", which did not say the path was a file.
+    kept = tmp_path / "notes.txt"
+    kept.write_text("the user's own file")
+    for disk, culprit in ((kept, ""), (kept / "chunks", f": {kept}")):
+        result = run_serve("--host-mem", "8MiB", "--disk-dir", str(disk))
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().splitlines() == [
+            f"tiercache serve: error: disk tier directory {disk}{culprit} is a file, not a directory "
+            f"(--disk-dir, disk.path)"], result.stderr  # one line: no host tier was committed before it
+    assert kept.read_text() == "the user's own file"
+
+
 def test_the_lock_goes_with_the_server_that_held_it(tmp_path):
     """A graceful stop releases the directory; so does a SIGKILL (the kernel drops the lock): a restart finds every
     chunk either way."""
@@ -87,6 +100,19 @@ def test_a_host_tier_larger_than_the_memory_is_one_line_and_exit_2():
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "does not fit" in lines[0] and "--host-mem" in lines[0], result.stderr
     assert "64.0 TiB" in lines[0]
+
+
+@pytest.mark.parametrize("flags, flag", [(["--host", "192.0.2.1"], "--host"),
+                                         (["--metrics-port", "0", "--metrics-host", "192.0.2.1"], "--metrics-host")])
+def test_an_address_that_is_not_this_machines_is_refused_before_the_host_tier_is_committed(flags, flag):
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): documentation only, no machine's address. Before, with --port 0 nothing
+    # checked the host: the host tier was committed (a log line per step, seconds per GiB), and then the data
+    # channel's bind failed, blamed on the data channel.
+    result = run_serve("--host-mem", "64MiB", "--disk-size", "0", *flags)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "committing" not in result.stderr, result.stderr
+    assert lines[0].startswith("tiercache serve: error: cannot listen on 192.0.2.1 for ") and f"({flag})" in lines[0]
 
 
 @pytest.fixture

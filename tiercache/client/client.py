@@ -16,12 +16,12 @@ import grpc
 
 from tiercache.client.breaker import BreakerPolicy, CircuitBreaker
 from tiercache.client.chooser import PathChooser
-from tiercache.client.payload import Chunk, Fetched
+from tiercache.client.payload import Chunk, Fetched, flat_bytes
 from tiercache.client.retry import RetryPolicy
 from tiercache.client.settings import ConnectionSettings
 from tiercache.client.transport import call, open_channel
 from tiercache.config import DEFAULT_FRAME_BYTES, DEFAULT_MAX_CHUNK_BYTES
-from tiercache.errors import ConnectionBroken, InvalidArgument, TierCacheError, Unavailable
+from tiercache.errors import ConnectFailed, ConnectionBroken, InvalidArgument, TierCacheError, Unavailable
 from tiercache.prefix.delivered import Delivered
 from tiercache.prefix.objects import ChainShape
 from tiercache.protocol.wire import (delivery_totals, layer_groups, lookup_request, max_message_bytes, pb, pb_grpc,
@@ -122,7 +122,7 @@ class Client:
         """Store several chunks in one round; returns, per chunk, the tier that holds it. A chunk is a `Chunk` or a
         (key, data[, meta]) tuple."""
         validate_namespace(namespace)
-        checked = [Chunk(validate_key(c.key), memoryview(c.data).cast("B"), c.meta)
+        checked = [Chunk(validate_key(c.key), flat_bytes(c.data, "chunk data"), c.meta)
                    for c in (c if isinstance(c, Chunk) else Chunk(*c) for c in chunks)]
         return self._call(self.paths.put, namespace, checked) if checked else []
 
@@ -141,7 +141,7 @@ class Client:
         if into is None:
             outs = [None] * len(keys)
         else:
-            outs = [memoryview(b).cast("B") for b in into]
+            outs = [flat_bytes(b, "a get_many buffer") for b in into]
             if len(outs) != len(keys):
                 raise InvalidArgument("get_many needs one buffer per key")
         return self._call(self.paths.get, namespace, checked, outs) if keys else []
@@ -252,6 +252,9 @@ class Client:
                 if delay is None or time.monotonic() + delay >= deadline:
                     if self.breaker is not None and isinstance(error, ConnectionBroken):
                         self.breaker.trip(error)
+                    if isinstance(error, ConnectFailed):  # the reason alone did not say which server
+                        raise ConnectFailed(f"cannot connect to the tiercache server at {self.settings.url}: "
+                                            f"{error}") from None
                     raise
             time.sleep(delay)
 

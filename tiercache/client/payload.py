@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Protocol, Sequence
 
+from tiercache.errors import InvalidArgument
 from tiercache.record.encoding import ChunkMeta
 
 
@@ -19,6 +20,19 @@ class Chunk(NamedTuple):
     key: bytes
     data: object  # any bytes-like object; a path receives a flat memoryview of it
     meta: ChunkMeta = ChunkMeta()
+
+
+def flat_bytes(data: object, what: str) -> memoryview:
+    """`data` as the flat byte view a path takes, or InvalidArgument naming what it is (memoryview's TypeError said
+    neither which argument nor what would do: tests/client/test_settings.py)."""
+    try:
+        return memoryview(data).cast("B")
+    except TypeError:
+        if isinstance(data, str):
+            raise InvalidArgument(f"{what} must be bytes-like (bytes, bytearray, memoryview, an array), got str: "
+                                  f"encode it first") from None
+        raise InvalidArgument(f"{what} must be a contiguous bytes-like object (bytes, bytearray, memoryview, an "
+                              f"array), got {type(data).__name__}") from None
 
 
 class Fetched(NamedTuple):

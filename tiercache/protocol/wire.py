@@ -10,7 +10,7 @@ from typing import Iterator, Mapping, Sequence
 
 import grpc
 
-from tiercache.errors import WIRE_CODES, ConnectionBroken, InvalidArgument, TierCacheError, wire_code
+from tiercache.errors import WIRE_CODES, ConnectFailed, ConnectionBroken, InvalidArgument, TierCacheError, wire_code
 from tiercache.prefix.delivered import Delivered
 from tiercache.prefix.hashes import HASH_BYTES, InsideChunk
 from tiercache.prefix.layout import GroupKind
@@ -43,11 +43,20 @@ def error_for(code: grpc.StatusCode, message: str) -> TierCacheError:
     return kind(message) if kind else TierCacheError(f"{code.name}: {message}")
 
 
+# How grpc begins the details of an UNAVAILABLE when no connection could be opened at all (refused, no such host, no
+# such socket, a failed TLS handshake), as opposed to one that broke mid-call ("Socket closed", "Connection reset"):
+# grpc gives both the same status, and only its text tells them apart (tests/client/test_settings.py).
+_NOT_CONNECTED = ("failed to connect to all addresses", "errors resolving", "DNS resolution failed")
+
+
 def error_of(failure: grpc.RpcError) -> TierCacheError:
     """What a failed call raises in the client. An UNAVAILABLE the server did not mark as its own answer is grpc's:
-    the server was not reached (ConnectionBroken); a passed deadline is TimedOut."""
+    the server was not reached, ConnectFailed when no connection could be opened (with the reason only: grpc's text
+    is a chain of its internals), else ConnectionBroken; a passed deadline is TimedOut."""
     code, message = failure.code(), failure.details() or ""
     if code == grpc.StatusCode.UNAVAILABLE and not _answered(failure):
+        if message.startswith(_NOT_CONNECTED):  # "...; last error: UNKNOWN: ipv4:127.0.0.1:1: ...: Connection refused"
+            return ConnectFailed(" ".join(message.rsplit(": ", 1)[-1].strip("[]").split()))
         return ConnectionBroken(message)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         message = f"deadline exceeded: {message}"

@@ -77,33 +77,39 @@ def _listen(server: grpc.Server, address: str, credentials: grpc.ServerCredentia
     return port
 
 
-def check_ports_free(config: Config) -> None:
-    """ConfigError, in one line, if a port the server is told to open (0: any) is taken, checked before anything is
-    built. grpc would find it too, but only after the tiers (minutes for a large host arena), and with a log line of
-    its own before ours (`E1124 ... add_port.cc`, issue 24)."""
-    cfg = config.server
-    for what, host, port in (("gRPC (--port)", cfg.host, cfg.port),
-                             ("the data channel (--data-port)", cfg.host, cfg.data_port if cfg.data_channel else 0),
-                             ("health (--health-port)", cfg.host, config.security.health_port),
-                             ("metrics (--metrics-port)", cfg.metrics_host, cfg.metrics_port),
-                             ("the pod query (--events-query-port)", config.events.host, config.events.query_port)):
-        if port:
-            _check_free(host, port, what)
+def check_addresses(config: Config) -> None:
+    """ConfigError, in one line naming the flag to change, if an address the server is told to listen on cannot be
+    bound: a host that does not resolve or is no address of this machine, a port that is taken (0: any port, so only
+    the host is checked). Checked before anything is built: grpc would find it too, but only after the tiers (minutes
+    for a large host arena), with a log line of its own before ours (`E1124 ... add_port.cc`); and a bad --host with
+    --port 0 was blamed on the data channel, after the host tier was committed (tests/server/test_startup.py)."""
+    cfg, events = config.server, config.events
+    for what, host_flag, host, port_flag, port in (
+            ("gRPC", "--host", cfg.host, "--port", cfg.port),
+            ("the data channel", "--host", cfg.host, "--data-port", cfg.data_port if cfg.data_channel else None),
+            ("health", "--host", cfg.host, "--health-port", config.security.health_port),
+            ("metrics", "--metrics-host", cfg.metrics_host, "--metrics-port", cfg.metrics_port),
+            ("the pods' event sockets", "--events-host", events.host, "", 0 if events.enabled else None),
+            ("the pod query", "--events-host", events.host, "--events-query-port", events.query_port)):
+        if port is not None:
+            _check_bind(what, host, host_flag, 0)  # the host alone: a failure here is never the port's
+            if port:
+                _check_bind(what, host, port_flag, port)
 
 
-def _check_free(host: str, port: int, what: str) -> None:
+def _check_bind(what: str, host: str, flag: str, port: int) -> None:
+    where = _address(host, port) if port else host
     try:
         addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise ConfigError(f"cannot listen on {_address(host, port)} for {what}: {exc.strerror}") from None
+        raise ConfigError(f"cannot listen on {where} for {what} ({flag}): {exc.strerror}") from None
     for family, kind, proto, _, address in addresses:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc does: TIME_WAIT is no obstacle
             try:
                 probe.bind(address)
             except OSError as exc:
-                raise ConfigError(f"cannot listen on {_address(host, port)} for {what}: "
-                                  f"{exc.strerror or exc}") from None
+                raise ConfigError(f"cannot listen on {where} for {what} ({flag}): {exc.strerror or exc}") from None
 
 
 class CacheServer:
@@ -121,7 +127,7 @@ class CacheServer:
         # What can refuse a start in milliseconds comes before the store, whose host arena may take minutes to commit.
         self.tenants = TenantTable.load(config.security.tenants_file)
         self._credentials = server_credentials(config.security)
-        check_ports_free(config)
+        check_addresses(config)
         self.store = store or TieredStore.from_config(config, cancelled)
         self.metrics = Metrics(self.store)
         self.leases = LeaseTable(config.server.lease_ttl_s)

@@ -281,6 +281,8 @@ class DiskTier(IndexedTier):
             probe = self.root / f".probe-{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
+        except (FileExistsError, NotADirectoryError):  # "File exists" did not say that the path names a file
+            raise ConfigError(_not_a_directory(self.root)) from None
         except OSError as exc:
             raise ConfigError(f"disk tier directory {self.root} is not usable: {exc.strerror or exc}") from None
 
@@ -345,6 +347,16 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _not_a_directory(path: Path) -> str:
+    """What made mkdir fail, in one line: the path, or the first of its parents, is a file (or a link to nothing)."""
+    for candidate in (path, *path.parents):
+        if os.path.lexists(candidate) and not candidate.is_dir():
+            what = "a file" if candidate.exists() else "a broken symbolic link"
+            where = path if candidate == path else f"{path}: {candidate}"
+            return f"disk tier directory {where} is {what}, not a directory (--disk-dir, disk.path)"
+    return f"disk tier directory {path} is not a directory (--disk-dir, disk.path)"
 
 
 def _unlink(path: str) -> None:
