@@ -32,18 +32,22 @@ def _split(name: str, n: int, tp_size: int) -> int:
     return n // tp_size
 
 
-def gated_deltanet_layout(model: str, *, layers: int, full_attention_interval: int, kv_heads: int, head_dim: int,
-                          key_heads: int, value_heads: int, key_dim: int, value_dim: int, conv_kernel: int,
+def gated_deltanet_layout(model: str, *, layers: int, kv_heads: int, head_dim: int, key_heads: int,
+                          value_heads: int, key_dim: int, value_dim: int, conv_kernel: int,
+                          full_attention_interval: int = 4, attention_layers: tuple[int, ...] | None = None,
                           kv_dtype: str = "bfloat16", conv_dtype: str = "bfloat16", ssm_dtype: str = "float32",
                           revision: str = "main", tp_rank: int = 0, tp_size: int = 1) -> ModelLayout:
-    """Qwen3.5 / Qwen3-Next style: every `full_attention_interval`-th layer is full attention, the rest Gated DeltaNet.
+    """Qwen3.5 / Qwen3-Next style: every `full_attention_interval`-th layer is full attention (or the layers
+    `attention_layers` names, as a config's `layer_types` does), the rest Gated DeltaNet.
 
     A GDN layer's state is its conv window (conv_kernel - 1 columns over q, k and v channels) and its recurrent
     state (one key_dim x value_dim matrix per value head; float32 where the config's `mamba_ssm_dtype` says so, as
     Qwen3.5's does).
     """
-    attention = tuple(i for i in range(layers) if (i + 1) % full_attention_interval == 0)
-    recurrent = tuple(i for i in range(layers) if (i + 1) % full_attention_interval != 0)
+    if attention_layers is None:
+        attention_layers = tuple(i for i in range(layers) if (i + 1) % full_attention_interval == 0)
+    attention = tuple(attention_layers)
+    recurrent = tuple(i for i in range(layers) if i not in attention)
     conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
     kv_per_rank = kv_heads_per_rank(kv_heads, tp_size)
     _split("key_heads", key_heads, tp_size)

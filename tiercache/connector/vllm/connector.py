@@ -13,8 +13,10 @@ vLLM's own: `model_name` (default: the served model), `revision`, `match_unit` (
 block size, else the block size), `salt`, `weights_id`, `timeout_s`, `lookup_timeout_s`, `offline_backoff_s`,
 `max_pending_save_bytes`, `save_batch_s`, `max_boundary_states`. Prefix caching (on by default) puts the Mamba
 groups in the 'align' mode the connector needs; `--mamba-cache-mode` decides nothing (deprecated in 0.33; 0.32 derives
-the mode from prefix caching). At startup the scheduler's connector checks that its largest object fits the server's
-chunk limit (tiercache.connector.limits). The rules (what is loaded, what is saved,
+the mode from prefix caching). A configuration the connector cannot serve (prefix caching off, unknown keys, ...) is
+refused while vLLM validates it, before the engine core starts (tiercache.connector.vllm.preflight; `tiercache
+check-vllm` says the same from vLLM's flags). At startup the scheduler's connector checks that its largest object fits
+the server's chunk limit (tiercache.connector.limits). The rules (what is loaded, what is saved,
 when) are in tiercache.connector.vllm.plan; the copies in tiercache.connector.vllm.transfer; the namespace's identity in
 tiercache.connector.vllm.identity.
 """
@@ -24,7 +26,6 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from dataclasses import dataclass, field, fields
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -37,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiercache.client import BreakerPolicy, Client, ConnectionSettings, RetryPolicy
+from tiercache.client import BreakerPolicy, Client, RetryPolicy
 from tiercache.client.client import PodEndpoints
 from tiercache.connector.delivery import DeliveryReporter
 from tiercache.connector.limits import check_spec
@@ -48,8 +49,9 @@ from tiercache.connector.vllm.cores import born_off_compute_cores
 from tiercache.connector.vllm.layout import engine_groups, model_layout, paged_views
 from tiercache.connector.vllm.logs import join_vllm_log
 from tiercache.connector.vllm.plan import Planner, StepPlan
+from tiercache.connector.vllm.preflight import choices_of, refuse
+from tiercache.connector.vllm.settings import VllmSettings
 from tiercache.connector.vllm.transfer import Transfers
-from tiercache.config import refuse_unknown
 from tiercache.errors import InvalidArgument
 from tiercache.prefix.objects import CacheSpec
 
@@ -61,35 +63,6 @@ STATS_INTERVAL_S = 1.0  # how often a connector reports its counters' changes to
 # worker with the next step's metadata, and a process that exits after its last request runs no next step: the
 # worker role takes those saves from here when it shuts down (vLLM shuts the workers down first, blocks still held).
 _SCHEDULERS: "weakref.WeakSet[TierCacheConnector]" = weakref.WeakSet()
-
-
-@dataclass(frozen=True)
-class VllmSettings:
-    connection: ConnectionSettings = field(default_factory=ConnectionSettings)  # url, token, TLS files
-    model_name: str | None = None
-    revision: str | None = None
-    match_unit: int | None = None
-    salt: str = ""
-    weights_id: str | None = None  # names the weights outright (else: read from the model's files)
-    timeout_s: float = 30.0  # loads and saves (worker threads; the engine never waits on them)
-    lookup_timeout_s: float = 0.5  # the scheduler's one lookup call per request: vLLM's scheduler thread waits on it
-    # While the server is unreachable, lookups, loads and saves fail at once (a miss, a recompute, a skipped save)
-    # and a health check probes it in the background, at most this far apart (tiercache.client.breaker).
-    offline_backoff_s: float = 2.0
-    max_pending_save_bytes: int = 1 << 30
-    save_batch_s: float = 0.05  # saves wait this long to be sent together (tiercache.connector.vllm.put_queue)
-    max_boundary_states: int = 0  # block-boundary states saved per prompt, the deepest first; 0: every one offered
-    # KV events for routers (docs/events.md): the scheduler registers the engine under this pod id with a server
-    # started with --events (the topic is kv@<pod id>@<the served model name>); unset: no registration.
-    events_pod_id: str | None = None
-
-    @classmethod
-    def from_extra_config(cls, extra: dict | None) -> "VllmSettings":
-        ours = [f.name for f in fields(cls) if f.name != "connection"]
-        refuse_unknown(extra or {}, [*ConnectionSettings.keys(), *ours],
-                       "unknown kv_connector_extra_config keys for TierCacheConnector:", InvalidArgument)
-        connection, engine = ConnectionSettings.from_config(extra or {})
-        return cls(connection, **engine)
 
 
 class TierCacheMetadata(KVConnectorMetadata):
@@ -126,6 +99,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if kv_cache_config is None:
             raise InvalidArgument("TierCacheConnector needs vLLM's KVCacheConfig, which vLLM 0.32 and 0.33 pass to "
                                   "connectors (an older vLLM does not)")
+        # What vLLM let us refuse before its engine core started (preflight.refuse_early), said again here for the
+        # starts where vLLM resolved this class no earlier.
+        refuse(choices_of(vllm_config))
         settings = VllmSettings.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         self.settings = settings
         self.groups = engine_groups(kv_cache_config)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiercache.connector.vllm.preflight import mamba_mode_refusal
 from tiercache.errors import InvalidArgument
 from tiercache.prefix.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
 
@@ -81,27 +82,6 @@ def engine_groups(kv_cache_config) -> EngineGroups:
                               f"{sorted(sizes)}")
     names = tuple(tuple(g.layer_names) for g in kv_cache_config.kv_cache_groups)
     return EngineGroups(sizes.pop(), tuple(attention), tuple(mamba), names)
-
-
-def mamba_mode_refusal(mode: str, vllm_version: str) -> str:
-    """What to tell a user whose engine runs its Mamba groups in another mode than 'align', for the vLLM running.
-
-    Both vLLM 0.32 and 0.33 set the mode from prefix caching (MambaModelConfig.verify_and_update_config: 'align' when
-    it is on, 'none' when off, whatever was passed). 0.32 still takes --mamba-cache-mode but overrides it; 0.33
-    deprecates it ("has no effect: Mamba prefix caching follows --enable-prefix-caching", engine/arg_utils.py). So
-    the remedy is --enable-prefix-caching (on by default for hybrid models: someone turned it off)."""
-    head = (f"TierCacheConnector needs vLLM's Mamba cache mode 'align', got {mode!r} (no state kept per block): start "
-            f"vLLM with --enable-prefix-caching")
-    if _minor(vllm_version) >= (0, 33):
-        return (f"{head} (vLLM {vllm_version} derives the mode from it; --mamba-cache-mode is deprecated and has no "
-                f"effect)")
-    return (f"{head} (vLLM {vllm_version} derives the mode from it: --mamba-cache-mode align without prefix caching is "
-            f"turned back to 'none')")
-
-
-def _minor(version: str) -> tuple[int, int]:
-    match = re.match(r"(\d+)\.(\d+)", version)
-    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 
 
 def _vllm_version() -> str:

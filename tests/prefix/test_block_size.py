@@ -1,0 +1,86 @@
+"""vLLM's block size N before a start (tiercache.prefix.block_size): every preset read from its config.json gives the
+preset's layout and N; on the CPU platform, the N vLLM's CPU engine chose for the real-engine test models (measured:
+tests/vllm_engine/test_block_size.py checks the same against the engine's log); and each flag that changes N or the
+bytes changes them as vLLM does."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiercache.errors import InvalidArgument
+from tiercache.prefix.block_size import PLATFORMS, CacheFlags, engine_sizing
+from tiercache.prefix.layout import unified_block_size
+from tiercache.prefix.presets import PRESETS, preset
+from tests.prefix.hf_configs import CONFIGS, QWEN35_08B, tiny_qwen3_next
+from tests.vllm_engine.models import FOUR_LAYER, SIX_LAYER
+
+CPU = PLATFORMS["cpu"]
+
+
+def test_every_preset_has_its_config():
+    assert set(CONFIGS) == set(PRESETS)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_config_gives_its_presets_layout_and_n_on_a_gpu(name):
+    sizing = engine_sizing(CONFIGS[name], preset(name).model)
+    assert sizing.layout == preset(name)
+    assert sizing.block_tokens == unified_block_size(preset(name)) and sizing.kernel_alignment == 16
+
+
+def test_qwen35_08b_as_the_docs_size_it():
+    sizing = engine_sizing(QWEN35_08B, "Qwen/Qwen3.5-0.8B")
+    assert sizing.block_tokens == 544
+    assert sizing.kv_bytes_per_token_per_layer == 2048 and sizing.layout.kv_bytes_per_token == 12 * 1024
+    assert sizing.state_bytes_per_layer == 1_085_440  # conv 6144 x 3 bf16 + 16 x 128 x 128 float32
+    assert sizing.kv_chunk_bytes == 544 * 12 * 1024
+
+
+@pytest.mark.parametrize("model,flags,n", [
+    (FOUR_LAYER, CacheFlags(), 256),  # the GDN state reset to float32: 67 KiB, two 128-token pages of 512 B/token
+    (SIX_LAYER, CacheFlags(), 128),  # 4 KV heads of 128: one page of 128 tokens holds it
+    (FOUR_LAYER, CacheFlags(mamba_ssm_cache_dtype="bfloat16"), 128),  # the CPU GDN kernel keeps a bf16 state
+    (SIX_LAYER, CacheFlags(block_size=256), 256),
+])
+def test_the_cpu_platform_gives_the_n_of_vllms_cpu_engine(model, flags, n):
+    assert engine_sizing(tiny_qwen3_next(model), model.name, flags, CPU).block_tokens == n
+    if flags == CacheFlags():
+        assert n == model.block_size  # the N the real-engine tests' hits assume
+
+
+def test_the_cpu_platform_resets_an_auto_ssm_state_to_float32():
+    assert engine_sizing(tiny_qwen3_next(FOUR_LAYER), "m", platform=CPU).dtypes.ssm == "float32"
+    assert engine_sizing(tiny_qwen3_next(FOUR_LAYER), "m").dtypes.ssm == "bfloat16"  # a GPU follows the conv state
+    nemotron = CONFIGS["nemotron-h-8b"]
+    assert engine_sizing(nemotron, "m", CacheFlags(mamba_ssm_cache_dtype="bfloat16"), CPU).dtypes.ssm == "float32"
+    assert engine_sizing(nemotron, "m", CacheFlags(mamba_ssm_cache_dtype="bfloat16")).dtypes.ssm == "bfloat16"
+
+
+@pytest.mark.parametrize("flags,n", [
+    (CacheFlags(), 544),
+    (CacheFlags(kernel_block_size=128), 640),  # FlashAttention 4's head-dim-256 pages on Blackwell
+    (CacheFlags(kv_cache_dtype="fp8"), 1072),  # half the KV per token: twice the tokens per state
+    (CacheFlags(tensor_parallel_size=2), 544),  # KV heads and the state both halve
+    (CacheFlags(block_size=1024), 1024),  # a --block-size above the state's is kept
+    (CacheFlags(mamba_ssm_cache_dtype="bfloat16"), 288),  # overrides the config's mamba_ssm_dtype
+])
+def test_flags_change_n_as_vllm_does(flags, n):
+    assert engine_sizing(QWEN35_08B, "m", flags).block_tokens == n
+
+
+def test_dtypes_resolve_as_vllm_resolves_auto():
+    float32_weights = {**QWEN35_08B, "text_config": {**QWEN35_08B["text_config"], "dtype": "float32"}}
+    assert engine_sizing(float32_weights, "m").dtypes.kv == "bfloat16"  # vLLM serves float32 weights in bf16
+    assert engine_sizing(QWEN35_08B, "m", CacheFlags(dtype="float32")).dtypes.kv == "float32"
+    sizing = engine_sizing(QWEN35_08B, "m", CacheFlags(kv_cache_dtype="fp8_e5m2", mamba_cache_dtype="float32"))
+    assert (sizing.dtypes.kv, sizing.dtypes.conv, sizing.dtypes.ssm) == ("float8_e5m2", "float32", "float32")
+    assert engine_sizing(CONFIGS["nemotron-h-8b"], "m").dtypes.ssm == "float32"  # vLLM's Nemotron-H default
+
+
+@pytest.mark.parametrize("flags,message", [
+    (CacheFlags(kv_cache_dtype="nvfp4"), "--kv-cache-dtype 'nvfp4' is not one tiercache sizes"),
+    (CacheFlags(tensor_parallel_size=3), "kv_heads=2 does not split over tp_size=3"),
+])
+def test_what_cannot_be_sized_is_one_line(flags, message):
+    with pytest.raises(InvalidArgument, match=message):
+        engine_sizing(QWEN35_08B, "m", flags)
