@@ -138,6 +138,10 @@ def main() -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     fix_hybrid_copy_on_write()
+    if options.get("async_scheduling"):
+        from tests.vllm_engine.cpu_async_scheduling import allow_async_scheduling
+
+        allow_async_scheduling()
     llm = make_engine(options)
     # Where this process's tiercache came from (vLLM imported the connector by now): `make test-wheel` checks it is
     # the installed wheel, not the checkout.
