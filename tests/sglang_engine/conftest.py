@@ -38,6 +38,35 @@ def logs(tmp_path_factory):
     return tmp_path_factory.mktemp("engine-logs")
 
 
+@pytest.fixture(scope="session")
+def scenario_server():
+    """The cache server of the session's scenarios (scenarios.py): host memory only."""
+    proc = ServerProcess("--host-mem", "256MiB", "--disk-size", "0").start()
+    yield proc
+    proc.kill()
+
+
+def _scenario(kind: str, models_dir, scenario_server, tmp_path_factory):
+    from tests.sglang_engine.scenarios import build  # (scenarios imports this module's prompt)
+
+    scenario = build(kind, models_dir, scenario_server.url, tmp_path_factory.mktemp(f"{kind}-engine-logs"),
+                     tmp_path_factory.mktemp(f"{kind}-hicache-file"))
+    yield scenario
+    scenario.reader.close()
+
+
+@pytest.fixture(scope="session")
+def dense_scenario(models_dir, scenario_server, tmp_path_factory):
+    """The dense restore (scenarios.py), its tiercache reader up until the session ends (test_planted_faults.py)."""
+    yield from _scenario("dense", models_dir, scenario_server, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def hybrid_scenario(models_dir, scenario_server, tmp_path_factory):
+    """The hybrid restore (scenarios.py), its tiercache reader up until the session ends."""
+    yield from _scenario("hybrid", models_dir, scenario_server, tmp_path_factory)
+
+
 @pytest.fixture(scope="module")
 def server():
     """A cache server for one module's engines: host memory only (a module that needs a disk or tenants starts its

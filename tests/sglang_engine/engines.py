@@ -35,6 +35,9 @@ class Completion:
     top: list[dict[str, float]]  # top-20 logprobs per generated token
     input: list[list]  # [logprob, token id] per prompt token from logprob_start_len (None for the first)
     seconds: float
+    # when asked for: hashes of the request's KV pages and Mamba state in SGLang's device pools (harness/probe.py),
+    # which the byte gate compares (gates.py)
+    engine_bytes: dict | None = None
 
     @property
     def storage(self) -> int:
@@ -43,10 +46,6 @@ class Completion:
     @property
     def storage_backend(self) -> str | None:
         return (self.details or {}).get("storage_backend")
-
-    def same_computation(self) -> tuple:
-        """What a hit must reproduce bit for bit: tokens, every logprob returned."""
-        return self.tokens, self.output, self.top, self.input
 
 
 @dataclass(frozen=True)
@@ -126,10 +125,20 @@ class EngineProcess:
         return self
 
     def generate(self, prompt: list[int], max_new_tokens: int = 4, logprob_start_len: int = -1,
-                 timeout_s: float = 300) -> Completion:
+                 engine_bytes: bool = False, timeout_s: float = 300) -> Completion:
+        """A greedy request; `engine_bytes`: with the hashes of its KV pages and Mamba state as SGLang's device pools
+        held them at its end (harness/probe.py)."""
         answer = self._call({"op": "generate", "prompt": prompt, "max_new_tokens": max_new_tokens,
-                             "logprob_start_len": logprob_start_len}, timeout_s)
+                             "logprob_start_len": logprob_start_len, "engine_bytes": engine_bytes}, timeout_s)
         return Completion(**answer)
+
+    def plant(self, fault: str) -> None:
+        """A fault (harness/faults.py) for the engine's next load of its kind from storage; it fires once."""
+        self._call({"op": "plant", "fault": fault}, 60)
+
+    def fired(self) -> list[str]:
+        """The faults that fired since the last call (a fault still planted is removed)."""
+        return self._call({"op": "fired"}, 60)["fired"]
 
     def timed(self, prompt: list[int], max_new_tokens: int = 1, timeout_s: float = 300) -> "Timed":
         """A greedy request streamed: its time to first token and its cached tokens (benchmarks)."""

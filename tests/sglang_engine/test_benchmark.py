@@ -8,9 +8,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.sglang_engine.engines import ROOT
 
 
+@pytest.mark.timeout(660)  # the benchmark's own limit (600 s, below) decides, not the suite's 300 s per test
 def test_the_real_engine_benchmark_runs(tmp_path):
     report_path = tmp_path / "report.json"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sglang_backend.py"), "--smoke", "--arms",

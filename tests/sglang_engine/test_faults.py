@@ -1,6 +1,7 @@
 """Tenants, a damaged page and a dead server, on SGLang's real CPU engine (dense Qwen3, page size 16) with
-TierCacheStorage; each judged against SGLang's own behaviour: whatever happens to the cache, the engine's outputs
-are a cold run's or its own hit's, bit for bit (a dense hit equals recomputation exactly).
+TierCacheStorage; each judged against SGLang's own behaviour by both gates (gates.py): whatever happens to the cache,
+the engine's outputs (16 tokens, their logprobs and top-20, the prompt's tail) and the request's KV pages in SGLang's
+device pool are a cold run's and its own hit's, exactly (a dense hit equals recomputation exactly).
 
 One `tiercache serve` with a disk tier and no host tier: every page is a file (a test can damage one), and a server
 restarted on the same directory and port finds its pages again. It has tenants (security.tenants_file): each engine
@@ -21,6 +22,7 @@ import pytest
 from tests.sglang_engine.conftest import prompt
 from tests.sglang_engine.engines import (Completion, EngineProcess, engine_settings, server_namespaces,
                                          start_together, wait_until)
+from tests.sglang_engine.gates import OUTPUT_TOKENS, assert_exact
 from tests.sglang_engine.models import DENSE
 from tiercache.client import Client
 from tiercache.process import ServerProcess
@@ -31,6 +33,9 @@ PAGE = 16
 LENGTH = 200  # 12 full pages and 8 tokens
 FULL_PAGES = LENGTH // PAGE
 HIT = FULL_PAGES * PAGE
+# What SGLang caches, and backs up, of a request: the full pages of its prompt and outputs (but the last output,
+# whose KV it never computed): 13.
+STORED_PAGES = (LENGTH + OUTPUT_TOKENS - 1) // PAGE
 SHARED = prompt(21, LENGTH)  # what engine A computes first, and every other engine asks for
 LATER = prompt(22, LENGTH)  # the prompt of the dead-server test
 DAMAGED_PAGE = 5  # the page (from the prompt's start) whose file the corruption test damages
@@ -115,9 +120,9 @@ def engine_b(engines):
 
 
 def generate(engine: EngineProcess, tokens: list[int]) -> Completion:
-    """The prompt with its uncached tail's prompt logprobs (from HIT: the whole hit stays possible) and four
-    generated tokens' top-20 logprobs."""
-    return engine.generate(tokens, max_new_tokens=4, logprob_start_len=HIT)
+    """The prompt with its uncached tail's prompt logprobs (from HIT: the whole hit stays possible), OUTPUT_TOKENS
+    generated tokens' top-20 logprobs, and the request's engine bytes."""
+    return engine.generate(tokens, max_new_tokens=OUTPUT_TOKENS, logprob_start_len=HIT, engine_bytes=True)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +133,7 @@ def shared(engine_a):
     assert cold.cached == 0, f"a cold engine hit {cold.cached} tokens"
     own = generate(engine_a, SHARED)
     assert (own.cached, own.details["device"]) == (HIT, HIT), f"SGLang's own hit: {own.details}"
-    assert own.same_computation() == cold.same_computation(), "a dense hit differs from recomputation"
+    assert_exact(own, cold, "a dense hit against recomputation")
     engine_a.flush()
     return cold, own
 
@@ -136,52 +141,58 @@ def shared(engine_a):
 def test_a_tenant_with_another_salt_never_reads_anothers_pages(server, model, shared, engine_b):
     cold, own = shared
     salt_a, salt_b = (salt_suffix(TENANTS[t][1]) for t in "ab")
-    assert {ns[-len(salt_a):]: n for ns, n in server.namespaces(model).items()} == {salt_a: FULL_PAGES}
+    assert {ns[-len(salt_a):]: n for ns, n in server.namespaces(model).items()} == {salt_a: STORED_PAGES}
 
     other = generate(engine_b, SHARED)
     assert other.cached == 0 and other.storage == 0, f"tenant b hit tenant a's pages: {other.details}"
-    assert other.same_computation() == cold.same_computation()
+    assert_exact(other, cold, "tenant b's cold run against tenant a's")
 
     # B's own pages (its salt; SGLang's v0 path from the layer_first host pool) are hits for B once flush_cache has
     # emptied its device and host caches: the same salt hits.
     engine_b.flush()
     stored = server.namespaces(model)
     assert sorted((ns[-len(salt_a):], n) for ns, n in stored.items()) == sorted(
-        [(salt_a, FULL_PAGES), (salt_b, FULL_PAGES)]), stored
+        [(salt_a, STORED_PAGES), (salt_b, STORED_PAGES)]), stored
     again = generate(engine_b, SHARED)
     assert (again.storage, again.storage_backend) == (HIT, "TierCacheStorage"), again.details
-    assert again.same_computation() == own.same_computation()
+    assert_exact(again, own, "tenant b's storage hit (v0, layer_first) against tenant a's own hit")
 
 
-def _page_files(disk: Path, namespace_suffix: str) -> list[Path]:
-    """The disk tier's files of one tenant's pages, in prompt order: each page's record names the page before it as
-    its parent (TierCacheStorage writes the chain SGLang's hashes follow), the first page none."""
-    pages = {}
+def _page_files(disk: Path, namespace_suffix: str) -> list[list[Path]]:
+    """The disk tier's files of one tenant's pages, as chains in prompt order, longest first: each page's record names
+    the page before it in its backup batch as its parent (TierCacheStorage writes the chain SGLang's hashes follow),
+    and a batch's first page none when SGLang does not pass the pages before it. The prompt's 12 pages are backed up
+    in one batch when the request's prefill ends; the 13th (its last 8 tokens and the first outputs), a batch of
+    its own when it finishes."""
+    children: dict[bytes, list[tuple[bytes, Path]]] = {}
     for path in disk.rglob("*.chunk"):
         header = read_header(path.read_bytes())
         if header.key.namespace.endswith(namespace_suffix):
-            pages[header.meta.parent] = (header.key.key, path)
-    ordered, parent = [], b""
-    while parent in pages:
-        parent, path = pages.pop(parent)
-        ordered.append(path)
-    assert not pages, f"{len(pages)} pages outside the chain from the prompt's start"
-    return ordered
+            children.setdefault(header.meta.parent, []).append((header.key.key, path))
+    chains = []
+    for key, path in children.pop(b"", []):
+        chain = [path]
+        while key in children:
+            (key, path), = children.pop(key)
+            chain.append(path)
+        chains.append(chain)
+    assert not children, f"{len(children)} pages outside the chains from a batch's start"
+    return sorted(chains, key=len, reverse=True)
 
 
 def test_a_damaged_page_is_a_miss_and_the_engine_recomputes_from_there(server, model, shared, engine_a):
     """A bit flipped in one page's file on disk: the server's checksum catches it, the page is a miss, and SGLang
     uses the pages before it and computes the rest; its output is the cold run's, never the damaged bytes'."""
     cold, own = shared
-    files = _page_files(server.disk, salt_suffix(TENANTS["a"][1]))
-    assert len(files) == FULL_PAGES
+    files, *rest = _page_files(server.disk, salt_suffix(TENANTS["a"][1]))
+    assert (len(files), sum(map(len, rest))) == (FULL_PAGES, STORED_PAGES - FULL_PAGES)
     damaged = bytearray(files[DAMAGED_PAGE].read_bytes())
     damaged[-100] ^= 0x10  # in the payload: a KV value
     files[DAMAGED_PAGE].write_bytes(damaged)
 
     got = generate(engine_a, SHARED)  # A's device and host caches are empty since its flush_cache
     assert got.storage == got.cached == DAMAGED_PAGE * PAGE, got.details
-    assert got.same_computation() == cold.same_computation() == own.same_computation()
+    assert_exact(got, own, "a hit cut short at the damaged page against the own hit")
     assert server.disk_stats()["checksum_failures"] == 1
 
 
@@ -201,7 +212,7 @@ def test_the_server_killed_and_restarted_under_a_running_engine(server, model, e
 
     dead = generate(engine_a, LATER)
     assert dead.cached == 0 and dead.storage == 0, dead.details
-    assert dead.same_computation() == cold.same_computation()
+    assert_exact(dead, cold, "a miss while the server is dead against the cold run")
 
     server.restart()
     after = server.namespaces(model)  # the disk tier's index, rebuilt from its files
@@ -213,7 +224,7 @@ def test_the_server_killed_and_restarted_under_a_running_engine(server, model, e
         # the cold run's.
         engine_a.flush()
         got = generate(engine_a, LATER)
-        assert got.same_computation() == cold.same_computation(), got.details
+        assert_exact(got, cold, f"a request while the server restarts ({got.details})")
         return got if got.storage == HIT else None
 
     hit = wait_until(storage_hit, "hits from the restarted server", timeout_s=120)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tests.sglang_engine.conftest import prompt
 from tests.sglang_engine.engines import HARNESS, ROOT, engine_settings, server_pages, wait_until
+from tests.sglang_engine.gates import OUTPUT_TOKENS
 from tests.sglang_engine.models import DENSE
 from tiercache.process import free_port
 
@@ -71,10 +72,11 @@ class HttpServer:
             return reply.read()
 
     def generate(self, tokens: list[int]) -> dict:
-        """meta_info of a greedy request: 4 tokens, their top-20 logprobs, and the prompt's logprobs from HIT."""
+        """meta_info of a greedy request: OUTPUT_TOKENS tokens, their top-20 logprobs, and the prompt's logprobs from
+        HIT."""
         return json.loads(self.post("/generate", {
             "input_ids": tokens, "return_logprob": True, "logprob_start_len": HIT, "top_logprobs_num": 20,
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}))["meta_info"]
+            "sampling_params": {"max_new_tokens": OUTPUT_TOKENS, "temperature": 0, "ignore_eos": True}}))["meta_info"]
 
     def flush(self) -> None:
         """SGLang's /flush_cache, waiting (up to its timeout) for the scheduler to be idle: backups done."""
@@ -96,7 +98,8 @@ class HttpServer:
 
 
 def computation(meta: dict) -> tuple:
-    """What a hit must reproduce bit for bit: every logprob and token returned."""
+    """What a hit must reproduce bit for bit, the outputs gate over HTTP (gates.py; the engine's bytes are read through
+    sglang.Engine, which this test does not run): every token and logprob returned."""
     return (meta["output_token_logprobs"], meta["output_top_logprobs"], meta["input_token_logprobs"])
 
 

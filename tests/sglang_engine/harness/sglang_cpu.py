@@ -1,5 +1,5 @@
 """What SGLang 0.5.23's engine needs to run on this CPU (torch 2.13.0+cpu, no AMX, no Triton driver), one patch per
-SGLang module, applied by sitecustomize's import hook right after the module's own code ran (issue 25).
+SGLang module, applied by sitecustomize's import hook right after the module's own code ran.
 
 Each patch is the smallest change that lets SGLang's own code run: SGLang's control flow (scheduler, radix caches,
 HiCache controller, prefetch and backup threads, storage backends) is never replaced; where SGLang calls a kernel
@@ -13,12 +13,14 @@ import importlib.abc
 import importlib.machinery
 import sys
 
-PATCHES: dict = {}
+PATCHES: dict[str, list] = {}  # module name -> its patches, run in registration order (this module's first)
 
 
 def patches(module_name: str):
+    """Register `function(module)` to run right after `module_name`'s own code (probe.py and faults.py register
+    theirs here too)."""
     def register(function):
-        PATCHES[module_name] = function
+        PATCHES.setdefault(module_name, []).append(function)
         return function
     return register
 

@@ -1,11 +1,13 @@
-"""SGLang 0.5.23's real engine on a CPU without SGLang's CPU kernels (issue 25): loaded at interpreter start by every
+"""SGLang 0.5.23's real engine on a CPU without SGLang's CPU kernels: loaded at interpreter start by every
 Python process that has this folder on PYTHONPATH, SGLang's spawned scheduler and detokenizer included.
 
-Nothing of SGLang changes on disk. Modules are patched as they are imported (`_PatchingFinder` runs a patch right
-after a module's code ran), so a process that never imports SGLang pays nothing. What is patched, and why, is in
-`sglang_cpu` (one function per SGLang module); `sgl_kernel` beside this file is a pure-torch stand-in for SGLang's
-kernel package; `torchvision` is an import-only stand-in (its only wheels are CUDA builds that do not load beside
-the CPU torch), served only when no real torchvision is installed.
+Nothing of SGLang changes on disk. Modules are patched as they are imported (`_PatchingFinder` runs a module's
+patches right after its code ran), so a process that never imports SGLang pays nothing. What is patched, and why:
+`sglang_cpu` (what this CPU needs, one function per SGLang module); `probe` (the engine's bytes of a request, for the
+byte gate); `faults` (faults a test plants, one at a time, to show each gate fails; off unless planted).
+`sgl_kernel` beside this file is a pure-torch stand-in for SGLang's kernel package; `torchvision` is an import-only
+stand-in (its only wheels are CUDA builds that do not load beside the CPU torch), served only when no real
+torchvision is installed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import importlib.abc
 import sys
 
 import sglang_cpu
+import faults  # noqa: F401 - registers its patches (test instrumentation: planted faults, off until a test plants one)
+import probe  # noqa: F401 - registers its patches (test instrumentation: the engine's bytes of probed requests)
 
 
 class _PatchingFinder(importlib.abc.MetaPathFinder):
@@ -50,16 +54,17 @@ class _PatchingFinder(importlib.abc.MetaPathFinder):
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader, patch) -> None:
+    def __init__(self, loader, module_patches) -> None:
         self._loader = loader
-        self._patch = patch
+        self._patches = module_patches
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
-        self._patch(module)
+        for patch in self._patches:
+            patch(module)
 
     def __getattr__(self, name):  # get_source, is_package, ... for tracebacks and inspect
         return getattr(self._loader, name)
