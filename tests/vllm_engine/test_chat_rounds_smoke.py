@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # engines started in a subprocess, on a loaded machine too: its own limit decides
 def test_three_arms_two_users_three_rounds(tmp_path):
     report_path, plot_path = tmp_path / "report.json", tmp_path / "plot.png"
     command = [sys.executable, str(ROOT / "benchmarks" / "chat_rounds.py"), "--arms", "alone,tiercache,restart",

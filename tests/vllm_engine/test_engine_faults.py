@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import ServerProcess, wait_for
 from tests.vllm_engine.conftest import prompt
-from tests.vllm_engine.harness import assert_finite, assert_same_computation
+from tests.vllm_engine.harness import assert_finite, assert_same_bytes, assert_same_computation
 from tiercache.client import Client
 
 DOCUMENT_TOKENS = 16 * 1024 + 100
@@ -34,7 +34,9 @@ def test_a_long_document_asked_from_a_second_engine_hits_its_blocks(four_layer, 
     for i, question in enumerate(questions[1:], start=1):
         own = alone.one(document + question)
         assert own.cached == DOCUMENT_TOKENS // n * n, f"question {i}: vLLM's own hit is {own.cached}"
-        assert_same_computation(second.one(document + question), own, f"question {i} in the second engine")
+        resumed = second.one(document + question)
+        assert_same_bytes(resumed, own, f"question {i} in the second engine")
+        assert_same_computation(resumed, own, f"question {i} in the second engine")
     # The first question's blocks came from tiercache; the second one's from the engine's own prefix cache.
     assert second.stats()["loaded_tokens"] == DOCUMENT_TOKENS // n * n
 
@@ -49,6 +51,7 @@ def test_preempted_requests_finish_with_the_results_of_an_unpressed_engine(four_
     results = small.generate(prompts, max_tokens=24)
     for i, (tokens, got) in enumerate(zip(prompts, results)):
         assert_finite(got, f"request {i}")
+        # Tokens only: a request resumed after preemption computes in other steps than any run alone can repeat.
         assert got.tokens == alone.one(tokens, max_tokens=24).tokens, f"request {i}: other tokens than vLLM alone"
     stats = small.stats()
     assert stats["loads_failed"] == 0
@@ -119,9 +122,11 @@ def test_only_what_the_engine_loaded_counts_as_delivered(four_layer, tmp_path):
         server.kill()
 
 
-def _cold(alone, tokens, max_tokens: int = 1):
+def _cold(alone, tokens):
     """vLLM alone computing `tokens` from scratch (a prompt it has not seen: the first run is cold)."""
-    return alone.one(tokens, max_tokens=max_tokens)
+    cold = alone.one(tokens)
+    assert cold.cached == 0, f"vLLM alone hit {cold.cached} tokens: not a cold run"
+    return cold
 
 
 @pytest.mark.parametrize("fault", ["killed", "hung"])
@@ -137,7 +142,7 @@ def test_requests_complete_when_the_cache_server_dies_or_hangs(four_layer, alone
         started = time.monotonic()
         for i in range(3):
             tokens = prompt((810 if fault == "killed" else 820) + i, 200 + 50 * i)
-            assert_same_computation(engine.one(tokens, max_tokens=4), _cold(alone, tokens, 4), f"request {i}")
+            assert_same_computation(engine.one(tokens), _cold(alone, tokens), f"request {i}")
         # Lookups fail fast (one 0.5 s deadline, then instant misses while the breaker is open); saves wait on worker
         # threads.
         assert time.monotonic() - started < 60

@@ -17,6 +17,7 @@ TRACE = ROOT / "tests" / "data" / "mooncake-conversation-slice.jsonl"  # its fir
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # engines started in a subprocess, on a loaded machine too: its own limit decides
 def test_three_arms_on_a_few_requests(tmp_path):
     report_path, plot_path = tmp_path / "report.json", tmp_path / "plot.png"
     command = [sys.executable, str(ROOT / "benchmarks" / "serve_trace.py"), "--arms", "alone,tiercache,restart",
