@@ -37,10 +37,15 @@ def models_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("models")
 
 
+def start_cache_server(tmp_path_factory, name: str = "disk", host: str = "1GiB", disk: str = "2GiB"):
+    """A tiercache server with a host tier and a disk tier in the session's temp dir."""
+    return ServerProcess("--host-mem", host, "--disk-dir", str(tmp_path_factory.mktemp(name)),
+                         "--disk-size", disk).start()
+
+
 @pytest.fixture(scope="session")
 def cache_server(tmp_path_factory):
-    server = ServerProcess("--host-mem", "1GiB", "--disk-dir", str(tmp_path_factory.mktemp("disk")),
-                           "--disk-size", "2GiB").start()
+    server = start_cache_server(tmp_path_factory)
     yield server
     server.kill()
 

@@ -14,15 +14,13 @@ import re
 
 import pytest
 
-from tests.helpers import ServerProcess
-from tests.vllm_engine.conftest import prompt
+from tests.vllm_engine.conftest import prompt, start_cache_server
 from tests.vllm_engine.harness import assert_same_computation
 
 
 @pytest.fixture(scope="module")
 def second_server(tmp_path_factory):
-    server = ServerProcess("--host-mem", "256MiB", "--disk-dir", str(tmp_path_factory.mktemp("disk-sync")),
-                           "--disk-size", "256MiB").start()
+    server = start_cache_server(tmp_path_factory, "disk-sync", host="256MiB", disk="256MiB")
     yield server
     server.kill()
 

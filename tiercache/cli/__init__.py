@@ -14,6 +14,7 @@ from typing import Sequence
 
 from tiercache.cli import vllm
 from tiercache.cli.stats_table import format_table
+from tiercache.cli.values import port, positive, seconds
 from tiercache.config import (Config, DiskTierConfig, HostTierConfig, ServerConfig, format_size, load_file, parse_size,
                               with_overrides)
 from tiercache.errors import ConfigError, StartCancelled, TierCacheError
@@ -41,37 +42,6 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    """A port flag's value, refused as that flag (a config key's check would name `server.port` for `--port`)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):  # also refuses nan
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     # Cheap to import: no thread may start before `serve` blocks its signals (see serve; tests/test_cli.py checks).
     from tiercache import __version__
@@ -91,10 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", metavar="FILE", help="YAML config file (see README, 'Configuration')")
     serve.add_argument("--host", metavar="ADDR",
                        help=f"address to listen on (default {server.host}; 0.0.0.0 for all)")
-    serve.add_argument("--port", type=_port, metavar="PORT",
+    serve.add_argument("--port", type=port, metavar="PORT",
                        help=f"gRPC port (default {server.port}; 0 picks a free one)")
     serve.add_argument("--unix-socket", metavar="PATH", help="also listen on a unix socket (grpc+unix:///PATH)")
-    serve.add_argument("--data-port", type=_port, metavar="PORT", help="port of the data channel, remote clients' "
+    serve.add_argument("--data-port", type=port, metavar="PORT", help="port of the data channel, remote clients' "
                        "payloads beside gRPC (default 0: a free one, announced to clients)")
     serve.add_argument("--no-data-channel", dest="data_channel", action="store_false", default=None,
                        help="no data channel: remote payloads are streamed over gRPC")
@@ -113,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-chunk-size", type=_size, metavar="SIZE",
                        help=f"largest chunk accepted (default {format_size(server.max_chunk_bytes)}: the largest "
                             f"state of the models docs/deploy.md sizes)")
-    serve.add_argument("--metrics-port", type=_port, metavar="PORT",
+    serve.add_argument("--metrics-port", type=port, metavar="PORT",
                        help="serve Prometheus /metrics on this port (default: off)")
     serve.add_argument("--metrics-host", metavar="ADDR",
                        help=f"address of the metrics endpoint (default {server.metrics_host})")
@@ -126,12 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-key", metavar="FILE", help="private key of --tls-cert (PEM)")
     serve.add_argument("--tls-client-ca", metavar="FILE", help="require client certificates from this CA (mTLS)")
     serve.add_argument("--tenants-file", metavar="FILE", help="bearer tokens -> tenants (YAML); turns on auth")
-    serve.add_argument("--health-port", type=_port, metavar="PORT",
+    serve.add_argument("--health-port", type=port, metavar="PORT",
                        help="plaintext grpc.health.v1 port for probes (default: off)")
     serve.add_argument("--events", dest="events", action="store_true", default=None,
                        help="publish KV events for routers, per registered pod (docs/events.md; default: off)")
     serve.add_argument("--events-host", metavar="ADDR", help="address of the pods' event sockets (default 127.0.0.1)")
-    serve.add_argument("--events-query-port", type=_port, metavar="PORT",
+    serve.add_argument("--events-query-port", type=port, metavar="PORT",
                        help="serve the pod query over HTTP (POST /query, /query_by_hash) on --events-host:PORT "
                             "(docs/events.md; default: off)")
     serve.add_argument("--events-encoding", choices=["map", "array"],
@@ -142,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--events-advertise", choices=["restorable", "attention"],
                        help="restorable (default): blocks a checkpoint makes restorable; attention: every saved "
                             "attention block (what an engine's own events say; for comparisons only)")
-    serve.add_argument("--stats-log-interval", type=_seconds, metavar="SECONDS",
+    serve.add_argument("--stats-log-interval", type=seconds, metavar="SECONDS",
                        help="log lookups and hit %% this often when there was traffic (default 60; 0: off)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                        help="least severe log lines shown (default INFO)")
@@ -156,18 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "tier, 1 GiB with --quick, and 16 GiB of disk in a temp dir)")
     cliff.add_argument("--preset", default="qwen3.5-0.8b", choices=sorted(PRESETS), type=str.lower,
                        help="the model whose object sizes are simulated (default qwen3.5-0.8b)")
-    cliff.add_argument("--tp", type=_positive, default=1, metavar="N",
+    cliff.add_argument("--tp", type=positive, default=1, metavar="N",
                        help="tensor-parallel size: simulate one rank's objects (KV heads and recurrent state split N "
                             "ways; default 1)")
-    cliff.add_argument("--repeats", type=_positive, default=3, metavar="N",
+    cliff.add_argument("--repeats", type=positive, default=3, metavar="N",
                        help="times each repeated prompt is sent (default 3)")
-    cliff.add_argument("--turns", type=_positive, default=8, metavar="N",
+    cliff.add_argument("--turns", type=positive, default=8, metavar="N",
                        help="turns of each multi-turn chat, each extending the previous conversation (default 8)")
-    cliff.add_argument("--system-tokens", type=_positive, default=4096, metavar="N",
+    cliff.add_argument("--system-tokens", type=positive, default=4096, metavar="N",
                        help="system prompt that starts each chat, in tokens (default 4096)")
-    cliff.add_argument("--document-tokens", type=_positive, metavar="N",
+    cliff.add_argument("--document-tokens", type=positive, metavar="N",
                        help="long shared document, in tokens (default 262144; 16384 with --quick)")
-    cliff.add_argument("--questions", type=_positive, default=8, metavar="N",
+    cliff.add_argument("--questions", type=positive, default=8, metavar="N",
                        help="questions asked after the long document (default 8)")
     cliff.add_argument("--seed", type=int, default=0, metavar="N",
                        help="seed of the random tokens and payloads (default 0)")
@@ -180,9 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                                              "hf extra)")
     demo.add_argument("--server", metavar="URL", help="use a running server (default: start one with a 512 MiB host "
                                                       "tier and a 2 GiB disk tier in a temp dir)")
-    demo.add_argument("--turns", type=_positive, default=4, metavar="N",
+    demo.add_argument("--turns", type=positive, default=4, metavar="N",
                       help="chat turns after the single prompts (default 4)")
-    demo.add_argument("--repeats", type=_positive, default=3, metavar="R",
+    demo.add_argument("--repeats", type=positive, default=3, metavar="R",
                       help="each cold and warm request R times on prompts of its own; medians printed (default 3)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 

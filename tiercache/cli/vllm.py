@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+from tiercache.cli.values import non_negative, positive
 from tiercache.errors import InvalidArgument
 
 CONNECTOR = "TierCacheConnector"
@@ -46,7 +47,7 @@ def add_commands(commands: argparse._SubParsersAction, command: Callable[..., ar
                                "model id already in the Hugging Face cache")
     _add_cache_flags(layout_parser)
     _add_platform_flags(layout_parser)
-    layout_parser.add_argument("--match-unit", type=_positive, metavar="U",
+    layout_parser.add_argument("--match-unit", type=positive, metavar="U",
                                help="the connector's match_unit (default 16 when it divides N, else N)")
     layout_parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -70,7 +71,7 @@ def _add_cache_flags(parser: argparse.ArgumentParser) -> None:
     """vLLM's own flags that change N or the bytes, under vLLM's names and defaults."""
     from tiercache.prefix.block_size import KV_CACHE_DTYPES, MODEL_DTYPES, STATE_DTYPES
 
-    parser.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, metavar="TP",
+    parser.add_argument("--tensor-parallel-size", "-tp", type=positive, default=1, metavar="TP",
                         help="vLLM's tensor-parallel size: sizes are one rank's (default 1)")
     parser.add_argument("--dtype", default="auto", choices=MODEL_DTYPES, help="vLLM's --dtype (default auto)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
@@ -79,7 +80,7 @@ def _add_cache_flags(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's --mamba-cache-dtype, the conv state's (default auto: the model's dtype)")
     parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=STATE_DTYPES,
                         help="vLLM's --mamba-ssm-cache-dtype, the recurrent state's (default auto: the model's rule)")
-    parser.add_argument("--block-size", type=_positive, metavar="B", help="vLLM's --block-size (default: the "
+    parser.add_argument("--block-size", type=positive, metavar="B", help="vLLM's --block-size (default: the "
                         "platform's)")
 
 
@@ -89,7 +90,7 @@ def _add_platform_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--platform", choices=sorted(PLATFORMS), default=DEFAULT_PLATFORM,
                         help="; ".join(f"{p.name}: {p.about}" for p in PLATFORMS.values())
                         + f" (default {DEFAULT_PLATFORM})")
-    parser.add_argument("--kernel-block-size", type=_positive, metavar="K",
+    parser.add_argument("--kernel-block-size", type=positive, metavar="K",
                         help="another attention backend's smallest kernel block (e.g. 128: FlashAttention 4's "
                              "head-dim-256 kernel on Blackwell)")
 
@@ -207,8 +208,8 @@ def _parse_vllm_flags(tokens: list[str]) -> tuple[argparse.Namespace, list[str]]
     parser.add_argument("--disable-hybrid-kv-cache-manager", action=argparse.BooleanOptionalAction)
     for name in ("--kv-transfer-config", "--speculative-config"):
         parser.add_argument(name)
-    parser.add_argument("--prefix-match-unit", type=_positive)
-    parser.add_argument("--prefix-cache-retention-interval", type=_non_negative)
+    parser.add_argument("--prefix-match-unit", type=positive)
+    parser.add_argument("--prefix-cache-retention-interval", type=non_negative)
     # Read so they are not reported unchecked: the connector hashes tokens itself (prefix.hashes), and prefix
     # caching alone decides the Mamba cache mode in vLLM 0.32 and 0.33 (preflight.mamba_mode_refusal).
     for name in ("--prefix-caching-hash-algo", "--mamba-cache-mode"):
@@ -325,23 +326,3 @@ def _vllm_version(given: str | None) -> tuple[str, str]:
         except importlib.metadata.PackageNotFoundError:
             continue
     return DEFAULT_VLLM_VERSION, "no vLLM installed here: pass --vllm-version for another"
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
