@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiercache.connector.vllm.preflight import mamba_mode_refusal
+from tiercache.connector.vllm.preflight import SPECULATIVE_REFUSAL, mamba_mode_refusal
 from tiercache.errors import InvalidArgument
 from tiercache.prefix.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
 
@@ -66,7 +66,7 @@ def engine_groups(kv_cache_config) -> EngineGroups:
             if spec.mamba_cache_mode != "align":
                 raise InvalidArgument(mamba_mode_refusal(spec.mamba_cache_mode, _vllm_version()))
             if spec.num_speculative_blocks:
-                raise InvalidArgument("TierCacheConnector does not support speculative decoding on Mamba groups yet")
+                raise InvalidArgument(SPECULATIVE_REFUSAL)
             mamba.append(index)
         elif type(spec) is FullAttentionSpec:
             if spec.head_size_v != spec.head_size or spec.num_head_slots is not None \

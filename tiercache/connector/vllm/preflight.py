@@ -28,6 +28,9 @@ from tiercache.connector.vllm.settings import VllmSettings
 from tiercache.errors import InvalidArgument
 
 
+SPECULATIVE_REFUSAL = "TierCacheConnector does not support speculative decoding on Mamba groups yet"
+
+
 @dataclass(frozen=True)
 class EngineChoices:
     """What the checks read of an engine's configuration: a VllmConfig's values, or the flags that decide them."""
@@ -55,7 +58,7 @@ def refusals(choices: EngineChoices) -> list[str]:
     if choices.hybrid and choices.mamba_cache_mode != "align":
         found.append(mamba_mode_refusal(choices.mamba_cache_mode, choices.vllm_version))
     if choices.hybrid and choices.mamba_speculative_blocks:
-        found.append("TierCacheConnector does not support speculative decoding on Mamba groups yet")
+        found.append(SPECULATIVE_REFUSAL)
     return found
 
 
