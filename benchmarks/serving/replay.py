@@ -6,6 +6,7 @@ the first token reaches the client.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import statistics
 import time
@@ -46,9 +47,14 @@ ROUTES = {"round-robin": round_robin, "conversation": by_conversation}
 
 async def replay(requests: Sequence[TraceRequest], servers: Sequence[str], model: str,
                  on_done: Callable[[Outcome], None] = lambda outcome: None, timeout_s: float = 600.0,
-                 route: Route = round_robin) -> tuple[list[Outcome], float]:
+                 route: Route = round_robin, sequential: bool = False) -> tuple[list[Outcome], float]:
     """Send every request at its arrival time (offset from now) to the server `route` picks (round robin unless
-    told); the outcomes in request order and the wall time from the first send to the last answer."""
+    told); the outcomes in request order and the wall time from the first send to the last answer.
+
+    `sequential`: one request at a time, each sent when the one before it is answered, arrival times ignored. No
+    latency of such a replay is one a user sees; it exists for the output check (benchmarks/serving/outputs.py): an
+    engine that computes one request per step splits a prefill only where the request's own hit ends, so two arms
+    with the same hit length must then generate the same tokens."""
     import aiohttp  # in the vLLM venv; imported here so the report and plot code runs in a venv without it
 
     # A connection per request: a kept-alive connection that the server closes as it idles (uvicorn: after 5 s) can
@@ -65,7 +71,10 @@ async def replay(requests: Sequence[TraceRequest], servers: Sequence[str], model
             on_done(outcome)
             return outcome
 
-        outcomes = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+        if sequential:
+            outcomes = [await one(i, dataclasses.replace(r, arrival_s=0.0)) for i, r in enumerate(requests)]
+        else:
+            outcomes = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
         return list(outcomes), time.perf_counter() - started
 
 

@@ -110,6 +110,8 @@ def table(report: dict) -> str:
             f"{'hit tok':>10}{'own':>9}{'loaded':>9}{'failed':>7}{'drain s':>8}"
             + (f"{'req/s':>7}" if saturated else ""))
     lines = [head]
+    if report["params"].get("sequential"):
+        lines.insert(0, "sequential replay (one request at a time): its latencies are no user's; it checks outputs")
     for name, arm in report["arms"].items():
         if "unavailable" in arm:
             lines.append(f"{name:<20}unavailable: {arm['unavailable']}")
@@ -189,7 +191,8 @@ def plot(report: dict, path: str) -> None:
 
 def title(report: dict) -> str:
     params, meta = report["params"], report["meta"]
-    mode = "saturated" if params.get("saturated") else f"time x{params['time_scale']}"
+    mode = ("sequential (outputs only)" if params.get("sequential") else "saturated" if params.get("saturated")
+            else f"time x{params['time_scale']}")
     where = f"{meta.get('engine', '?')}, {meta.get('model', '?')} (N = {params['N']}), {meta.get('cores', '?')} cores"
     return (f"{params['trace_name']}: {params['max_requests']} requests from {params['start']}, 1 conversation in "
             f"{params['conversations']}, {mode}, inputs <= {params['max_input_tokens']} tokens, "
