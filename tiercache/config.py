@@ -178,8 +178,10 @@ class ServerConfig:
     workers: int = 16  # threads for the store's blocking work (copies, disk, Redis); streams waiting on the network
     #                    hold none (the server is asyncio): a client that stops reading or writing costs a connection
     stream_idle_timeout_s: float = 10.0  # a stream that moves no frame for this long is ended (UNAVAILABLE)
-    max_streams_per_peer: int = 64  # concurrent Put/Get streams from one host; more are RESOURCE_EXHAUSTED
-    max_streams_per_tenant: int = 256  # concurrent Put/Get streams of one tenant (all its hosts)
+    # Requests in flight (Put/Get streams, data-channel requests); more are RESOURCE_EXHAUSTED (server.limits):
+    max_streams_per_client: int = 64  # from one client (a Client: an engine's worker, a CLI)
+    max_streams_per_peer: int = 512  # from one host, all its clients together (several engines per node)
+    max_streams_per_tenant: int = 1024  # of one tenant (all its hosts); without tenants, of the whole server
     metrics_port: int | None = None  # Prometheus endpoint; off unless set
     metrics_host: str = "127.0.0.1"
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
@@ -206,7 +208,9 @@ class ServerConfig:
         _require(64 * KiB <= self.frame_bytes <= 16 * MiB, "server.frame_bytes must be 64KiB..16MiB")
         _require(self.workers >= 1, "server.workers must be >= 1")
         _require(self.stream_idle_timeout_s > 0, "server.stream_idle_timeout_s must be positive")
-        _require(self.max_streams_per_peer >= 1, "server.max_streams_per_peer must be >= 1")
+        _require(self.max_streams_per_client >= 1, "server.max_streams_per_client must be >= 1")
+        _require(self.max_streams_per_peer >= self.max_streams_per_client,
+                 "server.max_streams_per_peer must be >= server.max_streams_per_client (a host holds its clients)")
         _require(self.max_streams_per_tenant >= 1, "server.max_streams_per_tenant must be >= 1")
         _require(self.metrics_port is None or 0 <= self.metrics_port <= 65535,
                  f"server.metrics_port must be 0..65535, got {self.metrics_port}")

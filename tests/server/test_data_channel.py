@@ -329,7 +329,7 @@ def test_connections_over_the_per_host_limit_are_refused_and_the_call_goes_over_
 def test_requests_in_flight_are_counted_once_for_both_transports(start_server):
     """A host may have server.max_streams_per_peer requests in flight, gRPC streams and data-channel requests
     together (issue 26: each transport counted its own, so a host could have twice the limit)."""
-    server = start_server(max_streams_per_peer=2, stream_idle_timeout_s=30)
+    server = start_server(max_streams_per_client=2, max_streams_per_peer=2, stream_idle_timeout_s=30)
     stalled = _raw(server, token="")  # a data-channel put in flight, stalled half-way through its payload
     stalled.sendall(data_channel.put_request(NS, [data_channel.PutEntry(b"half", MiB, ChunkMeta())]) + bytes(1000))
     wait_for(lambda: _held(server) == 1, what="the stalled data-channel put in flight")

@@ -69,7 +69,7 @@ def test_counts_are_exact_under_threads():
 
 
 def test_stream_limits_count_a_request_against_its_host_and_its_tenant():
-    limits = StreamLimits(per_peer=2, per_tenant=3)
+    limits = StreamLimits(per_client=2, per_peer=2, per_tenant=3)
     with limits.stream("ipv4:10.0.0.1:1", "t"), limits.stream("10.0.0.1", "t"):  # gRPC and data channel: one host
         assert limits.peers.snapshot() == {"10.0.0.1": 2} and limits.tenants.snapshot() == {"t": 2}
         with pytest.raises(CapacityExceeded, match="server.max_streams_per_peer"):
@@ -82,3 +82,30 @@ def test_stream_limits_count_a_request_against_its_host_and_its_tenant():
                     pass
             assert limits.peers.snapshot() == {"10.0.0.1": 2, "10.0.0.2": 1}  # nor did the tenant's keep a host's
     assert limits.peers.snapshot() == {} and limits.tenants.snapshot() == {}
+
+
+def test_a_client_at_its_limit_leaves_its_hosts_other_clients_served():
+    """Engines of one node share its address: one holding its limit locks out none of the others."""
+    limits = StreamLimits(per_client=2, per_peer=4, per_tenant=10)
+    with limits.stream("ipv4:10.0.0.1:1", "t", "stuck"), limits.stream("10.0.0.1", "t", "stuck"):  # both transports
+        assert limits.clients.snapshot() == {"10.0.0.1 stuck": 2}
+        with pytest.raises(CapacityExceeded, match="client 'stuck' of 10.0.0.1 has 2 requests in flight "
+                                                   r"\(server.max_streams_per_client\)"):
+            with limits.stream("ipv4:10.0.0.1:1", "t", "stuck"):
+                pass
+        with limits.stream("ipv4:10.0.0.1:7", "t", "other"), limits.stream("ipv4:10.0.0.1:7", "t", "other"):
+            with pytest.raises(CapacityExceeded, match="server.max_streams_per_peer"):  # the host's bound still holds
+                with limits.stream("ipv4:10.0.0.1:8", "t", "third"):
+                    pass
+            assert limits.clients.snapshot() == {"10.0.0.1 stuck": 2, "10.0.0.1 other": 2}  # the refusal took none
+    assert limits.clients.snapshot() == limits.peers.snapshot() == {}
+
+
+def test_a_caller_that_names_no_client_is_counted_by_its_connection():
+    limits = StreamLimits(per_client=1, per_peer=5, per_tenant=10)
+    with limits.stream("ipv4:10.0.0.1:1", "t"):
+        with pytest.raises(CapacityExceeded, match="client 'ipv4:10.0.0.1:1' of 10.0.0.1"):
+            with limits.stream("ipv4:10.0.0.1:1", "t"):  # the same gRPC channel
+                pass
+        with limits.stream("ipv4:10.0.0.1:2", "t"):  # another channel of the same host
+            assert limits.peers.snapshot() == {"10.0.0.1": 2}

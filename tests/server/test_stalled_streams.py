@@ -31,6 +31,7 @@ def server(request, tmp_path):
     idle_s = mark.args[0] if mark else 5
     config = tmp_path / "tiercache.yaml"
     config.write_text(f"server:\n  stream_idle_timeout_s: {idle_s}\n  max_streams_per_peer: 48\n"
+                      "  max_streams_per_client: 48\n"
                       "host:\n  capacity_bytes: 512MiB\ndisk:\n  capacity_bytes: 0\n")
     metrics_port = free_port()
     with ServerProcess("--config", str(config), "--metrics-port", str(metrics_port)) as process:

@@ -46,11 +46,13 @@ class PathChooser:
     streams remote payloads over gRPC even when the server has a data channel. `put` and `get` are one try each, by
     the PayloadPath contract; the lock guards which paths exist, never an RPC or a copy."""
 
-    def __init__(self, stub: pb_grpc.TierCacheStub, settings: ConnectionSettings, *, same_host: bool | None,
+    def __init__(self, stub: pb_grpc.TierCacheStub, settings: ConnectionSettings, client_id: str, *,
+                 same_host: bool | None,
                  data_channel: bool | None, frame_bytes: int, max_chunk_bytes: int, timeout_s: float,
                  arena_min_bytes: int = ARENA_MIN_BYTES) -> None:
         self._stub = stub
         self._settings = settings
+        self._client_id = client_id
         self._same_host = same_host
         self._use_data_channel = data_channel
         self._max_chunk_bytes = max_chunk_bytes
@@ -207,7 +209,8 @@ class PathChooser:
                 self._data_retry_at = self.clock() + DATA_CHANNEL_RETRY_S
                 return None, False
             # The server's own limit where it is larger than ours: reads of its largest chunks must not be refused.
-            self._data = DataChannelPath(address, token=settings.token, tls=tls, server_name=settings.tls_server_name,
+            self._data = DataChannelPath(address, token=settings.token, client_id=self._client_id, tls=tls,
+                                     server_name=settings.tls_server_name,
                                      max_chunk_bytes=max(self._max_chunk_bytes, reply.max_chunk_bytes),
                                      engine_blocks=reply.engine_blocks)
             return self._data, True

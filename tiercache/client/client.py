@@ -24,6 +24,7 @@ from tiercache.config import DEFAULT_FRAME_BYTES, DEFAULT_MAX_CHUNK_BYTES
 from tiercache.errors import ConnectFailed, ConnectionBroken, InvalidArgument, TierCacheError, Unavailable
 from tiercache.prefix.delivered import Delivered
 from tiercache.prefix.objects import ChainShape
+from tiercache.protocol.client_id import new_client_id
 from tiercache.protocol.wire import (delivery_totals, layer_groups, lookup_request, max_message_bytes, pb, pb_grpc,
                                      stats_dict)
 from tiercache.record.encoding import ChunkMeta
@@ -87,12 +88,14 @@ class Client:
         if breaker is not None:  # gRPC's own reconnect backoff grows to 120 s: a probe must be able to reconnect
             options += [("grpc.initial_reconnect_backoff_ms", 50),
                         ("grpc.max_reconnect_backoff_ms", max(int(breaker.probe_backoff.max_s * 1000), 100))]
-        self._channel = open_channel(self.settings, options)
+        self.client_id = new_client_id()  # the server counts this client's requests in flight by it (server.limits)
+        self._channel = open_channel(self.settings, options, self.client_id)
         self._stub = pb_grpc.TierCacheStub(self._channel)
         self.target = self.settings.target
         self.timeout_s = timeout_s
         self.retry = retry
-        self.paths = PathChooser(self._stub, self.settings, same_host=same_host, data_channel=data_channel,
+        self.paths = PathChooser(self._stub, self.settings, self.client_id, same_host=same_host,
+                                 data_channel=data_channel,
                                  frame_bytes=frame_bytes, max_chunk_bytes=max_chunk_bytes, timeout_s=timeout_s)
         self.breaker = CircuitBreaker(self._serving, breaker, self.target) if breaker is not None else None
 

@@ -33,7 +33,7 @@ STRIPE_MIN_BYTES = 4 << 20
 class DataChannelPath:
     """The client end of the data channel (the server's is DataChannelListener): a PayloadPath."""
 
-    def __init__(self, address: str | tuple[str, int], *, token: str | None,
+    def __init__(self, address: str | tuple[str, int], *, token: str | None, client_id: str = "",
                  tls: ssl.SSLContext | None = None, server_name: str | None = None,
                  streams: int = DEFAULT_STREAMS, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                  engine_blocks: bool = True) -> None:
@@ -43,7 +43,7 @@ class DataChannelPath:
         self.address = address
         self.max_chunk_bytes = max_chunk_bytes
         self.engine_blocks = engine_blocks
-        self._hello = data_channel.hello(token)
+        self._hello = data_channel.hello(token, client_id)
         self._tls = tls
         self._server_name = server_name
         self._streams = max(streams, 1)

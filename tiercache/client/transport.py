@@ -1,5 +1,5 @@
-"""How a client reaches a server: the gRPC channel for its connection settings (TLS, the bearer token on every call),
-one try of an RPC under a deadline, and the data channel's TLS from the same files."""
+"""How a client reaches a server: the gRPC channel for its connection settings (TLS, the bearer token and the client's
+id on every call), one try of an RPC under a deadline, and the data channel's TLS from the same files."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ import grpc
 from tiercache.client.settings import ConnectionSettings
 from tiercache.config import read_file
 from tiercache.errors import InvalidArgument
+from tiercache.protocol.client_id import METADATA_KEY as client_id_key
 from tiercache.protocol.wire import AUTHORIZATION, error_of
 
 T = TypeVar("T")
 
 
-def open_channel(settings: ConnectionSettings, options: list[tuple[str, int | str]]) -> grpc.Channel:
+def open_channel(settings: ConnectionSettings, options: list[tuple[str, int | str]], client_id: str) -> grpc.Channel:
+    """`client_id`: what the client calls itself on every call (tiercache.protocol.client_id)."""
     if settings.uses_tls:
         credentials = grpc.ssl_channel_credentials(
             root_certificates=_pem(settings.tls_ca_file), private_key=_pem(settings.tls_key_file),
@@ -27,10 +29,11 @@ def open_channel(settings: ConnectionSettings, options: list[tuple[str, int | st
         channel = grpc.secure_channel(settings.target, credentials, options=options)
     else:
         channel = grpc.insecure_channel(settings.target, options=options)
+    headers = [(client_id_key, client_id)]
     if settings.token:
         # Sent on plaintext channels too (a unix socket, a trusted network); TLS is what keeps it private.
-        channel = grpc.intercept_channel(channel, _BearerToken(settings.token))
-    return channel
+        headers.append((AUTHORIZATION, f"Bearer {settings.token}"))
+    return grpc.intercept_channel(channel, _Metadata(headers))
 
 
 def data_tls_context(settings: ConnectionSettings) -> ssl.SSLContext:
@@ -60,15 +63,15 @@ def _pem(path: str | None) -> bytes | None:
     return read_file(path, "TLS file", InvalidArgument) if path else None
 
 
-class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds `authorization: Bearer <token>` to every call."""
+class _Metadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `headers` (the client's id, `authorization: Bearer <token>`) to every call."""
 
-    def __init__(self, token: str) -> None:
-        self._header = (AUTHORIZATION, f"Bearer {token}")
+    def __init__(self, headers: list[tuple[str, str]]) -> None:
+        self._headers = headers
 
     def _details(self, details):
-        return _Details(details, [*(details.metadata or ()), self._header])
+        return _Details(details, [*(details.metadata or ()), *self._headers])
 
     def intercept_unary_unary(self, continuation, details, request):
         return continuation(self._details(details), request)

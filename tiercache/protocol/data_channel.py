@@ -12,7 +12,9 @@ request is checked like its gRPC twin (namespace owned by the tenant, key and si
 
 A connection (all integers little-endian):
 
-    client: HELLO     magic "TCD1", u16 token length, token (empty when the server has no tenants)
+    client: HELLO     magic "TCD1", u16 token length, token (empty when the server has no tenants); or
+                      magic "TCD2", the same, then u8 client id length, client id (protocol.client_id: the server
+                      counts the connection's requests as that client's; with TCD1 as the connection's own)
     server: STATUS    u8 code (0: ok), u32 message length, message (utf-8)
     then any number of requests, one at a time:
     client: REQUEST   u8 op, u32 count, u32 block length, block
@@ -38,10 +40,12 @@ import struct
 import time
 from typing import NamedTuple, Sequence
 
+from tiercache.protocol import client_id as client_ids
 from tiercache.errors import WIRE_CODES, ConnectionBroken, InvalidArgument, TierCacheError, TimedOut, wire_code
 from tiercache.record.encoding import ChunkMeta
 
 MAGIC = b"TCD1"
+MAGIC_NAMED = b"TCD2"  # a hello that carries the client's id
 OP_PUT = 1
 OP_GET = 2
 MAX_BATCH = 65_536  # chunks or keys in one request
@@ -176,21 +180,33 @@ def payload_deadline(size_bytes: int, idle_s: float) -> float:
 
 # -- messages ---------------------------------------------------------------------------------------------------------
 
-def hello(token: str | None) -> bytes:
+class Hello(NamedTuple):
+    token: str  # '' for none
+    client_id: str  # '' when the client named none (a TCD1 hello)
+
+
+def hello(token: str | None, client_id: str = "") -> bytes:
     data = (token or "").encode()
     if len(data) > MAX_TOKEN_BYTES:
         raise InvalidArgument(f"a token is at most {MAX_TOKEN_BYTES} bytes")
-    return _HELLO.pack(MAGIC, len(data)) + data
+    if not client_id:  # byte for byte the hello of clients that name themselves nowhere
+        return _HELLO.pack(MAGIC, len(data)) + data
+    name = client_ids.checked(client_id).encode()
+    return _HELLO.pack(MAGIC_NAMED, len(data)) + data + bytes([len(name)]) + name
 
 
-def read_hello(sock: socket.socket, deadline: float | None = None) -> str:
-    """The token a connection opens with ('' for none); InvalidArgument when it is not a data-channel client."""
+def read_hello(sock: socket.socket, deadline: float | None = None) -> Hello:
+    """What a connection opens with; InvalidArgument when it is not a data-channel client."""
     magic, length = _HELLO.unpack(recv_exactly(sock, _HELLO.size, deadline))
-    if magic != MAGIC:
+    if magic not in (MAGIC, MAGIC_NAMED):
         raise InvalidArgument("not a tiercache data-channel client (bad magic)")
     if length > MAX_TOKEN_BYTES:
         raise InvalidArgument("token too long")
-    return bytes(recv_exactly(sock, length, deadline)).decode(errors="replace")
+    token = bytes(recv_exactly(sock, length, deadline)).decode(errors="replace")
+    if magic == MAGIC:
+        return Hello(token, "")
+    size = recv_exactly(sock, 1, deadline)[0]
+    return Hello(token, client_ids.checked(bytes(recv_exactly(sock, size, deadline))))
 
 
 def status(code: int, message: str = "") -> bytes:

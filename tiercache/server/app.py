@@ -132,9 +132,10 @@ class CacheServer:
         self.metrics = Metrics(self.store)
         self.leases = LeaseTable(config.server.lease_ttl_s)
         # One intake for every transport: one tenant lookup, one admission rule, one serve path, one count of requests
-        # in flight per host and tenant.
-        self.intake = Intake(self.store, self.tenants, StreamLimits(config.server.max_streams_per_peer,
-                                                                    config.server.max_streams_per_tenant),
+        # in flight per client, host and tenant.
+        limits = StreamLimits(config.server.max_streams_per_client, config.server.max_streams_per_peer,
+                              config.server.max_streams_per_tenant)
+        self.intake = Intake(self.store, self.tenants, limits,
                              config.server.max_chunk_bytes, engine_blocks=config.events.enabled)
         self.metrics.watch_requests(self.intake.limits, [t.name for t in self.tenants.tenants] or [OPEN.name])
         self._blocking = futures.ThreadPoolExecutor(max_workers=config.server.workers,

@@ -13,7 +13,8 @@ Between requests a connection may idle DATA_KEEPALIVE_S. Connections are bounded
 those the refusal is Busy, and the client sends that call over gRPC instead.
 
 This is a transport: it frames bytes, and the rest is the intake's (server.intake), as for gRPC — the tenant of the
-hello's token, the one count of requests in flight per host and tenant (shared with gRPC streams), the one admission
+hello's token, the one count of requests in flight per client, host and tenant (shared with gRPC streams), the one
+admission
 rule of a put, where its payload is received, and the one serve path of a get.
 """
 
@@ -173,10 +174,13 @@ class DataChannelListener:
                     # handshake's deadline, not each read's (tests/server/test_data_channel.py trickles a ClientHello).
                     sock = self._tls.wrap_socket(conn, server_side=True)
                     self._track(conn, sock)
-                token = data_channel.read_hello(sock, deadline=time.monotonic() + self._idle_s)
-                tenant = self.intake.tenant(token)
+                hello = data_channel.read_hello(sock, deadline=time.monotonic() + self._idle_s)
+                tenant = self.intake.tenant(hello.token)
                 data_channel.send_all(sock, data_channel.status(data_channel.OK))
-                self._requests(sock, tenant, peer)
+                # A client that names itself has its requests counted with its gRPC streams; one that does not, as
+                # the connection's own (server.limits).
+                client = hello.client_id or f"data connection {id(sock):x}"
+                self._requests(sock, tenant, peer, client)
         except _OutOfStep as exc:  # failed after answering OK: nothing more can be said on this connection
             log.log(logging.WARNING if isinstance(exc.__cause__, TierCacheError) else logging.ERROR,
                     "data connection from %s: a get failed half-way", peer, exc_info=exc.__cause__)
@@ -209,7 +213,7 @@ class DataChannelListener:
         except data_channel.ConnectionBroken:
             pass
 
-    def _requests(self, sock: socket.socket, tenant: Tenant, peer: str) -> None:
+    def _requests(self, sock: socket.socket, tenant: Tenant, peer: str, client: str) -> None:
         while not self._stopping.is_set():
             sock.settimeout(DATA_KEEPALIVE_S)
             request = data_channel.read_request(sock, idle_s=self._idle_s)
@@ -219,7 +223,7 @@ class DataChannelListener:
             name = "DataPut" if request.op == data_channel.OP_PUT else "DataGet"
             code = "OK"
             try:
-                with self._in_flight(sock, request, peer, tenant):
+                with self._in_flight(sock, request, peer, tenant, client):
                     if request.op == data_channel.OP_PUT:
                         self._put(sock, tenant, request)
                     else:
@@ -233,12 +237,13 @@ class DataChannelListener:
                 self.metrics.rpc_seconds.labels(name, code).observe(time.perf_counter() - started)
 
     @contextlib.contextmanager
-    def _in_flight(self, sock: socket.socket, request: data_channel.Request, peer: str, tenant: Tenant):
-        """Count the request as one in flight of its peer host and tenant (with their gRPC streams) while it runs;
-        over a limit, refuse it."""
+    def _in_flight(self, sock: socket.socket, request: data_channel.Request, peer: str, tenant: Tenant,
+                   client: str):
+        """Count the request as one in flight of its client, peer host and tenant (with their gRPC streams) while it
+        runs; over a limit, refuse it."""
         with contextlib.ExitStack() as held:
             try:
-                held.enter_context(self.intake.in_flight(peer, tenant))
+                held.enter_context(self.intake.in_flight(peer, tenant, client))
             except TierCacheError as refused:
                 self._refuse(sock, refused, request.entries)
             yield

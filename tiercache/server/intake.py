@@ -3,8 +3,9 @@
 Three transports carry payloads — gRPC streams (Put / Get), the same-host path's leases (Reserve / Commit, Acquire /
 Release) and the data channel (server.data_channel) — and they only frame bytes. The rules are written here, once:
 - who is calling: `tenant(token)`, the one lookup of a bearer token;
-- how many at once: `in_flight(peer, tenant)`, one count of requests in flight per peer host and per tenant whatever
-  carries them (issue 26: the data channel kept counters of its own, so a host could have 64 + 64 in flight);
+- how many at once: `in_flight(peer, tenant, client_id)`, one count of requests in flight per client, per peer host
+  and per tenant whatever carries them (server.limits; the data channel once kept counters of its own, so a host
+  could have twice its limit in flight);
 - a put: `admit` applies the one size / meta / namespace / quota rule to a whole request (one quota point per
   request: the quota is a store call), then `receive` (or `reserve`, for a same-host writer) gives each chunk its
   room and `Incoming.store` places it;
@@ -250,10 +251,10 @@ class Intake:
         tenants file)."""
         return self._tenants.tenant(token)
 
-    def in_flight(self, peer: str, tenant: Tenant) -> contextlib.AbstractContextManager:
-        """Count one request (a stream, a data-channel request) against its peer host's and tenant's limits while it
-        runs; CapacityExceeded over either."""
-        return self.limits.stream(peer, tenant.name)
+    def in_flight(self, peer: str, tenant: Tenant, client_id: str = "") -> contextlib.AbstractContextManager:
+        """Count one request (a stream, a data-channel request) against its client's, peer host's and tenant's limits
+        while it runs; CapacityExceeded over any (server.limits: `client_id` is what the client calls itself)."""
+        return self.limits.stream(peer, tenant.name, client_id)
 
     # -- puts -------------------------------------------------------------------------------------------------------
 

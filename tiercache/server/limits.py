@@ -1,11 +1,18 @@
-"""How many requests one host and one tenant may have in flight at once, whatever carries them.
+"""How many requests one client, one host and one tenant may have in flight at once, whatever carries them.
 
 A request in flight — a gRPC Put or Get stream, a data-channel request — holds its connection, a pin or a
 reservation in the arena, or the record it is receiving, until it ends or its idle timeout ends it (a gRPC stream
-whose client stops holds no thread; a data-channel request holds its connection's). These limits bound that per host
-and per tenant, so one misbehaving engine or tenant cannot take what the others need: over a limit a new request is
-refused at once (RESOURCE_EXHAUSTED), everyone else is still served. One StreamLimits counts both transports
-(server.intake): a host may have server.max_streams_per_peer requests in flight, not that many on each.
+whose client stops holds no thread; a data-channel request holds its connection's). These limits bound that, so one
+misbehaving engine or tenant cannot take what the others need: over a limit a new request is refused at once
+(RESOURCE_EXHAUSTED), everyone else is still served. One StreamLimits counts both transports (server.intake).
+
+Three limits, nested. A *client* (one tiercache Client: an engine's worker, a CLI) may have
+server.max_streams_per_client in flight: that is what keeps one stuck engine from locking out the other engines of
+its node, which share its host address (tests/server/test_client_limits.py). A *host* may have
+server.max_streams_per_peer, well above one client's, a bound on a node whatever its clients call themselves; a
+*tenant* server.max_streams_per_tenant over all its hosts. A client names itself on every call (the `tiercache-client`
+gRPC metadata, the data channel's hello); a caller that does not (grpcurl, an older client) is one client per
+connection, its gRPC channel or its data connection.
 """
 
 from __future__ import annotations
@@ -16,6 +23,12 @@ from collections import Counter
 from typing import Iterator
 
 from tiercache.errors import CapacityExceeded
+
+
+def client_of(peer: str, client_id: str) -> str:
+    """The client a request is counted against: the id it names itself by on its host, else its connection (a gRPC
+    peer string keeps the channel's port; the data channel passes a name for the connection)."""
+    return f"{peer_host(peer)} {client_id}" if client_id else peer
 
 
 def peer_host(peer: str) -> str:
@@ -68,14 +81,19 @@ class Counts:
 
 
 class StreamLimits:
-    """Requests in flight (gRPC Put / Get streams and data-channel requests together) per peer host and per tenant."""
+    """Requests in flight (gRPC Put / Get streams and data-channel requests together) per client, per peer host and
+    per tenant."""
 
-    def __init__(self, per_peer: int, per_tenant: int) -> None:
+    def __init__(self, per_client: int, per_peer: int, per_tenant: int) -> None:
+        self.clients = Counts(per_client, "requests in flight (server.max_streams_per_client)")
         self.peers = Counts(per_peer, "requests in flight (server.max_streams_per_peer)")
         self.tenants = Counts(per_tenant, "requests in flight (server.max_streams_per_tenant)")
 
     @contextlib.contextmanager
-    def stream(self, peer: str, tenant: str) -> Iterator[None]:
-        host = peer_host(peer)
-        with self.peers.hold(host, host), self.tenants.hold(tenant, f"tenant {tenant!r}"):
+    def stream(self, peer: str, tenant: str, client_id: str = "") -> Iterator[None]:
+        """Count one request against its client (client_of: `client_id` on its host, else `peer` itself), its host
+        and its tenant while the block runs; a refusal names the first limit it met and takes no slot of any."""
+        host, client = peer_host(peer), client_of(peer, client_id)
+        with self.clients.hold(client, f"client {client_id or peer!r} of {host}"), self.peers.hold(host, host), \
+                self.tenants.hold(tenant, f"tenant {tenant!r}"):
             yield

@@ -14,6 +14,7 @@ import grpc
 from google.protobuf.message import Message
 
 from tiercache.errors import InvalidArgument
+from tiercache.protocol.client_id import client_id_of
 from tiercache.protocol.wire import ANSWERED_BY_SERVER, pb, status_for
 from tiercache.server.auth import bearer_token
 
@@ -38,8 +39,10 @@ def rpc(method=None, *, stream: bool = False):
     async def handler(self, request, context):
         started = time.perf_counter()
         try:
-            tenant = self.intake.tenant(bearer_token(context.invocation_metadata()))
-            with self.intake.in_flight(context.peer(), tenant) if stream else contextlib.nullcontext():
+            metadata = context.invocation_metadata()
+            tenant = self.intake.tenant(bearer_token(metadata))
+            with self.intake.in_flight(context.peer(), tenant, client_id_of(metadata)) if stream \
+                    else contextlib.nullcontext():
                 response = await method(self, _well_formed(request), context, tenant)
         except asyncio.CancelledError:  # the client went away (or the server is stopping): nobody to answer
             observe(self, started, grpc.StatusCode.CANCELLED)
