@@ -1,7 +1,7 @@
 """The shared-prefix scenario of tests/events/test_router_agreement.py, timed: a hybrid pod and an attention-advertising
 one on two `tiercache serve --events` servers, llm-d-rules routers caught up before every request of a Mooncake trace
 slice (every conversation under the same first chunks). The restorable index's flush cost shows in the wait for the
-routers to catch up (issue 27).
+routers to catch up (docs/events.md, "What a flush costs").
 
     .venv/bin/python -m benchmarks.events_shared_prefix REQUESTS FLUSH_S     # e.g. 48 0.01
 """

@@ -1,5 +1,6 @@
-"""Fleet benchmark (issue 27): K engines, each beside its own tiercache publishing KV events, behind a router that
-scores pods from those events, replaying the Mooncake conversation trace: hit tokens and TTFT per routing policy.
+"""Fleet benchmark: K engines, each beside its own tiercache publishing KV events, behind a router that scores pods
+from those events, replaying the Mooncake conversation trace: hit tokens and TTFT per routing policy (results and
+how they were run: docs/benchmarks.md).
 
 Pods (benchmarks/fleet/pods.py): a SimulatedEngine of a hybrid layout (by default hybrid_soak.py's Qwen3.5-0.8B
 shape scaled ~31x down in bytes: 24 layers, every 4th full attention, N = 560) runs each request through PrefixCache

@@ -20,7 +20,7 @@ KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 # Defaults the client shares with the server (a client talks to servers on their defaults unless told otherwise).
 # The largest chunk a server takes (server.max_chunk_bytes). It must hold the largest object of every model the docs
 # name (docs/deploy.md, "Sizing"): a Qwen3.5-397B-A17B state is 183.2 MiB on one rank, Qwen3.5/3.6-27B's 146.8 MiB;
-# 64 MiB refused both (issue 24). A Put stream holds up to this much while it assembles a chunk (server.limits).
+# 64 MiB refused both. A Put stream holds up to this much while it assembles a chunk (server.limits).
 DEFAULT_MAX_CHUNK_BYTES = 256 * MiB
 DEFAULT_FRAME_BYTES = MiB  # gRPC data frames: grpcio streams 1 MiB frames ~10x faster than one large message
 DEFAULT_LEASE_TTL_S = 30.0  # same-host reservations and read pins not committed / released by then are taken back
@@ -295,7 +295,7 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
     if name.endswith("_bytes"):
         try:
             return parse_size(value)
-        except ConfigError as exc:  # "not a size: 'lots'" alone did not say which of a file's sizes (issue 24)
+        except ConfigError as exc:  # "not a size: 'lots'" alone did not say which of a file's sizes
             raise ConfigError(f"{name}: {exc}") from None
     kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     kind = kinds[0]

@@ -1,5 +1,6 @@
 """A router index that reads tiercache's checkpoint (`mamba`) events besides llm-d's attention index: what a router
-that "learns to read them" (issue 27) knows of where a hybrid model's prompt can resume, to the token.
+that "learns to read them" (docs/events.md, "What is published") knows of where a hybrid model's prompt can resume,
+to the token.
 
 llm-d skips `kv_cache_spec_kind="mamba"` events and counts whole attention blocks (benchmarks/fleet/llmd_index.py,
 kept here as it is, in `attention`). On a hybrid model that overcounts where a prompt leaves a branch between a block

@@ -1,5 +1,5 @@
-"""A router's prefix index following llm-d's rules (llm-d/llm-d-router `pkg/kvevents`, read at ebab687; issue 27's
-memo, A3), in Python: what a KV-aware router that reads a pod's vLLM-format KV events knows of it.
+"""A router's prefix index following llm-d's rules (llm-d/llm-d-router `pkg/kvevents`, read at ebab687), in Python:
+what a KV-aware router that reads a pod's vLLM-format KV events knows of it.
 
 It reads what llm-d's kvevents pool reads and keeps what it keeps:
 - a batch `[ts, events, dp_rank]` whose events are maps tagged with "type" (vLLM >= #42892) or positional arrays

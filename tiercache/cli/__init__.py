@@ -219,7 +219,8 @@ def serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     try:
         # A signal that arrives while the tiers are prepared stays pending (blocked above): preparing a host arena of
-        # many GiB asks between pieces whether one is, and stops (issue 24: it used to finish first, minutes later).
+        # many GiB asks between pieces whether one is, and stops (it used to finish first, minutes later). The test is
+        # `test_sigterm_while_the_host_tier_is_committed_stops_the_server` in tests/server/test_startup.py.
         server = CacheServer(config, cancelled=lambda: bool(signal.sigpending() & signals)).start()
     except StartCancelled as exc:
         received = min(signal.sigpending() & signals)

@@ -3,7 +3,7 @@
 Without it, `tiercache stats` against a dead server printed gRPC's raw text, `tiercache demo --server <dead>` exited 0
 after ~20 warnings with "warm ... 0" rows, and `tiercache bench cliff --server <dead>` ran ~50 s through ~110
 warnings before failing: every call of theirs turns an unreachable server into a miss and goes on, which is right for
-an engine and wrong for a command whose whole point is the server (issue 24; tests/test_cli.py).
+an engine and wrong for a command whose whole point is the server (tests/test_cli.py).
 """
 
 from __future__ import annotations

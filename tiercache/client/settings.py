@@ -8,8 +8,8 @@ empty) comes from its variable: $TIERCACHE_URL, $TIERCACHE_TLS_CA_FILE, $TIERCAC
 $TIERCACHE_TLS_KEY_FILE.
 
 Before this module the vLLM and SGLang connectors each had their own copy of these keys and of $TIERCACHE_URL, and
-they drifted: vLLM's had no client certificate, so a vLLM engine could not reach a server requiring mutual TLS
-(issue 26). A connector now takes these keys from here and adds only its engine's own.
+they drifted: vLLM's had no client certificate, so a vLLM engine could not reach a server requiring mutual TLS. A
+connector now takes these keys from here and adds only its engine's own (tests/client/test_settings.py).
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 A recurrent state is one object holding every recurrent layer, and it can be large (Qwen3.6-27B: 146.8 MiB on one
 rank). A server whose `server.max_chunk_bytes` is smaller refuses every such put: with the old 64 MiB default,
 `tiercache bench cliff --preset qwen3.6-27b` failed after 5 s and an engine saved no state at all, every request
-logging the refusal (issue 24). So each connector asks the server its limit once (Attach says it) and refuses to start
-with one line naming the flag. A server that cannot be asked (down, or too old to say) is not a reason to keep an
-engine from starting: the check is skipped with a warning, and a refused put is then logged when it happens.
+logging the refusal. So each connector asks the server its limit once (Attach says it) and refuses to start with one
+line naming the flag (tests/connector/test_limits.py). A server that cannot be asked (down, or too old to say) is not
+a reason to keep an engine from starting: the check is skipped with a warning, and a refused put is then logged when
+it happens.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""An engine's registration as a pod for KV events (docs/events.md), kept up across server restarts (issue 27).
+"""An engine's registration as a pod for KV events (docs/events.md), kept up across server restarts.
 
 The server keeps registrations in memory: a restarted server publishes nothing for an engine that keeps running until
 the engine registers again. The engine learns of it without a call of its own: each of its lookups names its pod, and

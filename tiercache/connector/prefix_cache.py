@@ -184,9 +184,9 @@ class PrefixCache:
 
 
 class EngineBlock(NamedTuple):
-    """What the engine calls a block (issue 27): its token ids as little-endian uint32 and the engine's own 64-bit
-    block hash (0: unknown). Sent with the kv chunks of one attention group in one rank; the server publishes KV
-    events for routers from them."""
+    """What the engine calls a block: its token ids as little-endian uint32 and the engine's own 64-bit block hash
+    (0: unknown). Sent with the kv chunks of one attention group in one rank; the server publishes KV events for
+    routers from them (docs/events.md)."""
 
     tokens: bytes
     engine_hash: int = 0

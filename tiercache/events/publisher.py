@@ -1,5 +1,5 @@
 """The pods' event streams: per pod a ZMQ PUB of KV-event batches in vLLM's wire format and a ROUTER that answers
-replays with the pod's whole inventory (issue 27's memo, A1 and B6).
+replays with the pod's whole inventory (docs/events.md, "What is published"; tests/events/test_publisher.py).
 
 - Live: three frames per batch, as vLLM's ZmqEventPublisher sends them: the topic `kv@<pod>@<model>` (llm-d reads the
   pod and the model from it), the batch's sequence number (8 bytes, big-endian, one per batch, consecutive from 0 in

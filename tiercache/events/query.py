@@ -1,5 +1,5 @@
 """The pod query: for a router that reads no events, how many tokens of a prompt each registered pod can restore from
-this server, and from which tiers (issue 27, "What to build" item 2; the memo's B7).
+this server, and from which tiers (docs/events.md, "Query API"; tests/events/test_query.py).
 
 A pod's answer is exactly what the server's Lookup answers the pod's own connector for that prompt: the prompt is
 hashed as the connector hashes it (the pod's first namespace, N and u: tiercache.prefix.hashes), and the one search

@@ -6,7 +6,7 @@ checkpoint at or after it on its branch satisfies the whole hit rule for the pod
 every rank namespace, the tail when mid-block, the state when recurrent. That is decided by the very search behind
 the Lookup call (tiercache.prefix.lookup.find_hit, asked "does a prompt ending right after checkpoint p resume at
 p?"), never by a second hit rule. A pure-attention model has no checkpoints: a block is advertised when its kv chain
-is complete (its boundary resumes). Issue 27's memo, B1/B2.
+is complete (its boundary resumes). tests/events/test_restorable.py checks these rules.
 
 How it stays current. The store tells the index of every change of where a key is held (TieredStore.watch); the
 index notes them and, at each `flush`, redoes only what those changes can alter. A tree is everything under one first
@@ -57,7 +57,7 @@ from tiercache.record.keys import ChunkKey
 from tiercache.store.tiered import TieredStore
 
 # vLLM's media (vllm.distributed.kv_events): a router reads GPU as "in the engine's own memory", so every tier of
-# tiercache is CPU or STORAGE, with the locality as seen from the pod (memo B5).
+# tiercache is CPU or STORAGE, with the locality as seen from the pod (docs/events.md, "What is published").
 MEDIUM_BY_TIER = {"gpu": "CPU", "host": "CPU", "disk": "STORAGE", "redis": "STORAGE"}
 KIND_BY_GROUP = {GroupKind.FULL_ATTENTION: "full_attention", GroupKind.SLIDING_WINDOW: "sliding_window",
                  GroupKind.RECURRENT: "mamba"}

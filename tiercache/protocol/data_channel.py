@@ -59,8 +59,9 @@ _STATUS = struct.Struct("<BI")
 _REQUEST = struct.Struct("<BII")
 _U16 = struct.Struct("<H")
 _PUT_ENTRY = struct.Struct("<QBQH")  # size, object class, prefix tokens, parent length (after the key)
-# Bit 15 of the parent length: the engine block (ChunkMeta.tokens and engine_hash, issue 27) follows the parent. A
-# flag rather than a new op, so puts without tokens are byte for byte what they always were (old servers take them).
+# Bit 15 of the parent length: the engine block (ChunkMeta.tokens and engine_hash, for KV events: docs/events.md)
+# follows the parent. A flag rather than a new op, so puts without tokens are byte for byte what they always were
+# (old servers take them).
 _WITH_ENGINE = 0x8000
 _ENGINE = struct.Struct("<QI")  # engine hash, token bytes
 ITEM = struct.Struct("<BQB")  # found, size, tier length
@@ -158,8 +159,8 @@ def drain(sock: socket.socket, size: int, scratch: memoryview, deadline: float |
 
 def recv_growing(sock: socket.socket, size: int, deadline: float, first_bytes: int = 64 << 10) -> bytearray:
     """`size` bytes in a buffer that grows as they arrive (`first_bytes`, then doubling): memory is committed for
-    what a peer sends, never for what it declares (issue 26: a declared 16 MiB header block sent a byte at a time
-    held a zero-filled 16 MiB buffer per connection)."""
+    what a peer sends, never for what it declares (a declared 16 MiB header block sent a byte at a time used to hold
+    a zero-filled 16 MiB buffer per connection; tests/server/test_data_channel.py, `test_hostile_clients_...`)."""
     buffer = bytearray(min(size, first_bytes))
     filled = 0
     while True:
@@ -260,8 +261,8 @@ class Request(NamedTuple):
 def read_request(sock: socket.socket, idle_s: float) -> Request | None:
     """The next request, or None when the client closed the connection between requests. The wait for its first
     byte is the socket's timeout; the rest of its header and its whole block must follow within `idle_s` of that
-    byte (each read alone waiting `idle_s` let a client trickle a declared 16 MiB block for as long as it liked:
-    issue 26), and the block's buffer grows as it arrives."""
+    byte (each read alone waiting `idle_s` let a client trickle a declared 16 MiB block for as long as it liked),
+    and the block's buffer grows as it arrives."""
     head = bytearray(_REQUEST.size)
     view = memoryview(head)
     try:

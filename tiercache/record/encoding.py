@@ -12,8 +12,8 @@ and the server finds saved checkpoints through it. The store learns all three fr
 restarts with the disk tier. (parent_len was a reserved zero byte: records written before it existed read as
 records without a parent, and their checksums are unchanged.)
 
-A kv object may also carry the engine's view of its block (flag ENGINE, issue 27): its token ids (little-endian
-uint32) and the engine's own 64-bit block hash. The server publishes KV events in vLLM's wire format from them, and
+A kv object may also carry the engine's view of its block (flag ENGINE): its token ids (little-endian uint32) and the
+engine's own 64-bit block hash. The server publishes KV events in vLLM's wire format from them (docs/events.md), and
 routers recompute their keys from the tokens, so they live in the record and survive a restart with the disk tier.
 Records without them are unchanged, checksums included.
 
@@ -61,9 +61,9 @@ class ChunkMeta(NamedTuple):
     object_class: int = CLASS_KV
     prefix_tokens: int = 0
     parent: bytes = b""  # the key (same namespace) of the object this one extends; b"": none
-    # What the engine calls this block (issue 27: KV events for routers), sent by connectors for the kv chunks of
-    # one attention group in one rank only (one copy serves every group and rank): its token ids as little-endian
-    # uint32, and the engine's own block hash (vLLM's, low 64 bits). b"" / 0: not sent.
+    # What the engine calls this block (for KV events for routers: docs/events.md), sent by connectors for the kv
+    # chunks of one attention group in one rank only (one copy serves every group and rank): its token ids as
+    # little-endian uint32, and the engine's own block hash (vLLM's, low 64 bits). b"" / 0: not sent.
     tokens: bytes = b""
     engine_hash: int = 0
 

@@ -13,9 +13,10 @@ Release) and the data channel (server.data_channel) — and they only frame byte
   where each payload lies and how to let it go.
 
 `serve` is the one read path: a chunk any tier holds is served to every transport alike, pinned in the arena when it
-is there (or promoted there), else from the store's copy, whatever room the arena has. (Issue 26 saw a chunk read
-over gRPC and missed a moment later through the data channel and the same-host path while stalled puts held the
-arena; the miss was every path's, a chunk evicted and not yet placed below: tiers/arena.py `_let_go`.)
+is there (or promoted there), else from the store's copy, whatever room the arena has. (A chunk was once read over
+gRPC and missed a moment later through the data channel and the same-host path while stalled puts held the arena;
+the miss was every path's, a chunk evicted and not yet placed below: tiers/arena.py `_let_go`. The test is
+`test_a_stored_chunk_is_served_by_every_path_while_stalled_puts_take_the_arena` in tests/server/test_data_channel.py.)
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from tiercache.store.tiered import TieredStore
 
 # A record received outside the arena grows as its payload arrives: its first step, then as much again as has come
 # (at most twice what was received, or one step): a client that announces 64 MiB and sends a byte commits 1 MiB of
-# this process's memory, not 64 (issue 26: hostile clients on the data channel).
+# this process's memory, not 64. Hostile clients on the data channel declare large puts and trickle a byte at a time
+# (`test_hostile_clients_...` in tests/server/test_data_channel.py).
 FIRST_STEP_BYTES = 1 << 20
 # It grows with PyByteArray_Resize (documented C API), which leaves the new bytes unwritten until the payload lands on
 # them: `+= bytes(n)` zero-fills them first, a pass over every byte that halved the rate of receiving a 4 MiB record
@@ -60,8 +62,8 @@ def batches(keys: Sequence[ChunkKey]) -> Iterable[Sequence[ChunkKey]]:
 
 def check_chunk_size(size_bytes: int, max_chunk_bytes: int) -> None:
     """InvalidArgument for a chunk past server.max_chunk_bytes, saying how to raise the limit: a model's state can be
-    larger than the default (a Qwen3.6-27B state is 147 MiB), and the bare numbers did not say where the limit is set
-    (issue 24)."""
+    larger than the default (a Qwen3.6-27B state is 147 MiB), and the bare numbers did not say where the limit is
+    set."""
     if size_bytes > max_chunk_bytes:
         raise InvalidArgument(f"chunk of {size_bytes} bytes ({format_size(size_bytes)}) exceeds the server's maximum "
                               f"of {max_chunk_bytes} ({format_size(max_chunk_bytes)}): raise it with `tiercache serve "

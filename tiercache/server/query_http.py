@@ -1,5 +1,6 @@
 """The pod query over HTTP, in the shapes of Mooncake's conductor indexer (its RFC, kvcache-ai/Mooncake #1403 /
-#1527, `docs/source/design/conductor/indexer-api-design.md`; issue 27's memo A4), for routers that read no events:
+#1527, `docs/source/design/conductor/indexer-api-design.md`; docs/events.md, "Query API"), for routers that read no
+events:
 
     POST /query          {model, lora_name?, token_ids, tenant_id?, instance_id?, block_size?, cache_salt?}
     POST /query_by_hash  {model, lora_name?, block_hash | seq_hashes, tenant_id?, instance_id?, block_size?}

@@ -54,7 +54,7 @@ class TieredStore:
             above = [t for t in self.tiers[:level] if isinstance(t, ChainDirectory) and not t.shared_by_nodes]
             if above and isinstance(tier, ChainDirectory):
                 tier.needed_above = functools.partial(self._has_children, above)
-            if isinstance(tier, HandsDown):  # its victims are placed below while still readable there (issue 26)
+            if isinstance(tier, HandsDown):  # its victims are placed below while still readable there
                 tier.hand_down = functools.partial(self.demote, level=level)
         arena_levels = [level for level, tier in enumerate(self.tiers) if isinstance(tier, MappableArena)]
         # The same-host path (writes and reads in place), over the first tier whose arena clients can map; or None.

@@ -168,7 +168,7 @@ class ArenaTier(IndexedTier):
     def _let_go(self, victims: list[Victim[_Pages]], evicted: list[Evicted], return_evicted: bool) -> None:
         """Copy victims out (without the lock: they are pinned) and hand them down, or add them to `evicted`; then
         free their pages. Until then a victim stays readable here (`_leaving`): with `hand_down` set, a chunk on its
-        way to the tier below is in one tier or the other at every moment. (Issue 26: a victim used to be in no tier
+        way to the tier below is in one tier or the other at every moment. (A victim used to be in no tier
         from its eviction until the store had written it below, and a read then missed it on every path;
         tests/server/test_data_channel.py reproduces it with stalled puts whose reservations evict again and again.)"""
         try:

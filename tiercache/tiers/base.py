@@ -154,8 +154,9 @@ class HandsDown(Protocol):
 
     hand_down (set by the store): hand_down(evicted) places what a put or reservation evicts in the tiers below while
     the victims are still readable in this tier, before their pages are reused; put and reserve then return no
-    victims. So a chunk on its way down is always in a tier (issue 26: without it, a read between the eviction and the
-    demotion missed). Called without the tier's lock. None (the default): victims are returned, as Tier.put says.
+    victims. So a chunk on its way down is always in a tier (without it, a read between the eviction and the demotion
+    missed: tests/server/test_data_channel.py). Called without the tier's lock. None (the default): victims are
+    returned, as Tier.put says.
     """
 
     hand_down: Callable[[list[Evicted]], None] | None

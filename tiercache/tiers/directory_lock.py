@@ -3,8 +3,8 @@
 Two servers on one directory destroy each other's chunks: each indexes the other's files, evicts them to fit its own
 cap and never learns of the other's writes. The default directory (~/.cache/tiercache/chunks) is shared by every
 `tiercache serve` a user starts, so this happened by accident: a second server with a smaller cap deleted 46 of the
-first's 59 files at start, and the first went on reporting 59 chunks while its reads missed (issue 24;
-tests/test_cli.py starts two real servers on one directory).
+first's 59 files at start, and the first went on reporting 59 chunks while its reads missed (a test in
+tests/server/test_startup.py starts two real servers on one directory).
 
 The lock is flock(2) on `<dir>/.tiercache.lock`: the kernel drops it when its holder exits, however it exits (SIGKILL,
 the OOM killer), so a lock file left behind never blocks a restart. The file is never unlinked (a process waiting to

@@ -5,9 +5,9 @@ The arena is committed before the server serves: every page is allocated (posix_
 that is too small fails here rather than with SIGBUS on a later write) and mapped (MADV_POPULATE_WRITE), because a
 first touch costs a page fault per 4 KiB (1-2 GB/s against ~12 GB/s into mapped memory on our machines). Done in
 one call this took over 3 minutes for 20 GiB on a 23 GiB machine, printed nothing and ignored SIGTERM until done, and
-`--host-mem 100GiB` ended in a 30-line `OSError: [Errno 12]` traceback (issue 24). So the size is checked first, with
-one line naming what does not fit, and the commit goes in pieces of `PIECE_BYTES`: a progress line every few seconds,
-and `cancelled()` asked between pieces.
+`--host-mem 100GiB` ended in a 30-line `OSError: [Errno 12]` traceback. So the size is checked first, with one line
+naming what does not fit, and the commit goes in pieces of `PIECE_BYTES`: a progress line every few seconds, and
+`cancelled()` asked between pieces (tests/server/test_startup.py).
 """
 
 from __future__ import annotations

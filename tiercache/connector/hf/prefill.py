@@ -129,7 +129,8 @@ class CachedPrefill:
     def _payloads(self, past, refs, states: dict) -> dict:
         """The bytes of every planned object the cache still holds (`states`: captured states by position). After a
         partial hit a restored sliding-window layer holds only its window, so a chunk reaching back before it
-        cannot be written: it is skipped — a cache may forget, it must never fail the request (issue 18)."""
+        cannot be written: it is skipped — a cache may forget, it must never fail the request
+        (tests/connector/hf/test_gate.py, `test_a_sliding_window_partial_hit_never_fails_the_request`)."""
         payloads = {}
         for ref in refs:
             if ref.kind is ObjectKind.STATE:

@@ -12,7 +12,7 @@ Per-layer tensors (`register_kv_caches`) are views of one backing buffer, each [
   own copy-on-write of a partially filled block does. A `kv` object is the page of a full block; a `tail` at p is the
   page of the block holding p, of which only tokens [N*floor(p/N), p) are meaningful (the engine writes the tokens
   from p on before it reads them, and never reads beyond the sequence). Reading a page per token, as an earlier
-  version did, restored the wrong bytes for tails on the CPU backend (issue 14);
+  version did, restored the wrong bytes for tails on the CPU backend;
 - Mamba: [blocks, 1, 1, state bytes] int8; slot b holds the layer's state tensors (conv, then SSM) back to back.
 In align mode the state after p tokens lives in the Mamba block at index (p-1) // B of the request's block table.
 """

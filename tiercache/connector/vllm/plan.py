@@ -46,8 +46,8 @@ class Transfer:
     # beside vLLM (CUDA) must be done before that step. Full blocks, committed boundary states and the blocks of a
     # finished request (vLLM keeps them until the worker reports the save) are not written again.
     running: bool = False
-    # The block as vLLM names it (tokens, vLLM's block hash), for the server's KV events (issue 27): set on kv chunks
-    # and tails of the anchor attention group only; the worker of tensor-parallel rank 0 alone sends it.
+    # The block as vLLM names it (tokens, vLLM's block hash), for the server's KV events (docs/events.md): set on kv
+    # chunks and tails of the anchor attention group only; the worker of tensor-parallel rank 0 alone sends it.
     engine: EngineBlock | None = None
 
 
