@@ -12,7 +12,7 @@ evicts. The ratio evicting / filling is the figure of merit (goal: at least 0.5)
           creation (temp file + rename, as the tier writes) and creation with one unlink of an old file each (what
           any one-file-per-record store must do while full), and the index alone in memory at the same size.
   host    the host tier in-process (ArenaTier over shared memory), 64 KiB pages
-  server  a server process with only a host tier, client.put_many batches of 1,000 chunks (the issue's measurement)
+  server  a server process with only a host tier, client.put_many batches of 1,000 chunks (what a client sees)
 
     .venv/bin/python benchmarks/eviction.py [--disk 1000,100000,1000000] [--host-gib 8] [--server-gib 2]
                                             [--json-out docs/eviction.json]
@@ -167,7 +167,7 @@ def host_case(gib: float, window: int, chain: int) -> dict:
 
 
 def server_case(gib: float, batches: int, chain: int) -> dict:
-    """The issue's measurement: 1,000-chunk put_many calls against a server whose host tier is full."""
+    """What a client sees: 1,000-chunk put_many calls against a server whose host tier is full."""
     page = 64 * KiB
     records_count = int(gib * GiB) // page
     with ServerProcess("--host-mem", f"{int(gib * 1024)}MiB", "--disk-size", "0") as server, \

@@ -14,10 +14,10 @@ For chunk sizes 1, 4 and 16 MiB (a working set of --set-mib per size), in GB/s (
   LMCache store/retrieve  with --lmcache-venv: LMCache's multiprocess server (shared-memory transfer mode) started
                          from that venv and driven by its own `lmcache bench server --mode cpu`, with a KV shape
                          whose 256-token chunks have the same byte size
-and the ratios the performance issue tracks. The remote path and redis-py are also measured interleaved (redis-py
-SET, tiercache put, redis-py GET, tiercache get, round after round): on a shared machine the speed drifts between
-phases, so `remote_vs_redis_py` is the median of the per-round ratios (`remote_vs_redis_py_rounds`), each taken
-under the same conditions. Writes JSON (--json-out) and a PNG chart (--plot).
+and the ratios docs/performance.md tracks against its targets. The remote path and redis-py are also measured
+interleaved (redis-py SET, tiercache put, redis-py GET, tiercache get, round after round): on a shared machine the speed
+drifts between phases, so `remote_vs_redis_py` is the median of the per-round ratios (`remote_vs_redis_py_rounds`), each
+taken under the same conditions. Writes JSON (--json-out) and a PNG chart (--plot).
 
     .venv/bin/python benchmarks/throughput.py [--quick] [--sizes 1,4,16] [--set-mib 256] [--repeat 3]
                                               [--lmcache-venv /path/to/venv]

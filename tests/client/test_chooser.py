@@ -85,7 +85,7 @@ def test_a_read_the_arena_carries_in_part_comes_back_whole_and_in_order(start_se
 
 
 def test_asking_attach_holds_up_no_other_call(hung_port):
-    """Before issue 26 the Attach lock was held across a retried Attach: of two calls that needed the server's Attach
+    """The Attach lock used to be held across a retried Attach: of two calls that needed the server's Attach
     answer at once, the second waited out the first's whole call before its own deadline even started (~2 s here).
     Each call now ends by its own deadline."""
     with Client.from_url(f"grpc://127.0.0.1:{hung_port}", timeout_s=1.0, retry=RetryPolicy(attempts=4)) as client:

@@ -1,4 +1,4 @@
-"""What a connector checks at startup (issue 24): the server says its chunk limit in Attach, and a connector whose
+"""What a connector checks at startup: the server says its chunk limit in Attach, and a connector whose
 largest object is above it refuses to start with one line naming the flag — the transformers connector on a real
 model and a real server here; the vLLM connector on vLLM's real engine in tests/vllm_engine/test_startup_refusals.py;
 SGLang's in tests/sglang."""

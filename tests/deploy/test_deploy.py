@@ -132,7 +132,7 @@ def _namespace(objects: list[dict]) -> str:
 
 def test_every_namespaced_object_lands_in_the_one_namespace(rendered):
     # Objects the redis components added had no namespace: `kubectl apply -k` put Redis in the current context's
-    # namespace, away from its Secret and from the servers' DNS name for it (issue 24).
+    # namespace, away from its Secret and from the servers' DNS name for it.
     overlay, objects = rendered
     namespace = _namespace(objects)
     stray = [f"{o['kind']}/{o['metadata']['name']} in {o['metadata'].get('namespace')!r}" for o in objects
@@ -224,8 +224,8 @@ def test_every_name_the_pods_and_the_server_refer_to_exists_in_their_namespace(r
 
 
 def test_the_checks_above_catch_what_they_guard(tmp_path):
-    """The namespace and reference checks fail on the manifests as they were before issue 24 (a component without a
-    namespace) and on a Redis URL that names nothing."""
+    """The namespace and reference checks fail on the manifests as they once were (the Redis component's objects
+    without a namespace) and on a Redis URL that names nothing."""
     objects = _render("cpu")
     redis = [o for o in objects if o["metadata"]["name"].startswith("tiercache-redis")]
     for obj in redis:

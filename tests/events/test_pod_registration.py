@@ -1,4 +1,4 @@
-"""Pods across server restarts (issue 27): a lookup that names its pod is told whether the server has it registered,
+"""Pods across server restarts: a lookup that names its pod is told whether the server has it registered,
 for the caller's tenant only; a connector's PodRegistration registers again when a lookup says no, and a pod that
 registers again gets its ports back, so a router's subscriber reconnects by itself. Real server processes restarted
 on the same port and disk directory, real ZMQ sockets. (vLLM's real scheduler doing the same:

@@ -1,5 +1,5 @@
 """A router index built from a real server's KV events agrees with Lookup on every prompt of a slice of the Mooncake
-conversation trace (issue 27's "Done when"), for a hybrid model and an attention-only one.
+conversation trace, for a hybrid model and an attention-only one (docs/events.md, "Agreement with Lookup").
 
 The saves are a connector's (tiercache.bench.SimulatedEngine through PrefixCache: every full kv chunk of the prompt
 and of prompt + output, with tokens and the engine's block hashes on the anchor group's chunks, a state at every

@@ -1,4 +1,4 @@
-"""The sizes of the models the docs name (issue 24): the presets give vLLM's own block sizes, docs/deploy.md's sizing
+"""The sizes of the models the docs name: the presets give vLLM's own block sizes, docs/deploy.md's sizing
 table is what they compute, and the default chunk limit takes every one of their objects — in a real server on its
 defaults, and in `tiercache bench cliff`, which refuses a server whose limit is too small at once, in one line."""
 

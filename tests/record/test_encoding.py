@@ -93,7 +93,7 @@ ENGINE_META = encoding.ChunkMeta(encoding.CLASS_KV, 4, b"p" * 18, tokens=bytes(r
 
 
 def test_the_engine_block_round_trips_and_is_in_the_header():
-    """Issue 27: a kv chunk's token ids and engine hash live in its record (so a disk tier's restart keeps them)."""
+    """A kv chunk's token ids and engine hash live in its record (so a disk tier's restart keeps them)."""
     record = encoding.encode(KEY, b"payload", ENGINE_META)
     assert encoding.read_meta(record) == ENGINE_META
     header = encoding.read_header(record)

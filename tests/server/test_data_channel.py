@@ -133,8 +133,9 @@ def test_metadata_travels_with_the_chunk(start_server):
 
 @pytest.mark.parametrize("path", ["data channel", "grpc streams", "same host"])
 def test_tokens_and_engine_hashes_travel_with_the_chunk_on_every_path(start_server, path):
-    """Issue 27: the optional engine block (token ids, the engine's block hash) reaches the store of a server that
-    publishes KV events by each path, and a chunk without one beside it stays without one."""
+    """The optional engine block (token ids, the engine's block hash: what the KV events name a block by,
+    docs/events.md) reaches the store of a server that publishes KV events by each path, and a chunk without one
+    beside it stays without one."""
     server = start_server(events=EventsConfig(enabled=True))
     options = {"data channel": {}, "grpc streams": {"data_channel": False},
                "same host": {"same_host": True}}[path]
@@ -328,7 +329,7 @@ def test_connections_over_the_per_host_limit_are_refused_and_the_call_goes_over_
 
 def test_requests_in_flight_are_counted_once_for_both_transports(start_server):
     """A host may have server.max_streams_per_peer requests in flight, gRPC streams and data-channel requests
-    together (issue 26: each transport counted its own, so a host could have twice the limit)."""
+    together (each transport used to count its own, so a host could have twice the limit)."""
     server = start_server(max_streams_per_client=2, max_streams_per_peer=2, stream_idle_timeout_s=30)
     stalled = _raw(server, token="")  # a data-channel put in flight, stalled half-way through its payload
     stalled.sendall(data_channel.put_request(NS, [data_channel.PutEntry(b"half", MiB, ChunkMeta())]) + bytes(1000))
@@ -430,7 +431,7 @@ class _Tricklers:
 
 
 def test_hostile_clients_are_cut_off_by_deadlines_and_hold_memory_only_for_what_they_sent(tmp_path):
-    """Issue 26's hostile run, against a real server process: clients that declare large header blocks, large puts
+    """A hostile run against a real server process: clients that declare large header blocks, large puts
     and refused payloads, then trickle a byte at a time. Each part of a request has a deadline (a header block
     within one idle timeout, a drained payload at 1 MiB per idle timeout), and the server's memory follows the bytes
     that arrived, not the sizes declared (16 MiB blocks and 64 MiB chunks the arena cannot take: 656 MiB here)."""
@@ -495,8 +496,8 @@ def test_a_trickled_tls_handshake_is_ended_within_the_idle_timeout(start_server,
 
 
 def test_a_stored_chunk_is_served_by_every_path_while_stalled_puts_take_the_arena(tmp_path):
-    """Issue 26's second finding: while stalled 64 MiB puts held reservations in the host arena, a 4 KiB chunk stored
-    earlier was read fine one moment and a miss the next. Each reservation evicts what the arena holds, and a victim
+    """While stalled 64 MiB puts held reservations in the host arena, a 4 KiB chunk stored earlier used to be read
+    fine one moment and a miss the next. Each reservation evicts what the arena holds, and a victim
     was in no tier from the moment it left the arena's index until the store had written it to disk: every path
     missed it then (gRPC too; ~30 misses in 2,000 reads here). Here the stalled puts come and go for a few seconds,
     so the arena evicts again and again (and the reads promote the chunk back in), while the chunk is read through

@@ -1,4 +1,4 @@
-"""What `tiercache serve` does before it serves (issue 24): one server per disk directory, a host tier checked against
+"""What `tiercache serve` does before it serves: one server per disk directory, a host tier checked against
 the memory there is, committed in pieces with progress in the log, and a SIGTERM during that obeyed at once. Real
 server processes, a real tmpfs where one is needed; nothing here allocates more than 64 MiB."""
 

@@ -349,7 +349,7 @@ def _closed_port() -> int:
 
 
 def test_a_pool_whose_pages_the_server_would_refuse_is_refused_when_sglang_registers_it():
-    """The one refusal the backend makes (issue 24): at SGLang's start, in one line naming the flag, instead of every
+    """The one refusal the backend makes: at SGLang's start, in one line naming the flag, instead of every
     later write being dropped with a refusal in the log. Pools whose pages fit are registered as before."""
     kv, mamba = mha_host(), mamba_host()
     sizes = {name: page.numel() * page.element_size()

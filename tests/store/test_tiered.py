@@ -139,7 +139,7 @@ def test_disk_tier_survives_restart(tmp_path):
 
 
 def test_tokens_and_engine_hashes_survive_a_disk_tier_restart(tmp_path):
-    """Issue 27: the KV events a restarted server publishes need the tokens its records carry, headers longer than
+    """The KV events a restarted server publishes need the tokens its records carry, headers longer than
     the disk tier's first read of a file included (4,096 tokens: 16 KiB of header)."""
     parent = ChunkKey(key(0).namespace, b"\x07" * 18)
     metas = {i: ChunkMeta(0, 16, parent.key, tokens=bytes(4 * 4096) + bytes((i,)) * 4, engine_hash=i + 1)
@@ -234,9 +234,10 @@ def test_demotion_reaches_redis_without_write_through(tmp_path, redis_url):
 
 
 def test_a_chunk_moving_from_disk_to_redis_is_found_at_every_moment(tmp_path, redis_url, monkeypatch):
-    """Issue 26's gap one tier down: a disk victim used to leave the disk's index before the store had written it
-    to Redis, so a read in between missed it everywhere. Here every read made while Redis receives a victim must find
-    the victim's bytes."""
+    """The host arena's gap (`test_a_stored_chunk_is_served_by_every_path_while_stalled_puts_take_the_arena` in
+    tests/server/test_data_channel.py) one tier down: a disk victim used to leave the disk's index before the store
+    had written it to Redis, so a read in between missed it everywhere. Here every read made while Redis receives a
+    victim must find the victim's bytes."""
     store = make_store(tmp_path, host=1 * MiB, disk=1 * MiB, redis_url=redis_url)
     redis = store.tiers[2]
     put = redis.put

@@ -27,7 +27,7 @@ decode = msgspec.msgpack.Decoder(KVEventBatch).decode
 
 def array_like(cls: type) -> type:
     """A mirror of one of vLLM's event classes, same name (the tag), fields, order and defaults, encoded as a
-    positional array: what vLLM's classes were before vllm#42892 (issue 27's memo, A1)."""
+    positional array: what vLLM's classes were before vllm#42892."""
     fields = []
     for f in msgspec.structs.fields(cls):
         if f.default is not msgspec.NODEFAULT:

@@ -221,7 +221,7 @@ def test_without_kv_events_kv_chunks_carry_no_tokens(server, engines):
 
 
 def test_kv_chunks_carry_their_tokens_and_vllms_own_block_hash(server, engines):
-    """Issue 27: the anchor group's kv chunks (and tails) carry their token ids and vLLM's block hash (low 64 bits,
+    """The anchor group's kv chunks (and tails) carry their token ids and vLLM's block hash (low 64 bits,
     as vLLM's KV events publish it), so the server's events name blocks as the engine does; states carry none."""
     engine = engines(extra={"events_pod_id": "pod-t"})
     tokens = prompt(3, 100)

@@ -1,4 +1,4 @@
-"""What the connector refuses at an engine's start, on vLLM's real engine (issue 24): a cache server whose chunk limit
+"""What the connector refuses at an engine's start, on vLLM's real engine: a cache server whose chunk limit
 is below the model's largest object, and an engine whose Mamba groups are not in align mode (prefix caching turned
 off) — each in one line naming the flag that fixes it. (Every other engine of these tests passes no
 mamba_cache_mode: prefix caching alone gives the connector align mode on vLLM 0.32.)"""

@@ -165,8 +165,8 @@ def test_sliding_window_model_reuses_a_prefix_longer_than_its_window(connect):
 
 @pytest.mark.parametrize("window", [8, 40], ids=["window<N", "window>N"])
 def test_a_sliding_window_partial_hit_never_fails_the_request(connect, window):
-    """Issue 18's reproduction: a restored sliding layer holds only its window, and the save plan after a partial
-    hit asked for a chunk spanning the hit (W-1 < p mod N): the prefill raised. A cache may skip a save; it must
+    """A restored sliding layer holds only its window, and the save plan after a partial hit used to ask for a
+    chunk spanning the hit (W-1 < p mod N): the prefill raised. A cache may skip a save; it must
     never fail the request."""
     model = recorded_model("gemma3", sliding_window=window)
     cached = CachedPrefill(model, connect(), chunk_tokens=16)

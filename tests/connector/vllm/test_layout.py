@@ -1,7 +1,6 @@
-"""The vLLM connector's refusal of an engine whose Mamba groups are not in align mode (issue 24): vLLM 0.32 and 0.33
-both derive the mode from prefix caching, 0.33 deprecated --mamba-cache-mode, so the message names
---enable-prefix-caching and says what the flag does on the version running. (On vLLM's real engine:
-tests/vllm_engine/test_startup_refusals.py.)"""
+"""The vLLM connector's refusal of an engine whose Mamba groups are not in align mode: vLLM 0.32 and 0.33 both derive
+the mode from prefix caching, 0.33 deprecated --mamba-cache-mode, so the message names --enable-prefix-caching and
+says what the flag does on the version running. (On vLLM's real engine: tests/vllm_engine/test_startup_refusals.py.)"""
 
 from __future__ import annotations
 
