@@ -183,11 +183,17 @@ def plot(report: dict, path: str) -> None:
         xs = [int(r) - 0.4 + width * (k + 0.5) for r in rounds]
         hits = [per_round[r]["hit_tokens"] or 0 for r in rounds]
         own = [min(per_round[r]["own_hits"] or 0, h) for r, h in zip(rounds, hits)]
-        bars = right.bar(xs, own, width, label=f"{arm}: vLLM's own prefix cache")
-        right.bar(xs, [h - o for h, o in zip(hits, own)], width, bottom=own, color=bars[0].get_facecolor(),
-                  alpha=0.45, hatch="//", label=f"{arm}: loaded through the connector")
+        loaded = [min(per_round[r]["connector_hits"] or 0, h - o) for r, h, o in zip(rounds, hits, own)]
+        colour = f"C{k}"  # the arm's colour on the left too
+        right.bar(xs, own, width, color=colour, label=f"{arm}: vLLM's own prefix cache")
+        right.bar(xs, loaded, width, bottom=own, color=colour, alpha=0.45, hatch="//",
+                  label=f"{arm}: loaded through the connector")
+        # vLLM's counters are read between requests, not per request: what a round's requests hit but the counters
+        # charged to a neighbouring round's is left as the outline up to the hit tokens (cached_tokens).
+        right.bar(xs, hits, width, fill=False, edgecolor=colour, linewidth=0.7,
+                  label="hit tokens (cached_tokens); unfilled: charged to another round" if k == 0 else None)
     right.set(xlabel="round", ylabel="prompt tokens not computed (median of runs)",
-              title="Hit tokens per round: own (solid) / loaded (hatched)")
+              title="Hit tokens per round: own (solid), loaded (hatched)")
     right.legend(fontsize=6, ncol=2)
     fig.suptitle(title(report), fontsize=9)
     fig.tight_layout()

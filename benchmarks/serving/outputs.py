@@ -42,6 +42,7 @@ def compare_outputs(runs: list[dict], reference: str = "alone") -> dict:
             causes[mismatch["cause"]] = causes.get(mismatch["cause"], 0) + 1
         tally["causes"] = causes
     return {"reference": reference, "arms": arms, "reference_runs": len(references),
+            "reference_requests": len({o["index"] for result in references.values() for o in result["outcomes"]}),
             "reference_unstable": sorted(unstable)}
 
 

@@ -127,7 +127,7 @@ def table(report: dict) -> str:
     outputs = report["outputs"]
     lines += ["", "outputs against vLLM alone (greedy, every generated token):"]
     if outputs.get("reference_runs", 0) > 1:
-        unstable, requests = len(outputs["reference_unstable"]), report["params"].get("max_requests", "?")
+        unstable, requests = len(outputs["reference_unstable"]), outputs.get("reference_requests", "?")
         lines.append(f"  vLLM alone against itself: {unstable} of {requests} requests answered differently in two of "
                      f"its {outputs['reference_runs']} runs")
     for name, tally in report["outputs"].get("arms", {}).items():
