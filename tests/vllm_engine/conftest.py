@@ -22,7 +22,7 @@ if not _VLLM_CPU:
 else:
     from tests.helpers import ServerProcess
     from tests.vllm_engine.harness import EngineProcess
-    from tests.vllm_engine.models import FOUR_LAYER, SIX_LAYER
+    from tests.vllm_engine.models import DENSE, FOUR_LAYER, SIX_LAYER
 
 VOCAB = 1024
 
@@ -63,9 +63,21 @@ class Engines:
     def n(self) -> int:
         return self.model.block_size
 
+    @property
+    def unit(self) -> int:
+        """Where a hit can end: every 16 tokens for the hybrids (--prefix-match-unit 16), every block when dense."""
+        return 16 if self.model.hybrid else self.model.block_size
+
     def start(self, name: str, url: str | None, path: str | None = None, **options) -> EngineProcess:
-        # The settings docs/vllm.md recommends: one state per block retained (diverging prompts and documents hit).
-        options.setdefault("prefix_cache_retention_interval", self.model.block_size)
+        # The settings docs/vllm.md recommends: one state per block retained (diverging prompts and documents hit);
+        # a dense model has no states, its N is the block size it is given, and vLLM hits whole blocks of one group
+        # only (it refuses a finer prefix_match_unit): the connector is told the same unit.
+        if self.model.hybrid:
+            options.setdefault("prefix_cache_retention_interval", self.model.block_size)
+        else:
+            options.setdefault("block_size", self.model.block_size)
+            options.setdefault("prefix_match_unit", self.model.block_size)
+            options.setdefault("connector_extra", {"match_unit": self.model.block_size})
         engine = EngineProcess(path or self.path, url, self.logs / f"{self.model.name}-{name}.log", **options)
         self._started.append(engine)
         return engine
@@ -86,5 +98,12 @@ def engines(request, models_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def four_layer(models_dir, tmp_path_factory):
     made = Engines(FOUR_LAYER, models_dir, tmp_path_factory.mktemp("engine-logs"))
+    yield made
+    made.close()
+
+
+@pytest.fixture(scope="module")
+def dense(models_dir, tmp_path_factory):
+    made = Engines(DENSE, models_dir, tmp_path_factory.mktemp("engine-logs"))
     yield made
     made.close()

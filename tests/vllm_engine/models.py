@@ -1,4 +1,5 @@
-"""Tiny random-weight hybrid models the real-engine tests write themselves (nothing comes from a hub).
+"""Tiny random-weight models the real-engine tests write themselves (nothing comes from a hub): hybrids, and one
+dense model for the gates that must hold without recurrent states too.
 
 Each config is one vLLM CPU runs: Gated-DeltaNet + full attention (Qwen3-Next), bf16 (the CPU GDN kernel needs it),
 head_dim a multiple of 32 (the CPU attention kernel's). vLLM picks the unified block size N from the page sizes:
@@ -20,6 +21,7 @@ class TinyModel:
     head_dim: int
     block_size: int  # N as vLLM derives it for this config (asserted by the tests through the hits they see)
     seed: int = 0
+    hybrid = True
 
     def write(self, directory: Path) -> str:
         path = directory / self.name
@@ -50,3 +52,31 @@ class TinyModel:
 FOUR_LAYER = TinyModel("qwen3-next-4l", layers=4, full_attention_interval=2, kv_heads=2, head_dim=64, block_size=256)
 SIX_LAYER = TinyModel("qwen3-next-6l", layers=6, full_attention_interval=3, kv_heads=4, head_dim=128, block_size=128,
                       seed=1)
+
+
+@dataclass(frozen=True)
+class TinyDense:
+    """A dense Qwen3 (attention only): no recurrent state, N is vLLM's block size (engine option block_size; the CPU
+    attention backend takes multiples of 32)."""
+
+    name: str = "qwen3-dense-2l"
+    block_size: int = 64
+    seed: int = 2
+    hybrid = False
+
+    def write(self, directory: Path) -> str:
+        path = directory / self.name
+        if not (path / "config.json").exists():
+            import torch
+            from transformers import Qwen3Config, Qwen3ForCausalLM
+
+            torch.manual_seed(self.seed)
+            config = Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                 max_position_embeddings=32768, eos_token_id=2, bos_token_id=1,
+                                 torch_dtype="bfloat16")
+            Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+        return str(path)
+
+
+DENSE = TinyDense()

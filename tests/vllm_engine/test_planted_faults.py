@@ -5,8 +5,10 @@ The gates (tests/vllm_engine/harness.py): the engine bytes gate (assert_same_byt
 full block of the prefix and of the state at the hit, per KV cache group) and the outputs gate
 (assert_same_computation: the hit, the tokens, the top-20 logprobs of 16 generated tokens and the prompt logprobs the
 engine computed, all by `==`). Each fault's prompt is restored by a `judged` engine with the connector that never saw
-it, and compared with vLLM's own hit at the same position in `alone` (no connector). The hit is 800 tokens of an
-808-token prompt (N = 256): three kv chunks, a tail and the state at 800; the server also holds the state at 784.
+it, and compared with vLLM's own hit at the same position in `alone` (no connector). The prompt has 808 tokens: for
+the hybrid (N = 256) the hit is 800, three kv chunks, a tail and the state at 800 (the server also holds the state
+at 784); for the dense model (N = 64; vLLM hits whole blocks; no recurrent state, so the state faults do not apply)
+the hit is 768, 12 kv chunks.
 
 The bytes gate must catch every fault (a hit one token longer through the position it reads the bytes at: the bytes
 themselves are the right ones for 800). The outputs gate must catch those in OUTPUTS_CATCH. Measured on a 2-vCPU x86
@@ -25,25 +27,28 @@ from tests.vllm_engine.conftest import prompt
 from tests.vllm_engine.harness import assert_same_bytes, assert_same_computation
 from tests.vllm_engine.planted_faults import KINDS
 
-N_BLOCKS, EXTRA = 3, 40  # an 808-token prompt: hit 800
+PROMPT_TOKENS = 808  # hit 800
 EARLIER = 16  # the earlier state the server holds sits this far below the hit
 # Faults the outputs gate must see (the hit it reports, and the state it computes from).
 OUTPUTS_CATCH = {"hit_one_longer", "previous_state"}
+MODELS = {"four_layer": KINDS, "dense": ("swapped_blocks", "hit_one_longer")}  # engines fixture -> its faults
+CASES = [(model, fault) for model, faults in MODELS.items() for fault in faults]
 
 
 @pytest.fixture(scope="module")
-def fault_engines(four_layer, cache_server):
+def fault_engines(request, cache_server):
     """`producer` stores the prompts in tiercache, `alone` (the yardstick) computes them the same way, `judged`
-    restores them."""
-    return (four_layer.start("faults-producer", cache_server.url), four_layer.start("faults-alone", None),
-            four_layer.start("faults-judged", cache_server.url), four_layer.n)
+    restores them; of the model the test names (request.param: the engines fixture)."""
+    engines = request.getfixturevalue(request.param)
+    return (engines.start("faults-producer", cache_server.url), engines.start("faults-alone", None),
+            engines.start("faults-judged", cache_server.url), engines.unit)
 
 
 def _restore(fault_engines, seed: int, fault_kind: str | None):
     """The prompt of `seed` restored by the judged engine (with the fault planted), and vLLM's own hit there."""
-    producer, alone, judged, n = fault_engines
-    tokens = prompt(seed, N_BLOCKS * n + EXTRA)
-    hit = (len(tokens) - 1) // 16 * 16
+    producer, alone, judged, unit = fault_engines
+    tokens = prompt(seed, PROMPT_TOKENS)
+    hit = (len(tokens) - 1) // unit * unit
     for engine in (producer, alone):  # the prompt computed cold by both: the state at the hit in one shape
         engine.one(tokens, max_tokens=1)
     # The server also gets the state at hit - EARLIER: the last boundary of a shorter prompt the producer runs after.
@@ -57,6 +62,7 @@ def _restore(fault_engines, seed: int, fault_kind: str | None):
     return got, own
 
 
+@pytest.mark.parametrize("fault_engines", list(MODELS), indirect=True)
 def test_without_a_fault_both_gates_pass(fault_engines):
     got, own = _restore(fault_engines, 3000, None)
     assert got.cached == own.cached
@@ -64,7 +70,7 @@ def test_without_a_fault_both_gates_pass(fault_engines):
     assert_same_computation(got, own, "no fault")
 
 
-@pytest.mark.parametrize("fault", KINDS)
+@pytest.mark.parametrize("fault_engines, fault", CASES, indirect=["fault_engines"])
 def test_each_gate_fails_on_the_faults_it_is_meant_to_catch(fault_engines, fault):
     got, own = _restore(fault_engines, 3001 + KINDS.index(fault), fault)
     caught = {}
