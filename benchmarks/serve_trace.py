@@ -111,7 +111,25 @@ def merge_reports(paths: list[str], same=SAME_SLICE, build=reports.build) -> dic
     for report in loaded:
         runs += [{**run, "round": run["round"] + offset, "from": report["meta"]} for run in report["runs"]]
         offset += 1 + max((run["round"] for run in report["runs"]), default=-1)
+    if build is reports.build:
+        name_conversations(first["params"], runs)
     return build(first["params"], runs, {**first["meta"], "merged": [r["meta"] for r in loaded]})
+
+
+def name_conversations(params: dict, runs: list[dict]) -> None:
+    """Outcomes written before they named their conversation get it from the slice, when its trace is here (the
+    output check places a mismatch by the conversation's earlier turns: serving/outputs.py)."""
+    unnamed = [o for run in runs if not run["arm"].startswith("noreuse-")
+               for o in run["result"].get("outcomes", ()) if "conversation" not in o]
+    path = next((Path(p) for p in (params.get("trace", ""), DEFAULT_TRACE)
+                 if p and Path(p).is_file() and Path(p).stem == params.get("trace_name")), None)
+    fields = ("start", "max_requests", "time_scale", "max_input_tokens", "max_output_tokens", "vocab", "conversations")
+    if not unnamed or path is None or any(name not in params for name in fields):
+        return
+    spec = trace.SliceSpec(*(params[name] for name in fields[:-1]), conversations=params["conversations"])
+    conversations = {r.index: trace.conversation(r.hash_ids) for r in trace.load(path, spec)}
+    for outcome in unnamed:
+        outcome["conversation"] = conversations.get(outcome["index"])
 
 
 def write_plot(report: dict, json_path: str | None, path: str, script: str = __file__, plot=reports.plot) -> None:

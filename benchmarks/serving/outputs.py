@@ -8,14 +8,22 @@ With equal hit lengths the computation can still be split differently: in an ope
 prefill spans several steps of --max-num-batched-tokens, and where each step cuts it depends on which other requests
 share the step (their arrival, to the millisecond). vLLM alone itself then answers such a request differently from
 one run to the next. A same-hit mismatch on a request whose reference runs (vLLM alone's, every round) disagree among
-themselves is classified as that; one on a request vLLM alone always answers alike has no cause this benchmark knows
-of, and is reported as unexplained.
+themselves is classified as that.
+
+A stored prefix carries its history too. A later turn of a conversation resumes from the state an earlier turn
+left, and that state's low bits depend on the steps the earlier turn was computed in, which start at the earlier
+turn's hit. So a same-hit mismatch where an earlier turn of the same conversation hit at another length than in the
+reference run (its outputs may still agree) resumes from other bytes, legitimately: the sequential replay
+(serve_trace.py --sequential) showed exactly this in the two-engine arm, the same requests in both its rounds. Only a
+same-hit mismatch with neither cause is reported as unexplained.
 """
 
 from __future__ import annotations
 
 DIFFERENT_HIT = "different hit length"
 BATCHING = "same hit length: vLLM alone's own runs differ on it (the step split follows the batch)"
+EARLIER_TURN = "same hit length: an earlier turn of its conversation hit at another length (its prefix was computed " \
+    "in other steps)"
 UNEXPLAINED = "same hit length: unexplained"
 
 
@@ -58,6 +66,8 @@ def _unstable(references: dict[int, dict]) -> set[int]:
 
 def _compare(base: list[dict], outcomes: list[dict], round_: int, tally: dict, unstable: set[int]) -> None:
     reference = {o["index"]: o for o in base if o["ok"]}
+    hit_differs = {o["index"] for o in outcomes
+                   if o["index"] in reference and o.get("cached_tokens") != reference[o["index"]].get("cached_tokens")}
     for outcome in outcomes:
         other = reference.get(outcome["index"])
         if other is None or not outcome["ok"]:
@@ -69,13 +79,24 @@ def _compare(base: list[dict], outcomes: list[dict], round_: int, tally: dict, u
         position = next((i for i, (a, b) in enumerate(zip(outcome["token_ids"], other["token_ids"])) if a != b),
                         min(len(outcome["token_ids"]), len(other["token_ids"])))
         same_hit = outcome.get("cached_tokens") == other.get("cached_tokens")
+        earlier = _earlier_turn_hit_differs(outcome, outcomes, hit_differs)
         tally["mismatches"].append({"round": round_, "request": outcome["index"], "first_difference": position,
                                     "hit_tokens": outcome.get("cached_tokens"),
                                     "reference_hit_tokens": other.get("cached_tokens"),
-                                    "cause": _cause(same_hit, outcome["index"] in unstable)})
+                                    "cause": _cause(same_hit, outcome["index"] in unstable, earlier)})
 
 
-def _cause(same_hit: bool, unstable: bool) -> str:
+def _earlier_turn_hit_differs(outcome: dict, outcomes: list[dict], hit_differs: set[int]) -> bool:
+    conversation = outcome.get("conversation")
+    if conversation is None or conversation < 0:
+        return False
+    return any(o["index"] < outcome["index"] and o.get("conversation") == conversation and o["index"] in hit_differs
+               for o in outcomes)
+
+
+def _cause(same_hit: bool, unstable: bool, earlier_turn: bool = False) -> str:
     if not same_hit:
         return DIFFERENT_HIT
-    return BATCHING if unstable else UNEXPLAINED
+    if unstable:
+        return BATCHING
+    return EARLIER_TURN if earlier_turn else UNEXPLAINED

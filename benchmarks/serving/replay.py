@@ -28,6 +28,7 @@ class Outcome:
     error: str = ""
     token_ids: list[int] = field(default_factory=list)  # what the model generated (greedy: compared across arms)
     cached_tokens: int | None = None  # prompt tokens the engine did not compute (its own hit plus what it loaded)
+    conversation: int | None = None  # the trace conversation it is a turn of (outputs.py: where its prefix came from)
 
 
 Route = Callable[[int, TraceRequest], int]  # (position in the replay, request) -> index of the server
@@ -85,7 +86,8 @@ async def complete(session, server: str, model: str, request: TraceRequest) -> O
     body = {"model": model, "prompt": list(request.prompt), "max_tokens": request.max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
-    outcome = Outcome(request.index, server, ok=False)
+    outcome = Outcome(request.index, server, ok=False,
+                      conversation=trace.conversation(request.hash_ids) if request.hash_ids else None)
     try:
         async with session.post(server + "/v1/completions", json=body) as answer:
             if answer.status != 200:

@@ -139,3 +139,22 @@ def test_a_request_vllm_alone_itself_answers_differently_is_put_down_to_batching
     causes = {m["request"]: m["cause"] for m in outputs["arms"]["tiercache"]["mismatches"]}
     assert causes == {4: BATCHING, 6: UNEXPLAINED}
     assert "vLLM alone against itself: 1 of 40 requests" in reports.table(reports.build(PARAMS, runs, {}))
+
+
+def test_a_same_hit_mismatch_after_an_earlier_turn_hit_otherwise_is_put_down_to_that_turn():
+    """A later turn resumes from the state an earlier turn of its conversation left; where that turn hit at another
+    length than in vLLM alone's run, the state was computed in other steps (serve_trace --sequential showed it)."""
+    from benchmarks.serving.outputs import EARLIER_TURN
+
+    runs = _runs(1)
+    reference = [o["token_ids"] for o in runs[0]["result"]["outcomes"]]
+    changed = [list(t) for t in reference]
+    changed[9][2] += 1  # request 9, a later turn of conversation 5 (request 3 is an earlier one)
+    changed[12][0] += 1  # request 12, a turn of conversation 6, whose earlier turns hit alike
+    outcomes = _outcomes(0.6, 30, tokens=changed)
+    for outcome in outcomes:
+        outcome["conversation"] = {3: 5, 9: 5, 4: 6, 12: 6}.get(outcome["index"], 100 + outcome["index"])
+    outcomes[3]["cached_tokens"] = 300  # the earlier turn hit at 300 where vLLM alone hit at 100
+    runs[2]["result"] = _result(0.6, 30, outcomes=outcomes)
+    mismatches = reports.build(PARAMS, runs, {})["outputs"]["arms"]["tiercache"]["mismatches"]
+    assert {m["request"]: m["cause"] for m in mismatches} == {9: EARLIER_TURN, 12: UNEXPLAINED}
