@@ -248,3 +248,31 @@ def test_prefix_computed_through_node_a_is_a_hit_through_node_b(start_server, re
     with Client.from_url(node_a.url) as a, Client.from_url(node_b.url) as b:
         assert CachedPrefill(model, a).prefill(ids).hit_tokens == 0
         assert restored(CachedPrefill(model, b), ids).hit_tokens == 69
+
+
+@pytest.mark.parametrize("part", ["recurrent state", "attention key"])
+def test_the_gate_fails_on_one_bit_flipped_in_the_restored_cache(connect, monkeypatch, part):
+    """A gate counts once it has failed on a planted fault: one bit of the restored cache (the sign of one value, in
+    a recurrent layer's state or an attention layer's keys) flipped after the objects passed their checksums, and
+    restored()'s exact comparison must fail."""
+    from tiercache.connector.hf import cache as hf_cache
+
+    model = recorded_model("qwen3_5")
+    cached = CachedPrefill(model, connect())
+    ids = prompt(70)
+    cached.prefill(ids)
+    build = hf_prefill.build_cache
+
+    def with_a_bit_flipped(*args):
+        past = build(*args)
+        if part == "recurrent state":
+            layer = next(layer for layer in past.layers if hf_cache._is_recurrent(layer))
+            tensor = hf_cache._state_tensors(layer)[-1][2]
+        else:
+            tensor = next(layer for layer in past.layers if hf_cache._is_attention(layer)).keys
+        where = tuple(tensor.nonzero()[0].tolist())
+        tensor[where] = -tensor[where]
+        return past
+    monkeypatch.setattr(hf_prefill, "build_cache", with_a_bit_flipped)
+    with pytest.raises(AssertionError, match="logits differ"):
+        restored(cached, ids)
