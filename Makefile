@@ -79,7 +79,7 @@ test-dynamo: install-dynamo
 # `tiercache serve --gpu-mem`; then the kernels' and the worker path's bandwidth. CuPy compiles the kernels.
 test-gpu: install
 	$(PY) -m pip install -q 'cupy-cuda13x>=14'
-	$(PYTEST) -q -m gpu tests/kernels tests/connector/vllm/test_transfer.py tests/tiers tests/server/test_gpu_server.py
+	$(PYTEST) -q -m gpu tests/kernels tests/connector/vllm/test_loads_and_saves.py tests/tiers tests/server/test_gpu_server.py
 	$(PY) benchmarks/kernels.py
 
 test-all: test test-slow test-vllm test-vllm-engine test-sglang test-sglang-engine test-dynamo test-wheel

@@ -1,5 +1,5 @@
 """Bandwidth of the copy kernels against cudaMemcpy of the same bytes, for Qwen3.5-0.8B and 4B shaped chunks, and
-the vLLM connector's worker path (tiercache.connector.vllm.transfer) on them.
+the vLLM connector's worker path (tiercache.connector.vllm.loads and .saves) on them.
 
 For each preset: gather (paged KV -> chunk) and scatter (chunk -> paged KV) of one N-token chunk of all attention
 layers, with vLLM's NHD layout and 16-token blocks in random order, into device memory and into pinned host memory;
@@ -9,13 +9,13 @@ and CuPy (run it on a GPU machine):
 
     .venv/bin/python benchmarks/kernels.py [--repeat 50] [--json]
 
-The connector rows time one engine step's saves and one request's load through `Transfers` against a real tiercache
-server (same host): what vLLM's thread waits for in `wait_for_save` (the gathers are queued on a side stream, the put
-runs on a background thread), when the gathered bytes are in pinned staging memory (the copies' bandwidth against a
-device->host memcpy of the same bytes), and a load from the start of its fetch to its report in an idle step (fetch
-into pinned staging, scatter on the load stream) against a host->device memcpy. `--connector --device cpu` runs those
-rows on CPU tensors (the kernels' torch reference): the path's own cost without a GPU, against a host memcpy of the
-same bytes.
+The connector rows time one engine step's saves and one request's load through `Saves` and `Loads` against a real
+tiercache server (same host): what vLLM's thread waits for in `wait_for_save` (the gathers are queued on a side
+stream, the put runs on a background thread), when the gathered bytes are in pinned staging memory (the copies'
+bandwidth against a device->host memcpy of the same bytes), and a load from the start of its fetch to its report in an
+idle step (fetch into pinned staging, scatter on the load stream) against a host->device memcpy. `--connector --device
+cpu` runs those rows on CPU tensors (the kernels' torch reference): the path's own cost without a GPU, against a host
+memcpy of the same bytes.
 """
 
 from __future__ import annotations
@@ -106,13 +106,16 @@ def bench_preset(name: str, repeat: int) -> list[dict]:
 
 def bench_connector(name: str, repeat: int, device: str) -> list[dict]:
     """One step's saves (4 full blocks + the state at their end) and one request's load of the same objects, through
-    the vLLM connector's Transfers on paged caches shaped like the preset's, against a real server."""
+    the vLLM connector's Saves and Loads on paged caches shaped like the preset's, against a real server."""
     import time
 
     from tiercache.client import Client
-    from tiercache.connector.vllm.layout import EngineGroups, PagedViews
+    from tiercache.connector.vllm.layout import PagedViews, PoolSets
+    from tiercache.connector.vllm.loads import Loads
     from tiercache.connector.vllm.plan import Job, Transfer
-    from tiercache.connector.vllm.transfer import Transfers
+    from tiercache.connector.vllm.salts import namespaces
+    from tiercache.connector.vllm.saves import Saves
+    from tiercache.connector.vllm.worker_stats import WorkerStats
     from tiercache.prefix.objects import ObjectKind, object_ref
     from tiercache.process import ServerProcess
 
@@ -128,13 +131,14 @@ def bench_connector(name: str, repeat: int, device: str) -> list[dict]:
                          for _ in attention.layers),),
         states=(tuple(torch.randint(0, 256, (blocks, size), dtype=torch.uint8, device=device)
                       for _ in recurrent.layers for size in state_bytes),))
-    groups = EngineGroups(block_size=n, attention=(0,), mamba=(1,), layer_names=((), ()))
+    pools, staging = PoolSets(views), 1 << 30
     server = ServerProcess("--host-mem", "4GiB", "--disk-size", "0").start()
+    client = Client.from_url(server.url)
     try:
-        saver = Transfers(Client.from_url(server.url), groups, spec)
-        saver.register(views)
-        loader = Transfers(saver.client, groups, spec)  # another engine's worker: its staging reused round to round
-        loader.register(views)
+        saver = Saves(client, namespaces(spec), staging, WorkerStats(), engine_blocks=False)
+        saver.register(pools, lambda: None)
+        loader = Loads(client, namespaces(spec), staging, WorkerStats())  # its staging reused round to round
+        loader.register(pools, lambda: None)
         recurrent_index = layout.groups.index(recurrent)
         synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         waits, gathered, loads, size = [], [], [], 0
@@ -143,23 +147,24 @@ def bench_connector(name: str, repeat: int, device: str) -> list[dict]:
             transfers = [Transfer(object_ref(spec, hashes, ObjectKind.KV, n * (i + 1), 0), (i,)) for i in range(4)]
             transfers.append(Transfer(object_ref(spec, hashes, ObjectKind.STATE, 4 * n, recurrent_index), (5,)))
             job = Job(f"r{round_}", "", tuple(transfers))
-            size = sum(saver.object_bytes(t) for t in transfers)
+            size = sum(pools.object_bytes(t) for t in transfers)
             synchronize()
             started = time.perf_counter()
             saver.save([job])
             waits.append(time.perf_counter() - started)  # what vLLM's thread waits for
-            saver.drain()  # the gathers, then the put (sent at once: drain flushes the put queue)
+            saver.drain(None)  # the gathers, then the put (sent at once: drain flushes the put queue)
             gathered.append(time.perf_counter() - started)
             moved = Job(job.req_id, "", tuple(Transfer(t.ref, tuple(b + 8 for b in t.blocks)) for t in transfers))
             synchronize()
             started = time.perf_counter()
-            loader.start_loads([moved])
-            while not loader.results(idle=True)[0]:
+            loader.start([moved])
+            while not loader.ended(idle=True).ended:
                 pass
             loads.append(time.perf_counter() - started)
-        loader.shutdown()
-        saver.shutdown()
+        loader.stop()
+        saver.stop()
     finally:
+        client.close()
         server.kill()
     host = torch.empty(size, dtype=torch.uint8, pin_memory=device == "cuda")
     source = torch.empty(size, dtype=torch.uint8, device=device)

@@ -162,7 +162,7 @@ def settle(llm) -> None:
     if core.scheduler.connector is not None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        get_kv_transfer_group().transfers.drain(timeout_s=5)  # a hung cache server must not hang the tests
+        get_kv_transfer_group().drain(timeout_s=5)  # a hung cache server must not hang the tests
 
 
 def connector_stats(llm) -> dict | None:
@@ -174,7 +174,7 @@ def connector_stats(llm) -> dict | None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker = get_kv_transfer_group()
-    return {**asdict(connector.planner.stats), **asdict(worker.transfers.stats)}
+    return {**asdict(connector.planner.stats), **asdict(worker.worker_stats)}
 
 
 def main() -> None:

@@ -1,11 +1,11 @@
 """Faults planted in the connector's load path inside a vLLM engine process (tests/vllm_engine/engine_process.py), one
 request at a time, so that tests/vllm_engine/test_planted_faults.py can show that each exactness gate of the harness
 fails on the faults it is meant to catch. tiercache itself has no switch for this: the engine process wraps three
-methods of the connector (the scheduler's Planner and the worker's Transfers, both in this process with the uni
+methods of the connector (the scheduler's Planner and the worker's Loads, both in this process with the uni
 executor), and a wrapper acts only on a request whose prompt the test named in its generate command.
 
 The faults, and where each one is planted:
-- `swapped_blocks`: after a load is copied into vLLM's blocks (Transfers._scatter_job), the pages of two of its kv
+- `swapped_blocks`: after a load is copied into vLLM's blocks (Loads._into_blocks), the pages of two of its kv
   chunks trade places (the first and the last chunk of the hit, in every attention layer);
 - `previous_state`: the plan loads the state saved at an earlier position (`position`, which the test made sure the
   server holds) into the block of the hit's state (Planner.allocated);
@@ -45,11 +45,11 @@ class PlantedFaults:
         return fault
 
     def install(self) -> None:
+        from tiercache.connector.vllm.loads import Loads
         from tiercache.connector.vllm.plan import Planner
-        from tiercache.connector.vllm.transfer import Transfers
 
         faults = self
-        matched_tokens, allocated, scatter_job = Planner.matched_tokens, Planner.allocated, Transfers._scatter_job
+        matched_tokens, allocated, into_blocks = Planner.matched_tokens, Planner.allocated, Loads._into_blocks
 
         def planted_matched_tokens(planner, request, num_computed_tokens):
             tokens, asynchronous = matched_tokens(planner, request, num_computed_tokens)
@@ -64,18 +64,18 @@ class PlantedFaults:
             if fault is not None and fault["kind"] == "previous_state" and num_external_tokens > 0:
                 planner._loads[-1] = _with_state_from(planner, planner._loads[-1], fault["position"])
 
-        def planted_scatter_job(transfers, job, rows, ready):
-            done = scatter_job(transfers, job, rows, ready)
+        def planted_into_blocks(loads, job, rows, ready):
+            done = into_blocks(loads, job, rows, ready)
             fault = faults._by_request.get(job.req_id) if faults._by_request else None
             if fault is not None and fault["kind"] == "swapped_blocks":
-                _swap_first_and_last_chunk(transfers, job)
+                _swap_first_and_last_chunk(loads.pools.views, job)
             elif fault is not None and fault["kind"] == "flipped_state_bit":
-                _flip_state_bit(transfers, job)
+                _flip_state_bit(loads.pools.views, job)
             return done
 
         Planner.matched_tokens = planted_matched_tokens
         Planner.allocated = planted_allocated
-        Transfers._scatter_job = planted_scatter_job
+        Loads._into_blocks = planted_into_blocks
 
 
 def _with_state_from(planner, job, position: int):
@@ -92,22 +92,22 @@ def _with_state_from(planner, job, position: int):
     return dataclasses.replace(job, transfers=tuple(transfers))
 
 
-def _swap_first_and_last_chunk(transfers, job) -> None:
+def _swap_first_and_last_chunk(views, job) -> None:
     from tiercache.prefix.objects import ObjectKind
 
     chunks = [t for t in job.transfers if t.ref.kind is ObjectKind.KV and t.ref.group == 0]
     if len(chunks) < 2:
         raise RuntimeError(f"swapped_blocks needs a hit of two kv chunks or more, the load has {len(chunks)}")
     first, last = chunks[0].blocks[0], chunks[-1].blocks[0]
-    for pages in transfers.views.attention[0]:  # [blocks, page bytes] per layer
+    for pages in views.attention[0]:  # [blocks, page bytes] per layer
         saved = pages[first].clone()
         pages[first] = pages[last]
         pages[last] = saved
 
 
-def _flip_state_bit(transfers, job) -> None:
+def _flip_state_bit(views, job) -> None:
     from tiercache.prefix.objects import ObjectKind
 
     state = next(t for t in job.transfers if t.ref.kind is ObjectKind.STATE)
-    states = transfers.views.states[0][0]  # the first Mamba group's first layer: [blocks, state bytes]
+    states = views.states[0][0]  # the first Mamba group's first layer: [blocks, state bytes]
     states[state.blocks[0], states.shape[1] // 2] ^= 1

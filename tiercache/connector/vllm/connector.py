@@ -17,8 +17,8 @@ the mode from prefix caching). A configuration the connector cannot serve (prefi
 refused while vLLM validates it, before the engine core starts (tiercache.connector.vllm.preflight; `tiercache
 check-vllm` says the same from vLLM's flags). At startup the scheduler's connector checks that its largest object fits
 the server's chunk limit (tiercache.connector.limits). The rules (what is loaded, what is saved,
-when) are in tiercache.connector.vllm.plan; the copies in tiercache.connector.vllm.transfer; the namespace's identity in
-tiercache.connector.vllm.identity.
+when) are in tiercache.connector.vllm.plan; the worker's two directions in tiercache.connector.vllm.loads and .saves;
+the namespace's identity in tiercache.connector.vllm.identity.
 """
 
 from __future__ import annotations
@@ -45,18 +45,22 @@ from tiercache.connector.limits import check_spec
 from tiercache.connector.pod_registration import PodRegistration
 from tiercache.connector.prefix_cache import PrefixCache
 from tiercache.connector.vllm.identity import engine_identity
-from tiercache.connector.vllm.cores import born_off_compute_cores
-from tiercache.connector.vllm.layout import engine_groups, model_layout, paged_views
+from tiercache.connector.vllm.cores import born_off_compute_cores, off_compute_cores
+from tiercache.connector.vllm.layout import PoolSets, engine_groups, model_layout, paged_views
+from tiercache.connector.vllm.loads import Loads
 from tiercache.connector.vllm.logs import join_vllm_log
 from tiercache.connector.vllm.plan import Planner, StepPlan
 from tiercache.connector.vllm.preflight import choices_of, refuse
+from tiercache.connector.vllm.salts import namespaces
+from tiercache.connector.vllm.saves import Saves
 from tiercache.connector.vllm.settings import VllmSettings
-from tiercache.connector.vllm.transfer import Transfers
+from tiercache.connector.vllm.worker_stats import WorkerStats
 from tiercache.errors import InvalidArgument
 from tiercache.prefix.objects import CacheSpec
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 1.0  # how often a connector reports its counters' changes to vLLM
+FLUSH_TIMEOUT_S = 10.0  # how long vLLM's exit waits for saves already gathered
 
 # Scheduler-role connectors of this process. With vLLM's engine core in the process that computes (the `uni`
 # executor and VLLM_ENABLE_V1_MULTIPROCESSING=0, e.g. an offline `LLM`), a request's end-of-request save reaches the
@@ -120,12 +124,11 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.spec = CacheSpec(self.layout, block, unit, salt=settings.salt,
                               max_boundary_states=settings.max_boundary_states)
         breaker = BreakerPolicy.probing_at_most(settings.offline_backoff_s)
-        # A worker's client is made off its compute cores: gRPC's threads, born with the process's first channel,
-        # would otherwise take their CPU time from the forward pass (cores.py).
-        self.client = born_off_compute_cores(
-            lambda: Client(settings.connection, timeout_s=settings.timeout_s, breaker=breaker))
+        self.client: Client | None = None  # the worker's
         self._planner: Planner | None = None
-        self._transfers: Transfers | None = None
+        self._loads: Loads | None = None
+        self._saves: Saves | None = None
+        self.worker_stats = WorkerStats()
         self._reported: dict[str, int] = {}
         self._reported_at = float("-inf")
         self._registration: PodRegistration | None = None
@@ -152,9 +155,16 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._delivery = DeliveryReporter(lookups, self.spec.namespace)
             _SCHEDULERS.add(self)
         else:
+            # Made off the compute cores: gRPC's threads, born with the process's first channel, would otherwise
+            # take their CPU time from the forward pass (cores.py).
+            self.client = born_off_compute_cores(
+                lambda: Client(settings.connection, timeout_s=settings.timeout_s, breaker=breaker))
             self._delivery = DeliveryReporter(self.client, self.spec.namespace)
-            self._transfers = Transfers(self.client, self.groups, self.spec, settings.max_pending_save_bytes,
-                                         settings.save_batch_s, on_dropped=self._delivery.add)
+            rank_namespaces = namespaces(self.spec)  # this rank's, per salt: loads and saves name the same
+            self._loads = Loads(self.client, rank_namespaces, settings.max_pending_save_bytes, self.worker_stats)
+            self._saves = Saves(self.client, rank_namespaces, settings.max_pending_save_bytes, self.worker_stats,
+                                engine_blocks=tp_rank == 0, batch_s=settings.save_batch_s,
+                                on_dropped=self._delivery.add)
         log.info("TierCacheConnector (%s) on %s: namespace %s, N=%d, u=%d", role.name, settings.connection.url,
                  self.spec.namespace, block, unit)
         vllm_unit = vllm_config.cache_config.prefix_match_unit
@@ -190,9 +200,14 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return self._planner
 
     @property
-    def transfers(self) -> Transfers | None:
-        """The worker half (None in the scheduler)."""
-        return self._transfers
+    def loads(self) -> Loads | None:
+        """The worker's loads (None in the scheduler)."""
+        return self._loads
+
+    @property
+    def saves(self) -> Saves | None:
+        """The worker's saves (None in the scheduler)."""
+        return self._saves
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -225,15 +240,19 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side ---------------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
-        self._transfers.register(paged_views(self.groups, self._kv_cache_config, kv_caches))
+        pools = PoolSets(paged_views(self.groups, self._kv_cache_config, kv_caches))
+        # The fetching, gathering and putting threads run off the cores vLLM's CPU backend computes on (cores.py).
+        elsewhere = off_compute_cores()
+        self._loads.register(pools, elsewhere)
+        self._saves.register(pools, elsewhere)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         """vLLM calls this first thing in every step, before it writes a block: the last step's saves must have been
         copied out by now (on CPU they are copied beside the engine, between steps)."""
-        self._transfers.before_step()
+        self._saves.before_step()
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        self._transfers.start_loads(self._get_connector_metadata().plan.loads)
+        self._loads.start(self._get_connector_metadata().plan.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: loads are asynchronous and finish before vLLM schedules the request."""
@@ -243,12 +262,13 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
-            self._transfers.save(self._get_connector_metadata().plan.saves)
+            self._saves.save(self._get_connector_metadata().plan.saves)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         idle = self.has_connector_metadata() and self._get_connector_metadata().plan.idle
-        loaded, failed, saved = self._transfers.results(idle=idle)
-        return KVConnectorTransferResults(finished_sending=saved, finished_recving=loaded, failed_recving=failed)
+        loads = self._loads.ended(idle=idle)
+        return KVConnectorTransferResults(finished_sending=self._saves.finished(), finished_recving=loads.ended,
+                                          failed_recving=loads.failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -267,7 +287,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if now - self._reported_at < STATS_INTERVAL_S:
             return None
         self._reported_at = now
-        source = self._planner.stats if self._planner is not None else self._transfers.stats
+        source = self._planner.stats if self._planner is not None else self.worker_stats
         totals = vars(source).copy()  # (plain int counters: no deep copy each step)
         changed = {name: value - self._reported.get(name, 0) for name, value in totals.items()}
         self._reported = totals
@@ -278,18 +298,29 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierCacheStats:
         return TierCacheStats(data=dict(data or {}))
 
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """A worker: wait for every gather and put, then every started load (shutdown, tests); False when
+        `timeout_s` passed first."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        return self._saves.drain(deadline) and self._loads.drain(deadline)
+
     def shutdown(self) -> None:
-        if self._transfers is not None:
+        if self._saves is not None and self._saves.registered:
             for scheduler in list(_SCHEDULERS):  # in-process engine core: saves no later step will deliver
-                if scheduler._vllm_config is self._vllm_config and self._transfers.views is not None:
-                    self._transfers.save(scheduler._planner.take_finishes(), inline=True)
-            self._transfers.shutdown()
+                if scheduler._vllm_config is self._vllm_config:
+                    self._saves.save(scheduler._planner.take_finishes(), inline=True)
+            # Finish the saves already gathered, bounded: a hung server must not hang vLLM's exit.
+            if not self.drain(FLUSH_TIMEOUT_S):
+                log.warning("tiercache: saves still pending after %.0f s at shutdown are dropped", FLUSH_TIMEOUT_S)
+            self._saves.stop()
+            self._loads.stop()
         self._delivery.close()
         if self._registration is not None:
             self._registration.close()
         if self._planner is not None:
             self._planner.cache.client.close()
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
 
 
 def _tensor_parallel_rank() -> int:

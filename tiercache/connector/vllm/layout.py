@@ -24,9 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tiercache import kernels
 from tiercache.connector.vllm.preflight import SPECULATIVE_REFUSAL, mamba_mode_refusal
 from tiercache.errors import InvalidArgument
 from tiercache.prefix.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
+from tiercache.prefix.objects import ObjectKind
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
@@ -186,3 +188,88 @@ def _state_pool(layer: torch.Tensor, spec) -> torch.Tensor:
     if layer.dim() != 4 or layer.shape[1:3] != (1, 1) or layer.shape[3] != size or layer.element_size() != 1:
         raise InvalidArgument(f"Mamba cache {tuple(layer.shape)} is not [blocks, 1, 1, {size}] bytes")
     return layer[:, 0, 0, :].view(torch.uint8)
+
+
+class PoolSets:
+    """The byte pools each object lives in, and the row copies between them and staging rows (tiercache.kernels).
+
+    A kv or tail object is one attention group's page of one block; a state object is a block of one set of state
+    pools per Mamba group. Both move with the same row copies (kernels.states_*): a page is a row. Every pool set is
+    checked once, here (and on a GPU its kernel arguments uploaded): a step's copies skip that. `transfers` below are
+    the planner's (tiercache.connector.vllm.plan.Transfer: an object's ref and its block in each pool set)."""
+
+    def __init__(self, views: PagedViews) -> None:
+        self.views = views
+        self._attention = tuple(kernels.state_pools(pools) for pools in views.attention)
+        self._states = tuple(kernels.state_pools(pools) for pools in views.states)
+        self._object_bytes: dict[tuple, int] = {}  # by pool key: every object of one kind is the same size
+
+    @property
+    def device(self) -> torch.device:
+        return self.views.device
+
+    def object_bytes(self, transfer) -> int:
+        key = pool_key(transfer)
+        size = self._object_bytes.get(key)
+        if size is None:
+            size = self._object_bytes[key] = sum(pools.record_bytes for pools in self._of(transfer))
+        return size
+
+    def scatter(self, transfers, rows) -> None:
+        """Copy objects from their rows (staging.ObjectRows) into their blocks: one copy per pool set for each run of
+        objects that live in the same pools, not one per object (each torch call costs Python time on vLLM's
+        thread)."""
+        for indices in runs_by_pools(transfers):
+            self._copy(kernels.states_from_buffer, [transfers[i] for i in indices], rows.part(indices))
+
+    def gather(self, transfers, rows) -> None:
+        """Copy objects from their blocks into their rows, as scatter does the other way."""
+        for indices in runs_by_pools(transfers):
+            self._copy(kernels.states_to_buffer, [transfers[i] for i in indices], rows.part(indices))
+
+    def _copy(self, kernel, transfers, matrix: torch.Tensor) -> None:
+        blocks = list(zip(*(t.blocks for t in transfers)))  # per pool set: the block of every object
+        for pools, pool_blocks, part in zip(self._of(transfers[0]), blocks, self._columns(transfers[0], matrix)):
+            kernel(pools, _slots(pool_blocks), part)
+
+    def _of(self, transfer) -> tuple[kernels.StatePools, ...]:
+        """The pool sets an object's blocks live in: one attention group's pages, or the state pools."""
+        if transfer.ref.kind is ObjectKind.STATE:
+            return self._states
+        return (self._attention[transfer.ref.group],)
+
+    def _columns(self, transfer, matrix: torch.Tensor) -> list[torch.Tensor]:
+        """Objects' bytes, one per row, split per pool set: [objects, record bytes] each, a column of the rows when
+        the object lives in several pool sets (the kernels take records spaced a row apart: no extra copy)."""
+        parts, offset = [], 0
+        for pools in self._of(transfer):
+            size = pools.record_bytes
+            parts.append(matrix[:, offset:offset + size])
+            offset += size
+        return parts
+
+
+def _slots(blocks) -> torch.Tensor:
+    """Block ids on the host, for CPU and CUDA pools alike: the kernels check them there and copy them with the
+    launch, so neither vLLM's thread nor the copies' stream ever waits for the GPU (slots on the GPU would cost a
+    synchronisation to check: the whole forward pass, for a save)."""
+    return torch.tensor(blocks, dtype=torch.int64)
+
+
+def pool_key(transfer) -> tuple:
+    """Which pools an object lives in: the states (-1), or one attention group's pages (its group)."""
+    return (-1,) if transfer.ref.kind is ObjectKind.STATE else (transfer.ref.group,)
+
+
+def runs_by_pools(transfers) -> list[list[int]]:
+    """Runs of consecutive objects that live in the same pools (the states, or one attention group's pages): each
+    run is one copy per pool set. The planner lists a job's objects kind by kind, so runs are long."""
+    runs: list[list[int]] = []
+    previous = None
+    for index, transfer in enumerate(transfers):
+        key = pool_key(transfer)
+        if key != previous:
+            runs.append([])
+            previous = key
+        runs[-1].append(index)
+    return runs

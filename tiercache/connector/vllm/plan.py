@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from tiercache.connector.pod_registration import PodRegistration
 from tiercache.connector.prefix_cache import EngineBlock, Lookup, PrefixCache
 from tiercache.connector.vllm.layout import EngineGroups
+from tiercache.connector.vllm.salts import PerSalt, joined_salt, request_salt
 from tiercache.prefix.admission import plan_finish_admission, plan_step_admission
 from tiercache.prefix.delivered import Delivered
 from tiercache.prefix.hashes import PrefixHashes, token_bytes
@@ -113,7 +114,7 @@ class Planner:
         self.engine_blocks = engine_blocks
         self.registration = registration
         self.stats = SchedulerStats()
-        self._caches: dict[str, PrefixCache] = {"": cache}  # by the request's own salt (LoRA, cache_salt)
+        self._caches: PerSalt[PrefixCache] = PerSalt(self._cache_for)  # by the request's own salt (salts.py)
         self._requests: dict[str, _Tracked] = {}
         self._loads: list[Job] = []
         self._finishes: list[Job] = []
@@ -305,13 +306,14 @@ class Planner:
             return None  # token ids alone do not name multimodal KV
         if getattr(request, "prompt_embeds", None) is not None:
             return None  # vLLM fills the token ids of embedded positions with placeholders: they name nothing
-        salt = _request_salt(request)
-        cache = self._caches.get(salt)
-        if cache is None:
-            spec = dataclasses.replace(self.cache.spec, salt=_joined_salt(self.cache.spec.salt, salt))
-            cache = self._caches[salt] = self.cache.with_spec(spec)
-        tracked = self._requests[request.request_id] = _Tracked(request, cache)
+        tracked = self._requests[request.request_id] = _Tracked(request, self._caches[request_salt(request)])
         return tracked
+
+    def _cache_for(self, salt: str) -> PrefixCache:
+        """The prefix cache of requests with this salt of their own."""
+        if not salt:
+            return self.cache
+        return self.cache.with_spec(dataclasses.replace(self.cache.spec, salt=joined_salt(self.cache.spec.salt, salt)))
 
 
 def _tokens(request, length: int) -> list[int]:
@@ -342,17 +344,3 @@ def _hash_block_size(tokens: int, hashes: int, chunk_tokens: int) -> int:
         if chunk_tokens % size == 0 and hashes and tokens // size == hashes:
             return size
     return 0
-
-
-def _request_salt(request) -> str:
-    parts = []
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts.append(f"lora:{lora.lora_name}")
-    if getattr(request, "cache_salt", None):
-        parts.append(f"salt:{request.cache_salt}")
-    return "|".join(parts)
-
-
-def _joined_salt(base: str, extra: str) -> str:
-    return f"{base}|{extra}" if base and extra else base or extra

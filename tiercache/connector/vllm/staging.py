@@ -8,7 +8,8 @@ For a CPU cache they are plain host memory, kept for the same reason at a smalle
 
 Buffers come in power-of-two size classes from 1 MiB; a request larger than any kept buffer makes a new one. The
 pool holds at most `limit_bytes` in buffers handed out: past it, `take` returns None and the caller drops the save
-(a cache may forget, an engine must not stall) or fetches into new memory.
+(a cache may forget, an engine must not stall) or fetches into new memory. A buffer in use is cut into objects'
+rows (ObjectRows).
 """
 
 from __future__ import annotations
@@ -64,3 +65,39 @@ class StagingPool:
 
 def size_class(size: int) -> int:
     return max(MIN_CLASS_BYTES, 1 << max(size - 1, 0).bit_length())
+
+
+class ObjectRows:
+    """A staging buffer cut into objects' bytes, back to back in the order given. Objects of one kind (same size,
+    same pools) that are consecutive form a [count, size] matrix the row copies take in one call."""
+
+    def __init__(self, buffer: torch.Tensor, sizes: list[int]) -> None:
+        self.buffer = buffer
+        self.sizes = sizes
+        self.offsets = [0]
+        for size in sizes:
+            self.offsets.append(self.offsets[-1] + size)
+        self.total = self.offsets[-1]
+
+    def buffers(self) -> list[memoryview]:
+        """Each object's bytes as a writable view (what the client fetches into, and puts from)."""
+        whole = memoryview(self.buffer.numpy()).cast("B")
+        return [whole[self.offsets[i]:self.offsets[i + 1]] for i in range(len(self.sizes))]
+
+    def part(self, indices: list[int]) -> torch.Tensor:
+        """The rows of objects `indices` (consecutive, of one size) as one [count, size] tensor."""
+        first, size = indices[0], self.sizes[indices[0]]
+        return self.buffer[self.offsets[first]:self.offsets[first] + size * len(indices)].view(len(indices), size)
+
+
+class _CopiedOnHost:
+    """What a finished host-side copy looks like beside a CUDA copy's event: an event that has already completed."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+COPIED = _CopiedOnHost()
