@@ -162,7 +162,7 @@ class Engine:
         # The model runner's own step before the forward: vLLM's copy-on-write of partially hit blocks.
         copy_kv_cache_blocks_inplace(self.caches.values(), self.kv_config.num_blocks, out.kv_cache_block_copies or [])
         worker.start_load_kv(None)
-        worker.transfers.drain()  # deterministic tests: this step's loads are done when it reports
+        worker.drain()  # deterministic tests: this step's loads are done when it reports
         sampled = self.forward.run(out, self.scheduler.requests)
         worker.wait_for_save()
         results = worker.get_transfer_results(out.finished_req_ids)
@@ -190,7 +190,7 @@ class Engine:
         in_flight = []  # async scheduling: (scheduler output, model output) of the step not processed yet
         for _ in range(max_steps):
             if set(req_ids) <= self.finished and not self.scheduler.has_requests() and not in_flight:
-                self.worker.transfers.drain()
+                self.worker.drain()
                 return
             if not self.async_scheduling:
                 self.step()
