@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tiercache.config import Config, SecurityConfig, read_file
 from tiercache.errors import ConfigError
+from tiercache.events.pods import PodRegistry
 from tiercache.protocol.wire import SERVICE_NAME, max_message_bytes
 from tiercache.server.auth import OPEN, TenantTable
 from tiercache.server.data_channel import DataChannelListener
@@ -167,6 +168,8 @@ class CacheServer:
             self.events = EventStreams(RestorableIndex(self.store, advertise=self.config.events.advertise,
                                                        medium_override=self.config.events.medium_override),
                                       self.config.events)
+        # A pod's rules, for the gRPC handlers and the HTTP query alike (every pod call is NotFound without events).
+        self.pods = PodRegistry(self.store, self.events)
         try:
             return self._start_serving()
         except BaseException:
@@ -213,10 +216,10 @@ class CacheServer:
         cfg = self.config.server
         self._health = health.aio.HealthServicer()
         server = grpc.aio.server(options=_grpc_options(cfg.max_chunk_bytes))
-        servicer = TierCacheServicer(self.intake, self.config, self.metrics, self.leases, self._blocking,
-                                     data_channel=self._data_channel, events=self.events)
+        servicer = TierCacheServicer(self.intake, self.config, self.metrics, self.leases, self._blocking, self.pods,
+                                     data_channel=self._data_channel)
         server.add_generic_rpc_handlers((service_handler(servicer),))
-        self._serve_query(servicer)
+        self._serve_query()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.port = _listen(server, _address(cfg.host, cfg.port), self._credentials)
         if cfg.unix_socket:
@@ -234,12 +237,12 @@ class CacheServer:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
-    def _serve_query(self, servicer: TierCacheServicer) -> None:
+    def _serve_query(self) -> None:
         """The pod query over HTTP (events.query_port), before gRPC listens: a server reported ready answers both."""
         events = self.config.events
         if self.events is None or events.query_port is None:
             return
-        self.query_http = QueryHttpServer(self.intake.tenant, servicer.query_pods)
+        self.query_http = QueryHttpServer(self.intake.tenant, self.pods.query)
         try:
             self.query_port = self.query_http.start(events.host, events.query_port)
         except OSError as exc:

@@ -6,10 +6,10 @@ events:
     POST /query_by_hash  {model, lora_name?, block_hash | seq_hashes, tenant_id?, instance_id?, block_size?}
     -> {tenant: {instance_id: {"longest_matched": t, "GPU": 0, "CPU": t, "DISK": t, "DP": {dp_rank: t}}}}
 
-An instance is a pod registered for KV events (its pod id); the numbers are the servicer's pod query
-(TierCacheServicer.query_pods over tiercache.events.query: Lookup's hit for that pod), with tiercache's tiers as the
-events label them (host and tiercache's GPU tier are CPU, disk and Redis DISK: Mooncake's name for vLLM's STORAGE);
-GPU is always 0, the engine's own memory being no tier of tiercache's.
+An instance is a pod registered for KV events (its pod id); the numbers are the pod query of the registry
+(tiercache.events.pods, PodRegistry.query, over tiercache.events.query: Lookup's hit for that pod), with tiercache's
+tiers as the events label them (host and tiercache's GPU tier are CPU, disk and Redis DISK: Mooncake's name for vLLM's
+STORAGE); GPU is always 0, the engine's own memory being no tier of tiercache's.
 
 Requests carry `Authorization: Bearer <token>`, mapped to a tenant exactly as gRPC calls are (server.auth via the
 intake): a tenant sees its own pods, an admin token every pod. Every failure is a JSON `{"error": message}` with the

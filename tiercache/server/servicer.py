@@ -11,13 +11,12 @@ import dataclasses
 import functools
 import time
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence, TypeVar
+from typing import AsyncIterator, Callable, TypeVar
 
 from tiercache import __version__
 from tiercache.config import Config
-from tiercache.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
-from tiercache.events.query import PodHit, query_hashes, query_tokens
-from tiercache.events.restorable import Pod
+from tiercache.errors import InvalidArgument, Unavailable
+from tiercache.events.pods import Known, PodRegistry, Registration
 from tiercache.prefix.lookup import find_hit
 from tiercache.protocol.data_channel import PutEntry
 from tiercache.protocol.wire import (chain_shape, chunk_meta, delivered, delivery_totals, frames, lookup_query, pb,
@@ -31,10 +30,9 @@ from tiercache.server.rpc import rpc
 from tiercache.store.chain import StoreChain
 from tiercache.store.stats import StoreStats
 
-if TYPE_CHECKING:
-    from tiercache.events.publisher import EventStreams
-
 T = TypeVar("T")
+_KNOWN = {Known.UNSPECIFIED: pb.POD_REGISTRATION_UNSPECIFIED, Known.REGISTERED: pb.POD_REGISTRATION_REGISTERED,
+          Known.NOT_REGISTERED: pb.POD_REGISTRATION_NOT_REGISTERED}
 
 
 def _stats_message(stats: StoreStats, *, version: str, uptime_s: float, max_chunk_bytes: int) -> pb.StatsResponse:
@@ -52,8 +50,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
     Redis), so a stream waiting on its client holds no thread, and the loop never waits on a tier."""
 
     def __init__(self, intake: Intake, config: Config, metrics: Metrics, leases: LeaseTable, blocking: Executor,
-                 data_channel: Callable[[], tuple[int, str]] = lambda: (0, ""),
-                 events: "EventStreams | None" = None) -> None:
+                 pods: PodRegistry, data_channel: Callable[[], tuple[int, str]] = lambda: (0, "")) -> None:
         self.intake = intake
         self.store = intake.store
         self.metrics = metrics
@@ -64,8 +61,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         self._frame_bytes = config.server.frame_bytes
         self._idle_s = config.server.stream_idle_timeout_s
         self._started = time.monotonic()
-        self._events = events  # KV events for routers (tiercache.events); None: off
-        self._pod_tenants: dict[str, str] = {}  # pod id -> the tenant that registered it
+        self.pods = pods  # KV events' pods (tiercache.events.pods)
 
     async def _run(self, call, *args):
         """A blocking call on the pool, awaited."""
@@ -190,7 +186,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         index = {name: i for i, name in enumerate(names)}
         return pb.LookupResponse(hit_tokens=found.tokens, tier_names=names,
                                  tiers=bytes(index[tier] for tier in tiers), unverified=found.unverified,
-                                 chain_chunks=found.chain_chunks, pod=self._pod_registration(tenant, request.pod_id))
+                                 chain_chunks=found.chain_chunks, pod=_KNOWN[self.pods.known(tenant, request.pod_id)])
 
     def _lookup(self, query, namespaces: list[str], report: bool):
         found = find_hit(query, StoreChain(self.store, namespaces))
@@ -204,86 +200,32 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     @rpc
     async def RegisterPod(self, request: pb.RegisterPodRequest, context, tenant: Tenant) -> pb.RegisterPodResponse:
-        streams = self._streams()
-        namespaces = tuple(tenant.checked_namespace(ns) for ns in request.namespaces)
-        shape = chain_shape(request.chunk_tokens, request.groups)
-        if not request.pod_id or not request.model_name or not namespaces or not shape.kinds \
-                or request.chunk_tokens <= 0 or len(request.engine_groups) != len(shape.kinds):
-            raise InvalidArgument("a pod names its id, model, namespaces, N, and an engine group for each layer group")
-        self._claim_pod(tenant, request.pod_id)
-        unit = request.match_unit or (16 if request.chunk_tokens % 16 == 0 else request.chunk_tokens)
-        if request.chunk_tokens % unit:
-            raise InvalidArgument(f"the match unit u={unit} must divide N={request.chunk_tokens}")
-        pod = Pod(request.pod_id, request.model_name, namespaces, shape, tuple(request.engine_groups),
-                  request.dp_rank, same_node=not request.remote, match_unit=unit)
-        wanted = (request.pub_port, request.replay_port) if request.pub_port and request.replay_port else None
-        if wanted and not all(0 < port < 65536 for port in wanted):
-            raise InvalidArgument(f"ports {wanted} are not TCP ports")
-        endpoints = await self._run(functools.partial(streams.register, pod, ports=wanted))
+        registration = Registration(
+            request.pod_id, request.model_name, tuple(request.namespaces),
+            chain_shape(request.chunk_tokens, request.groups), tuple(request.engine_groups), request.dp_rank,
+            request.remote, request.match_unit,
+            (request.pub_port, request.replay_port) if request.pub_port and request.replay_port else None)
+        endpoints = await self._run(self.pods.register, tenant, registration)
         return pb.RegisterPodResponse(endpoint=endpoints.endpoint, replay_endpoint=endpoints.replay_endpoint,
                                       topic=endpoints.topic)
 
     @rpc
     async def UnregisterPod(self, request: pb.UnregisterPodRequest, context,
                             tenant: Tenant) -> pb.UnregisterPodResponse:
-        streams = self._streams()
-        self._claim_pod(tenant, request.pod_id)
-        await self._run(streams.unregister, request.pod_id)
-        self._pod_tenants.pop(request.pod_id, None)
+        await self._run(self.pods.unregister, tenant, request.pod_id)
         return pb.UnregisterPodResponse()
 
     @rpc
     async def QueryPods(self, request: pb.QueryPodsRequest, context, tenant: Tenant) -> pb.QueryPodsResponse:
         if request.token_ids and request.block_hashes:
             raise InvalidArgument("a pod query names token ids or block hashes, not both")
-        answers = await self._run(self.query_pods, tenant, request.model_name, list(request.token_ids),
+        answers = await self._run(self.pods.query, tenant, request.model_name, list(request.token_ids),
                                   list(request.block_hashes) if request.block_hashes else None, list(request.pod_ids))
         return pb.QueryPodsResponse(pods=[
             pb.PodQueryHit(pod_id=hit.pod.pod_id, model_name=hit.pod.model_name, dp_rank=hit.pod.dp_rank,
                            matched_tokens=hit.tokens, tokens_by_tier=hit.tokens_by_tier(), tenant=owner,
                            block_tokens=hit.pod.shape.chunk_tokens)
             for owner, hit in answers])
-
-    def query_pods(self, tenant: Tenant, model_name: str, token_ids: Sequence[int],
-                   block_hashes: Sequence[int] | None = None, pod_ids: Sequence[str] = (),
-                   owner: str | None = None) -> list[tuple[str, PodHit]]:
-        """(owning tenant, answer) for each pod the caller may see (its tenant's; every pod for an admin) of the model
-        ("": any), among `pod_ids` and of `owner`'s when given: the hit of the prompt `token_ids`, or of the prompt
-        starting with the blocks `block_hashes` name. Blocking (the store): the QueryPods RPC and the HTTP query
-        (server.query_http) call it."""
-        streams = self._streams()
-        wanted = set(pod_ids)
-        owners = dict(self._pod_tenants)
-        pods = [pod for pod in streams.index.pods()
-                if (tenant.admin or owners.get(pod.pod_id) == tenant.name)
-                and (owner is None or owners.get(pod.pod_id) == owner)
-                and (not model_name or pod.model_name == model_name) and (not wanted or pod.pod_id in wanted)]
-        pods.sort(key=lambda pod: pod.pod_id)
-        if block_hashes is None:
-            hits = query_tokens(self.store, pods, token_ids)
-        else:
-            hits = query_hashes(self.store, streams.index, pods, block_hashes)
-        return [(owners.get(hit.pod.pod_id, ""), hit) for hit in hits]
-
-    def _streams(self) -> "EventStreams":
-        if self._events is None:
-            raise NotFound("this server publishes no KV events (start it with events.enabled)")
-        return self._events
-
-    def _pod_registration(self, tenant: Tenant, pod_id: str) -> int:
-        """What a lookup made for `pod_id` is told of its registration (proto: PodRegistration): an engine whose pod
-        this server does not know (it restarted) registers again. Another tenant's pod is not this caller's: it is
-        NOT_REGISTERED, as for a pod nobody registered, so the answer reveals nothing of other tenants."""
-        if not pod_id or self._events is None:  # no pod named; or no events, where registering would be refused
-            return pb.POD_REGISTRATION_UNSPECIFIED
-        mine = self._events.registered(pod_id) and (tenant.admin or self._pod_tenants.get(pod_id) == tenant.name)
-        return pb.POD_REGISTRATION_REGISTERED if mine else pb.POD_REGISTRATION_NOT_REGISTERED
-
-    def _claim_pod(self, tenant: Tenant, pod_id: str) -> None:
-        """A pod id is its first registrant's: another tenant can neither take over its stream nor end it."""
-        owner = self._pod_tenants.setdefault(pod_id, tenant.name)
-        if owner != tenant.name and not tenant.admin:
-            raise PermissionDenied(f"pod {pod_id!r} belongs to another tenant")
 
     # -- the same-host path (store.same_host) ----------------------------------------------------------------------
 
