@@ -9,15 +9,14 @@ query (server.query_http). It calls no transport; its calls block (the store, th
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 from tiercache.errors import InvalidArgument, NotFound, PermissionDenied
 from tiercache.events.query import PodHit, query_hashes, query_tokens
 from tiercache.events.restorable import Pod
-from tiercache.prefix.objects import ChainShape
 from tiercache.store.tiered import TieredStore
 
 if TYPE_CHECKING:  # pyzmq and msgpack load only in servers that publish events
@@ -31,21 +30,6 @@ class Caller(Protocol):
     admin: bool
 
     def checked_namespace(self, namespace: str) -> str: ...
-
-
-@dataclass(frozen=True)
-class Registration:
-    """What an engine asks to be registered as, decoded from its request (nothing checked yet)."""
-
-    pod_id: str
-    model_name: str
-    namespaces: tuple[str, ...]
-    shape: ChainShape
-    engine_groups: tuple[int, ...]
-    dp_rank: int = 0
-    remote: bool = False
-    match_unit: int = 0  # 0: 16 when it divides N, else N
-    ports: tuple[int, int] | None = None  # the (pub, replay) ports it had before this server restarted
 
 
 class Known(enum.Enum):
@@ -64,23 +48,23 @@ class PodRegistry:
         self._owners: dict[str, str] = {}  # pod id -> the tenant that registered it
         self._lock = threading.Lock()
 
-    def register(self, caller: Caller, registration: Registration) -> Endpoints:
-        """Start (or restart) the pod's event stream; the endpoints a router subscribes to."""
+    def register(self, caller: Caller, pod: Pod, ports: tuple[int, int] | None = None) -> Endpoints:
+        """Start (or restart) the pod's event stream, as the engine asked for it (decoded, nothing checked yet; its
+        match unit 0 for the default: 16 when it divides N, else N); the endpoints a router subscribes to. `ports`:
+        the (pub, replay) ports it had before this server restarted."""
         streams = self._events()
-        namespaces = tuple(caller.checked_namespace(ns) for ns in registration.namespaces)
-        r, shape = registration, registration.shape
-        if not r.pod_id or not r.model_name or not namespaces or not shape.kinds or shape.chunk_tokens <= 0 \
-                or len(r.engine_groups) != len(shape.kinds):
+        shape = pod.shape
+        namespaces = tuple(caller.checked_namespace(ns) for ns in pod.namespaces)
+        if not pod.pod_id or not pod.model_name or not namespaces or not shape.kinds or shape.chunk_tokens <= 0 \
+                or len(pod.engine_groups) != len(shape.kinds):
             raise InvalidArgument("a pod names its id, model, namespaces, N, and an engine group for each layer group")
-        self._claim(caller, r.pod_id)
-        unit = r.match_unit or (16 if shape.chunk_tokens % 16 == 0 else shape.chunk_tokens)
+        self._claim(caller, pod.pod_id)
+        unit = pod.match_unit or (16 if shape.chunk_tokens % 16 == 0 else shape.chunk_tokens)
         if shape.chunk_tokens % unit:
             raise InvalidArgument(f"the match unit u={unit} must divide N={shape.chunk_tokens}")
-        if r.ports is not None and not all(0 < port < 65536 for port in r.ports):
-            raise InvalidArgument(f"ports {r.ports} are not TCP ports")
-        pod = Pod(r.pod_id, r.model_name, namespaces, shape, r.engine_groups, r.dp_rank, same_node=not r.remote,
-                  match_unit=unit)
-        return streams.register(pod, ports=r.ports)
+        if ports is not None and not all(0 < port < 65536 for port in ports):
+            raise InvalidArgument(f"ports {ports} are not TCP ports")
+        return streams.register(dataclasses.replace(pod, namespaces=namespaces, match_unit=unit), ports=ports)
 
     def unregister(self, caller: Caller, pod_id: str) -> None:
         """End the pod's stream (a last AllBlocksCleared); it is nobody's afterwards."""

@@ -16,7 +16,8 @@ from typing import AsyncIterator, Callable, TypeVar
 from tiercache import __version__
 from tiercache.config import Config
 from tiercache.errors import InvalidArgument, Unavailable
-from tiercache.events.pods import Known, PodRegistry, Registration
+from tiercache.events.pods import Known, PodRegistry
+from tiercache.events.restorable import Pod
 from tiercache.prefix.lookup import find_hit
 from tiercache.protocol.data_channel import PutEntry
 from tiercache.protocol.wire import (chain_shape, chunk_meta, delivered, delivery_totals, frames, lookup_query, pb,
@@ -200,12 +201,11 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     @rpc
     async def RegisterPod(self, request: pb.RegisterPodRequest, context, tenant: Tenant) -> pb.RegisterPodResponse:
-        registration = Registration(
-            request.pod_id, request.model_name, tuple(request.namespaces),
-            chain_shape(request.chunk_tokens, request.groups), tuple(request.engine_groups), request.dp_rank,
-            request.remote, request.match_unit,
-            (request.pub_port, request.replay_port) if request.pub_port and request.replay_port else None)
-        endpoints = await self._run(self.pods.register, tenant, registration)
+        pod = Pod(request.pod_id, request.model_name, tuple(request.namespaces),
+                  chain_shape(request.chunk_tokens, request.groups), tuple(request.engine_groups), request.dp_rank,
+                  same_node=not request.remote, match_unit=request.match_unit)
+        ports = (request.pub_port, request.replay_port) if request.pub_port and request.replay_port else None
+        endpoints = await self._run(self.pods.register, tenant, pod, ports)
         return pb.RegisterPodResponse(endpoint=endpoints.endpoint, replay_endpoint=endpoints.replay_endpoint,
                                       topic=endpoints.topic)
 
