@@ -17,19 +17,28 @@ from aiohttp import web  # noqa: E402
 
 
 class StandIn:
-    """Streams two tokens per completion after holding each request until `release` is set (open loop) or at once;
-    records the most requests it ever held at the same time."""
+    """Streams two tokens per completion; records the most requests it ever held at the same time. `overlap`: each
+    request is held until a second one is in flight (an open-loop client sends them whatever is in flight: waited
+    for, not timed, so a loaded machine cannot fail it), else for 50 ms (time for a client that does not wait to send
+    the next)."""
 
-    def __init__(self) -> None:
+    def __init__(self, overlap: bool) -> None:
+        self.overlap = overlap
         self.in_flight = self.most = 0
         self.order: list[int] = []
+        self.overlapped = asyncio.Event()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.in_flight += 1
         self.most = max(self.most, self.in_flight)
         self.order.append(body["prompt"][0])
-        await asyncio.sleep(0.05)  # long enough that an open-loop client has sent the others meanwhile
+        if self.in_flight > 1:
+            self.overlapped.set()
+        if self.overlap:
+            await asyncio.wait_for(self.overlapped.wait(), timeout=60)
+        else:
+            await asyncio.sleep(0.05)
         answer = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await answer.prepare(request)
         for token in (body["prompt"][0], 7):
@@ -41,7 +50,7 @@ class StandIn:
 
 
 async def run_replay(sequential: bool) -> tuple[StandIn, list]:
-    stand_in = StandIn()
+    stand_in = StandIn(overlap=not sequential)
     app = web.Application()
     app.router.add_post("/v1/completions", stand_in.completions)
     runner = web.AppRunner(app)
