@@ -8,6 +8,7 @@ eviction exposes a new leaf, the expensive case for a chain-aware policy).
 For each configuration the tier is filled to capacity; `filling` is the rate of the last --window puts before it is
 full (the index is as large then as while evicting), `evicting` the rate of the next --window puts, each of which
 evicts. The ratio evicting / filling is the figure of merit (goal: at least 0.5).
+Puts go through a store over the one tier (TieredStore.put_record: make room, put), as a server places them.
   disk    DiskTier in a temp dir: one file per record. Baselines in the same directories right after: raw file
           creation (temp file + rename, as the tier writes) and creation with one unlink of an old file each (what
           any one-file-per-record store must do while full), and the index alone in memory at the same size.
@@ -36,6 +37,7 @@ from tiercache.process import ServerProcess  # noqa: E402
 from tiercache.record import encoding  # noqa: E402
 from tiercache.record.encoding import CLASS_KV, CLASS_STATE, ChunkMeta  # noqa: E402
 from tiercache.record.keys import ChunkKey  # noqa: E402
+from tiercache.store.tiered import TieredStore  # noqa: E402
 from tiercache.tiers.disk import DiskTier  # noqa: E402
 from tiercache.tiers.host import host_tier  # noqa: E402
 from tiercache.tiers.index import ChunkIndex  # noqa: E402
@@ -62,24 +64,26 @@ def records(start: int, count: int, chain: int):
         yield key, encoding.encode(key, PAYLOAD, meta)
 
 
-def rate(tier, start: int, count: int, chain: int) -> float:
-    batch = list(records(start, count, chain))  # encoded up front: only the tier's put is timed
+def rate(store: TieredStore, start: int, count: int, chain: int) -> float:
+    batch = list(records(start, count, chain))  # encoded up front: only the placement is timed
     began = time.perf_counter()
     for key, record in batch:
-        tier.put(key, record, return_evicted=False)
+        store.put_record(key, record)
     return count / (time.perf_counter() - began)
 
 
 def fill_then_evict(tier, capacity_records: int, window: int, chain: int) -> dict:
+    """Through a store over the tier alone: the placement a server runs (make room, put), victims dropped."""
+    store = TieredStore([tier])
     window = min(window, capacity_records // 2)
     filled = capacity_records - window
     began = time.perf_counter()
     for key, record in records(0, filled, chain):
-        tier.put(key, record, return_evicted=False)
+        store.put_record(key, record)
     setup_s = time.perf_counter() - began
-    filling = rate(tier, filled, window, chain)
+    filling = rate(store, filled, window, chain)
     assert tier.usage().chunks == capacity_records, "the tier evicted before it was full"
-    evicting = rate(tier, capacity_records, window, chain)
+    evicting = rate(store, capacity_records, window, chain)
     assert tier.usage().chunks >= 0.95 * capacity_records  # chain heads are a few bytes smaller (no parent)
     return {"records": capacity_records, "window": window, "filling_per_s": filling, "evicting_per_s": evicting,
             "ratio": evicting / filling, "fill_s": setup_s}

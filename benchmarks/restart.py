@@ -23,16 +23,17 @@ from tiercache.config import DiskTierConfig  # noqa: E402
 from tiercache.process import ServerProcess  # noqa: E402
 from tiercache.record import encoding  # noqa: E402
 from tiercache.record.keys import ChunkKey  # noqa: E402
+from tiercache.store.tiered import TieredStore  # noqa: E402
 from tiercache.tiers.disk import DiskTier  # noqa: E402
 
 
 def fill(path: str, chunks: int, chunk_bytes: int) -> None:
-    tier = DiskTier(DiskTierConfig(path=path, capacity_bytes=chunks * (chunk_bytes + 4096)))
+    store = TieredStore([DiskTier(DiskTierConfig(path=path, capacity_bytes=chunks * (chunk_bytes + 4096)))])
     payload = os.urandom(chunk_bytes)
     for i in range(chunks):
         key = ChunkKey("bench/restart", i.to_bytes(18, "big"))
-        tier.put(key, encoding.encode(key, payload), return_evicted=False)
-    tier.close()
+        store.put_record(key, encoding.encode(key, payload))
+    store.close()
 
 
 def raw_walk(path: str) -> float:

@@ -7,7 +7,7 @@ An error's class is its category, and the category alone decides what happens to
   the server saw the request. Only these open the client's circuit breaker: an UNAVAILABLE the server answered itself
   (a tier it needed is down) proves it is there.
 - `Busy`: one of the server's paths is at its limits; the client sends that call by another path.
-- Internal errors (`ChunkCorrupt`, `TierFull`, `TierDown`, ...) never leave the server.
+- Internal errors (`ChunkCorrupt`, `TierWriteFailed`, `TierDown`, ...) never leave the server.
 """
 
 from typing import NamedTuple
@@ -78,22 +78,11 @@ class ChunkCorrupt(TierCacheError):
     """A stored record failed its checksum or header checks. Internal: the store turns it into a miss."""
 
 
-class TierFull(TierCacheError):
-    """A tier cannot make room for one record (too large for it, or every victim is pinned).
-
-    Internal: the store then tries the next tier, and raises CapacityExceeded only when none can take it.
-    `evicted` lists what the tier gave up while trying, so the store can still demote it.
-    """
-
-    def __init__(self, message: str, evicted: list | None = None) -> None:
-        super().__init__(message)
-        self.evicted = evicted or []
-
-
-class TierWriteFailed(TierFull):
+class TierWriteFailed(TierCacheError):
     """The tier's medium refused a write it had room for on paper (ENOSPC from a shared filesystem, EIO).
 
-    Internal: handled like TierFull (the record goes to the next tier), and counted as an error of the tier.
+    Internal: the record goes to the next tier, and the failure is counted as an error of the tier. (A tier with no
+    room says so in the Room it answers, not with an error: tiercache.tiers.base.)
     """
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import make_config
+from tests.tiers.placing import put
 from tiercache.client import Client
 from tiercache.config import DiskTierConfig, HostTierConfig, KiB, MiB
 from tiercache.connector.prefix_cache import PrefixCache
@@ -44,10 +45,10 @@ def test_tiers_evict_chains_from_the_deep_end_and_keep_the_parent_in_the_record(
     tier = make_tier(kind, tmp_path, 64 * KiB if kind == "host" else 5 * 10_300)  # room for five records
     parent = b""
     for i in range(4):
-        tier.put(*record(f"c{i}", ChunkMeta(CLASS_KV, 16, parent)), return_evicted=False)
+        put(tier, *record(f"c{i}", ChunkMeta(CLASS_KV, 16, parent)))
         parent = f"c{i}".encode()
-    assert tier.put(*record("other", ChunkMeta()), return_evicted=True) == []
-    evicted = tier.put(*record("other2", ChunkMeta()), return_evicted=True)
+    assert put(tier, *record("other", ChunkMeta()), read_victims=True) == []
+    evicted = put(tier, *record("other2", ChunkMeta()), read_victims=True)
     assert [e.key.key for e in evicted] == [b"c3"]  # the deep end, though c0 is the oldest
     assert encoding.read_header(evicted[0].record).meta.parent == b"c2"
     assert [k.key for k, _ in tier.children(key("c0"))] == [b"c1"]
@@ -56,9 +57,9 @@ def test_tiers_evict_chains_from_the_deep_end_and_keep_the_parent_in_the_record(
 
 def test_disk_tier_rebuilds_its_chains_after_a_restart(tmp_path):
     tier = make_tier("disk", tmp_path, 1 * MiB)
-    tier.put(*record("a", ChunkMeta()), return_evicted=False)
-    tier.put(*record("b", ChunkMeta(CLASS_KV, 16, b"a")), return_evicted=False)
-    tier.put(*record("c", ChunkMeta(CLASS_STATE, 99, b"a")), return_evicted=False)
+    put(tier, *record("a", ChunkMeta()))
+    put(tier, *record("b", ChunkMeta(CLASS_KV, 16, b"a")))
+    put(tier, *record("c", ChunkMeta(CLASS_STATE, 99, b"a")))
     tier.close()  # a restart: the directory's lock goes with the old tier
     again = make_tier("disk", tmp_path, 1 * MiB)
     assert sorted(k.key for k, _ in again.children(key("a"))) == [b"b", b"c"]
@@ -76,7 +77,7 @@ def test_the_store_frees_what_a_lost_object_leaves_unreachable(tmp_path):
     store.put_record(*record("c2", ChunkMeta(CLASS_KV, 16, b"c1")))
     store.put_record(*record("c3", ChunkMeta(CLASS_KV, 16, b"c2")))
     store.put_record(*record("recent", ChunkMeta()))
-    disk.put(*host_record(host, "c1"), return_evicted=False)
+    put(disk, *host_record(host, "c1"))
     host.delete([key("c1")])  # c1 now lives on disk only
     store.delete([key("c1")])
     for name in ("new1", "new2", "new3", "new4"):  # five records fit: new3 and new4 need room
@@ -143,7 +144,7 @@ def test_a_hit_touched_by_its_lookup_survives_the_load_that_promotes_its_chain(t
     records = [record(name, meta) for name, meta in items]
     disk = DiskTier(DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=sum(len(r) for _, r in records)))
     for k, r in records:
-        disk.put(k, r, return_evicted=False)
+        put(disk, k, r)
     store = TieredStore([host, disk])
     for i in range(5):
         store.put_record(*record(f"h{i}", ChunkMeta()))

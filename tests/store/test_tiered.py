@@ -239,21 +239,39 @@ def test_a_chunk_moving_from_disk_to_redis_is_found_at_every_moment(tmp_path, re
     had written it to Redis, so a read in between missed it everywhere. Here every read made while Redis receives a
     victim must find the victim's bytes."""
     store = make_store(tmp_path, host=1 * MiB, disk=1 * MiB, redis_url=redis_url)
-    redis = store.tiers[2]
-    put = redis.put
-    seen = []
-
-    def put_and_read_meanwhile(key, record, **kwargs):  # the store writes a victim to Redis: read it right now
-        found = store.locate([key])[0], store.tiers[1].get(key)
-        seen.append((key, found[0], found[1] is not None))
-        return put(key, record, **kwargs)
-    monkeypatch.setattr(redis, "put", put_and_read_meanwhile)
+    seen = read_while_moving_down(store, 2, monkeypatch)
     for i in range(10):
         store.put(key(i), payload(i))
     assert [k for k, _, _ in seen] == [key(0), key(1)]
     assert all(tier == "disk" and readable for _, tier, readable in seen), seen
     assert where(store, 10) == ["redis"] * 2 + ["disk"] * 4 + ["host"] * 4
     assert bytes(store.get(key(0)).payload) == payload(0)
+
+
+def test_a_chunk_moving_from_the_arena_to_disk_is_found_at_every_moment(tmp_path, monkeypatch):
+    """The same one tier up: while the disk writes a host victim, the host still serves it, whole."""
+    store = make_store(tmp_path, host=1 * MiB, disk=2 * MiB)
+    seen = read_while_moving_down(store, 1, monkeypatch)
+    for i in range(6):
+        store.put(key(i), payload(i))
+    assert [k for k, _, _ in seen] == [key(0), key(1)]
+    assert all(tier == "host" and readable for _, tier, readable in seen), seen
+    assert bytes(store.get(key(0)).payload) == payload(0)
+
+
+def read_while_moving_down(store: TieredStore, level: int, monkeypatch) -> list:
+    """Patch tier `level`'s put to read the record it receives in the tier above and in the store, right then:
+    (key, the tier the store finds it in, whether the tier above read it)."""
+    tier, above = store.tiers[level], store.tiers[level - 1]
+    put = tier.put
+    seen = []
+
+    def put_and_read_meanwhile(room, record):
+        found = store.locate([room.key])[0], above.get(room.key)
+        seen.append((room.key, found[0], found[1] is not None))
+        return put(room, record)
+    monkeypatch.setattr(tier, "put", put_and_read_meanwhile)
+    return seen
 
 
 def test_redis_outage_is_invisible_for_local_chunks(tmp_path, redis_proc):

@@ -10,6 +10,7 @@ import pytest
 
 from tests.helpers import wait_for
 from tests.redis_processes import RedisClusterProcess
+from tests.tiers.placing import put
 from tiercache.client import Client
 from tiercache.config import Config, DiskTierConfig, HostTierConfig, KiB, MiB, RedisTierConfig
 from tiercache.errors import TierDown
@@ -30,7 +31,7 @@ def test_chunks_spread_over_the_slots(cluster):
     tier = RedisTier(RedisTierConfig(url=cluster.url, cluster=True))
     keys = [ChunkKey("ns", b"k%d" % i) for i in range(60)]
     for k in keys:
-        tier.put(k, encoding.encode(k, os.urandom(2000)), return_evicted=False)
+        put(tier, k, encoding.encode(k, os.urandom(2000)))
     per_master = [m.client().dbsize() for m in cluster.masters()]
     assert sum(per_master) == 60 and min(per_master) > 0
     assert tier.contains(keys + [ChunkKey("ns", b"missing")]) == [True] * 60 + [False]
@@ -74,7 +75,7 @@ def test_master_killed_mid_load_no_errors_no_wrong_bytes(cluster, tmp_path):
         # The tier's `up` flag can still be True from before the kill (no call has hit the dead primary yet), or be
         # inside its backoff when asked: the tier is back when a write through it succeeds.
         try:
-            store.tiers[1].put(key, encoding.encode(key, b"written after the failover"), return_evicted=False)
+            put(store.tiers[1], key, encoding.encode(key, b"written after the failover"))
         except TierDown:
             return False
         return True

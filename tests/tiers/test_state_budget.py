@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from tests.tiers.placing import NoRoom, put
 from tiercache.config import Config, DiskTierConfig, HostTierConfig, KiB, MiB
 from tiercache.record import encoding
 from tiercache.record.encoding import CLASS_KV, CLASS_STATE, ChunkMeta
@@ -38,7 +39,7 @@ def kv(name: str) -> tuple[ChunkKey, bytearray]:
 def test_budget_is_never_exceeded(kind, tmp_path):
     tier = make(kind, tmp_path)
     for i in range(30):
-        tier.put(*state(f"s{i}", 1000 + i), return_evicted=False)
+        put(tier, *state(f"s{i}", 1000 + i))
         usage = tier.usage()
         assert usage.state_bytes <= usage.state_budget_bytes == 500 * KiB
     assert tier.usage().state_chunks == 4  # 4 records of 100 KiB + header fit in 500 KiB
@@ -49,9 +50,9 @@ def test_budget_is_never_exceeded(kind, tmp_path):
 def test_shallow_old_state_goes_before_deep_recent_one(kind, tmp_path):
     tier = make(kind, tmp_path)
     for name, tokens in (("deep", 200_000), ("shallow", 544), ("mid", 50_000), ("newer", 100_000)):
-        tier.put(*state(name, tokens), return_evicted=False)
+        put(tier, *state(name, tokens))
     tier.get(ChunkKey("ns", b"deep"))  # oldest by insertion, but just used
-    evicted = tier.put(*state("incoming", 120_000), return_evicted=True)
+    evicted = put(tier, *state("incoming", 120_000), read_victims=True)
     assert [e.key.key for e in evicted] == [b"shallow"]
     assert bytes(encoding.decode(evicted[0].record, evicted[0].key)) is not None
 
@@ -60,8 +61,8 @@ def test_shallow_old_state_goes_before_deep_recent_one(kind, tmp_path):
 def test_pure_recency_when_value_weight_is_zero(kind, tmp_path):
     tier = make(kind, tmp_path, weight=0.0)
     for name, tokens in (("old-deep", 200_000), ("b", 10), ("c", 10), ("d", 10)):
-        tier.put(*state(name, tokens), return_evicted=False)
-    evicted = tier.put(*state("e", 10), return_evicted=True)
+        put(tier, *state(name, tokens))
+    evicted = put(tier, *state("e", 10), read_victims=True)
     assert [e.key.key for e in evicted] == [b"old-deep"]
 
 
@@ -69,26 +70,25 @@ def test_pure_recency_when_value_weight_is_zero(kind, tmp_path):
 def test_states_do_not_push_out_kv_while_under_budget(kind, tmp_path):
     tier = make(kind, tmp_path, capacity=1 * MiB, budget=300 * KiB)
     for i in range(6):
-        tier.put(*kv(f"kv{i}"), return_evicted=False)
+        put(tier, *kv(f"kv{i}"))
     for i in range(5):
-        tier.put(*state(f"s{i}", 1000 * i), return_evicted=False)
+        put(tier, *state(f"s{i}", 1000 * i))
     usage = tier.usage()
     assert usage.state_chunks == 2 and usage.chunks - usage.state_chunks == 6
 
 
 @pytest.mark.parametrize("kind", ["host", "disk"])
 def test_state_larger_than_the_budget_is_refused_by_the_tier(kind, tmp_path):
-    from tiercache.errors import TierFull
 
     tier = make(kind, tmp_path, budget=50 * KiB)
-    with pytest.raises(TierFull):
-        tier.put(*state("big", 10), return_evicted=False)
+    with pytest.raises(NoRoom):
+        put(tier, *state("big", 10))
 
 
 def test_state_budget_survives_a_restart_of_the_disk_tier(tmp_path):
     tier = make("disk", tmp_path)
-    tier.put(*state("s", 777), return_evicted=False)
-    tier.put(*kv("k"), return_evicted=False)
+    put(tier, *state("s", 777))
+    put(tier, *kv("k"))
     tier.close()  # a restart: the directory's lock goes with the old tier
     again = make("disk", tmp_path)
     usage = again.usage()

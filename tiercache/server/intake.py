@@ -15,7 +15,7 @@ Release) and the data channel (server.data_channel) — and they only frame byte
 `serve` is the one read path: a chunk any tier holds is served to every transport alike, pinned in the arena when it
 is there (or promoted there), else from the store's copy, whatever room the arena has. (A chunk was once read over
 gRPC and missed a moment later through the data channel and the same-host path while stalled puts held the arena;
-the miss was every path's, a chunk evicted and not yet placed below: tiers/arena.py `_let_go`. The test is
+the miss was every path's, a chunk evicted and not yet placed below: tiers/indexed.py `release`. The test is
 `test_a_stored_chunk_is_served_by_every_path_while_stalled_puts_take_the_arena` in tests/server/test_data_channel.py.)
 """
 

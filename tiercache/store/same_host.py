@@ -2,14 +2,14 @@
 
 gRPC carries control only (Attach, Reserve/Commit/Abort, Acquire/Release); the payload never crosses a socket. The
 arena is a tier's (the host tier's, in /dev/shm: a tiers.base.MappableArena); this object is the store's view of it:
-- a write is *reserved* (room in the arena, invisible until committed, what it evicts demoted as usual), written by
+- a write is *reserved* (room in the arena made as for any put, invisible until committed), written by
   the client at the `WriteGrant`'s payload ranges, then *committed* (the store places it like any put) or *aborted*;
 - a read is *pinned* (`ReadGrant`): promoted into the arena first when it lives below, held in place until unpinned.
 The server wraps every grant in a lease that expires (tiercache.server.leases), so a client that crashes cannot hold
 memory; the client half is tiercache.client.shared_arena.
 
 The path and the store call each other: the store builds the path over its MappableArena, and the path asks the
-store for four things only, `Placement` below (what a reservation evicts, what a commit changes below, a hit counted,
+store for four things only, `Placement` below (room for a reservation, what a commit changes below, a hit counted,
 reads from the tiers below). Nothing else of the store is in reach here.
 """
 
@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-from tiercache.errors import CapacityExceeded, TierFull
+from tiercache.errors import CapacityExceeded
 from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey
-from tiercache.tiers.base import ArenaFile, Evicted, MappableArena, Ranges, Tier
+from tiercache.tiers.base import ArenaFile, MappableArena, Ranges, Room, Tier
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,8 @@ class StoredChunk:
 class Placement(Protocol):
     """What the same-host path asks of the store (tiercache.store.tiered.TieredStore), and nothing more."""
 
-    def demote(self, evicted: list[Evicted], level: int) -> None:
-        """Place what the arena at `level` evicted in the tiers below."""
+    def make_room(self, level: int, key: ChunkKey, meta: encoding.ChunkMeta, size: int) -> Room | None:
+        """Room in the arena at `level`, what it evicts placed in the tiers below; None when it cannot be made."""
 
     def after_placement(self, key: ChunkKey, meta: encoding.ChunkMeta, placed: int,
                         record: Callable[[], bytes | bytearray | None]) -> None:
@@ -76,11 +76,10 @@ class ReadGrant:
 class SameHostPath:
     """The store's same-host path over the first tier whose arena clients can map (see the module docstring)."""
 
-    def __init__(self, store: Placement, tier: MappableArena, level: int, *, more_below: bool) -> None:
+    def __init__(self, store: Placement, tier: MappableArena, level: int) -> None:
         self._store = store
         self._tier = tier
         self._level = level
-        self._more_below = more_below
         self.arena: ArenaFile = tier.arena
 
     @property
@@ -90,12 +89,10 @@ class SameHostPath:
 
     def reserve(self, key: ChunkKey, payload_bytes: int, meta: encoding.ChunkMeta) -> WriteGrant:
         size = encoding.header_bytes(key, meta) + payload_bytes
-        try:
-            reservation, evicted = self._tier.reserve(key, size, meta, return_evicted=self._more_below)
-        except TierFull as full:
-            self._store.demote(full.evicted, self._level)
-            raise CapacityExceeded(f"the shared arena has no room for {size} bytes") from None
-        self._store.demote(evicted, self._level)
+        room = self._store.make_room(self._level, key, meta, size)
+        if room is None:
+            raise CapacityExceeded(f"the shared arena has no room for {size} bytes")
+        reservation = self._tier.reserve(room)
         return WriteGrant(key, tuple(reservation.payload_ranges), reservation)
 
     def commit(self, grant: WriteGrant) -> str:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from tiercache.prefix.delivered import Delivered
+from tiercache.tiers.base import TierUsage
 
 
 @dataclass
@@ -61,3 +63,15 @@ class StoreStats:
     namespaces: tuple[NamespaceUsage, ...]
     lookups: LookupStats = LookupStats()
     delivered: Delivered = Delivered()
+
+
+def namespace_usage(usages: Sequence[TierUsage]) -> tuple[NamespaceUsage, ...]:
+    """Bytes and chunks per namespace, summed over the tiers' usages, by namespace."""
+    used: dict[str, int] = {}
+    chunks: dict[str, int] = {}
+    for usage in usages:
+        for namespace, n in usage.bytes_by_namespace.items():
+            used[namespace] = used.get(namespace, 0) + n
+        for namespace, n in usage.chunks_by_namespace.items():
+            chunks[namespace] = chunks.get(namespace, 0) + n
+    return tuple(NamespaceUsage(namespace, n, chunks[namespace]) for namespace, n in sorted(used.items()))

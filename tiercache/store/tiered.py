@@ -21,14 +21,14 @@ import threading
 from typing import Callable, Sequence
 
 from tiercache.config import Config
-from tiercache.errors import CapacityExceeded, ChunkCorrupt, TierDown, TierFull, TierWriteFailed, Unavailable
+from tiercache.errors import CapacityExceeded, ChunkCorrupt, TierDown, TierWriteFailed, Unavailable
 from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey
 from tiercache.store.same_host import SameHostPath, StoredChunk
 from tiercache.store.reports import EngineReports
-from tiercache.store.stats import NamespaceUsage, StoreStats, TierCounters, TierStats
+from tiercache.store.stats import StoreStats, TierCounters, TierStats, namespace_usage
 from tiercache.tiers import from_config as tiers_from_config
-from tiercache.tiers.base import ChainDirectory, Evicted, HandsDown, MappableArena, Tier
+from tiercache.tiers.base import ChainDirectory, Evicted, MappableArena, Room, Tier
 
 LOST_KEYS_REMEMBERED = 1 << 16  # keys lost for good that the store remembers (see after_placement)
 # A watcher's argument: the keys whose place changed, each with its meta when it is held (placed, moved), None when
@@ -54,12 +54,10 @@ class TieredStore:
             above = [t for t in self.tiers[:level] if isinstance(t, ChainDirectory) and not t.shared_by_nodes]
             if above and isinstance(tier, ChainDirectory):
                 tier.needed_above = functools.partial(self._has_children, above)
-            if isinstance(tier, HandsDown):  # its victims are placed below while still readable there
-                tier.hand_down = functools.partial(self.demote, level=level)
         arena_levels = [level for level, tier in enumerate(self.tiers) if isinstance(tier, MappableArena)]
         # The same-host path (writes and reads in place), over the first tier whose arena clients can map; or None.
-        self.same_host = (SameHostPath(self, self.tiers[arena_levels[0]], arena_levels[0],
-                                       more_below=arena_levels[0] + 1 < len(self.tiers)) if arena_levels else None)
+        self.same_host = (SameHostPath(self, self.tiers[arena_levels[0]], arena_levels[0]) if arena_levels
+                          else None)
 
     @classmethod
     def from_config(cls, config: Config, cancelled: Callable[[], bool] | None = None) -> "TieredStore":
@@ -128,9 +126,9 @@ class TieredStore:
             if tier.contains([key])[0]:
                 tier.delete([key])
         if self.write_through:
-            for tier in self.tiers[placed + 1:]:
-                if tier.shared_by_nodes:
-                    self._copy_to(tier, key, record())
+            for level in range(placed + 1, len(self.tiers)):
+                if self.tiers[level].shared_by_nodes:
+                    self._copy_to(level, key, record())
 
     def get(self, key: ChunkKey) -> StoredChunk | None:
         return self.get_many([key])[0]
@@ -220,16 +218,8 @@ class TieredStore:
                                     **vars(self._counters[tier.name]), state_chunks=u.state_chunks,
                                     state_bytes=u.state_bytes, state_budget_bytes=u.state_budget_bytes)
                           for tier, u in usages)
-        namespace_bytes: dict[str, int] = {}
-        namespace_chunks: dict[str, int] = {}
-        for tier, usage in usages:
-            if tier.shared_by_nodes:
-                continue  # a tier shared by nodes holds other servers' chunks too; it has no per-namespace view
-            for ns, n in usage.bytes_by_namespace.items():
-                namespace_bytes[ns] = namespace_bytes.get(ns, 0) + n
-            for ns, n in usage.chunks_by_namespace.items():
-                namespace_chunks[ns] = namespace_chunks.get(ns, 0) + n
-        namespaces = tuple(NamespaceUsage(ns, n, namespace_chunks[ns]) for ns, n in sorted(namespace_bytes.items()))
+        # A tier shared by nodes holds other servers' chunks too: it has no per-namespace view.
+        namespaces = namespace_usage([usage for tier, usage in usages if not tier.shared_by_nodes])
         return StoreStats(tiers, namespaces, self.reports.lookups(), self.reports.delivered())
 
     def held_bytes(self, owns: Callable[[str], bool]) -> int:
@@ -244,7 +234,7 @@ class TieredStore:
     # -- placement --------------------------------------------------------------------------------------------------
 
     def _place(self, key: ChunkKey, record, first: int, last: int | None = None) -> int:
-        """Put the record in the first tier of tiers[first:last] that takes it; demote what it evicts.
+        """Put the record in the first tier of tiers[first:last] that takes it, making room there (make_room).
 
         Returns the level it landed on. Raises CapacityExceeded when no tier can hold it, Unavailable when the only
         tiers that could are down.
@@ -256,28 +246,46 @@ class TieredStore:
             tier = self.tiers[level]
             if self.write_through and tier.shared_by_nodes and first > 0:
                 return level  # demoting into the tier shared by nodes: write-through put it there already
-            wants_evicted = level + 1 < len(self.tiers)
+            stored = self._for_tier(tier, key, record)
             try:
-                evicted = tier.put(key, self._for_tier(tier, key, record), return_evicted=wants_evicted)
-            except TierFull as full:
-                if isinstance(full, TierWriteFailed):
-                    self._count(tier, errors=1)
-                    write_failure = f" ({full})"
-                self.demote(full.evicted, level)
+                room = self.make_room(level, key, encoding.read_meta(stored), len(stored))
+                if room is None:
+                    continue
+                tier.put(room, stored)
+            except TierWriteFailed as failed:
+                self._count(tier, errors=1)
+                write_failure = f" ({failed})"
                 continue
             except TierDown:
                 self._count(tier, errors=1)
                 down = True
                 continue
-            self.demote(evicted, level)
             return level
         size = len(record)
         if down:
             raise Unavailable(f"no tier could store {size} bytes: the tier that could is down")
         raise CapacityExceeded(f"{size} bytes are more than any tier can hold{write_failure}")
 
+    def make_room(self, level: int, key: ChunkKey, meta: encoding.ChunkMeta, size: int) -> Room | None:
+        """Room for a record of `size` bytes in tier `level`, or None when it cannot make it now (the record is too
+        large for it, or everything it could evict is being read). The store's one eviction loop: each round the
+        tier takes victims out of its index, still readable there; they are placed in the tiers below, and only
+        then does the tier reuse their room (so a chunk moving down is in some tier at every moment)."""
+        tier = self.tiers[level]
+        read = level + 1 < len(self.tiers)  # the last tier's victims fall off: no need for their bytes
+        while True:
+            room = tier.make_room(key, meta, size, read_victims=read)
+            if room.ready:
+                return room
+            if not room.victims:
+                return None
+            try:
+                self.demote(room.evicted, level)
+            finally:
+                tier.release(room)
+
     def demote(self, evicted: list[Evicted], level: int) -> None:
-        """Move what tier `level` evicted to the tiers below it (the same-host path's reservations evict too)."""
+        """Move what tier `level` evicted to the tiers below it."""
         if not evicted:
             return
         self._count(self.tiers[level], evictions=len(evicted))
@@ -347,10 +355,16 @@ class TieredStore:
             record = encoding.sealed(record, key)
         return encoding.transcode(record, key, tier.codec)
 
-    def _copy_to(self, tier: Tier, key: ChunkKey, record) -> None:
+    def _copy_to(self, level: int, key: ChunkKey, record) -> None:
+        tier = self.tiers[level]
         try:
-            tier.put(key, self._for_tier(tier, key, record), return_evicted=False)
-        except (TierDown, TierFull, ChunkCorrupt):
+            stored = self._for_tier(tier, key, record)
+            room = self.make_room(level, key, encoding.read_meta(stored), len(stored))
+            if room is None:
+                self._count(tier, errors=1)
+                return
+            tier.put(room, stored)
+        except (TierDown, TierWriteFailed, ChunkCorrupt):
             self._count(tier, errors=1)
 
     # -- small helpers ----------------------------------------------------------------------------------------------

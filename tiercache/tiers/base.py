@@ -2,32 +2,28 @@
 layers table in docs/architecture.md lets no other layer import `tiers`; tests/test_architecture.py holds it).
 
 A tier stores *records* (see record.encoding) under ChunkKeys. It is mechanism only: it keeps its own recency order
-and capacity, and hands back what it evicted; whether evicted records move down, and whether hits move up, is the
-store's decision. Four protocols, each a capability the store checks with `isinstance` against the protocol (never a
-concrete class, never a probe method):
-- `Tier` — every tier (host, GPU, disk, Redis): put, get, get_many, contains, delete, touch, usage, close, and three
-  attributes that say how the store treats it.
-- `ChainDirectory` — a tier that keeps an index (tiercache.tiers.index: GPU, host, disk): the children of a parent
-  (what the Lookup call searches for checkpoints), orphans of a lost parent, and `needed_above`. Redis has none.
-- `HandsDown` — a tier whose victims stay readable until the store has placed them below (the arenas: GPU, host;
-  the disk tier).
+and capacity, and says what it would evict to take a record; whether those victims move down, and whether hits move
+up, is the store's decision. Eviction flows one way, store -> tier: no tier calls the store. Three protocols, each a
+capability the store checks with `isinstance` against the protocol (never a concrete class, never a probe method):
+- `Tier` — every tier (host, GPU, disk, Redis): make_room, put, release, get, get_many, contains, delete, touch,
+  usage, close, and three attributes that say how the store treats it.
+- `ChainDirectory` — a tier that keeps an index (tiercache.tiers.index, through tiercache.tiers.indexed: GPU, host,
+  disk): the children of a parent (what the Lookup call searches for checkpoints), orphans of a lost parent, and
+  `needed_above`. Redis has none.
 - `MappableArena` — the arena same-host clients map (the host tier's in /dev/shm): reservations and pins in place.
   The store's same-host path (tiercache.store.same_host) is what uses it.
-tests/tiers/test_contract.py runs the contract against every tier and checks each against the protocols it claims.
+tests/tiers/test_contract.py runs the contract against every tier `tiers.from_config` builds, and checks each against
+the protocols it claims.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
+from tiercache.record import encoding
 from tiercache.record.encoding import ChunkMeta
 from tiercache.record.keys import ChunkKey
-from tiercache.tiers.index import ChunkIndex
-
-if TYPE_CHECKING:
-    from tiercache.tiers.arena import Pinned, Reservation
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +33,58 @@ class Evicted:
     reachable: bool = True  # False: an orphan of a lost chain (tiercache.tiers.index), not worth demoting
 
 
+@dataclass(slots=True, eq=False)
+class Room:
+    """Room for one record of `size` bytes in one tier: what `Tier.make_room` answers. One of three:
+    - ready (`claim` set): the tier holds the room; `put` writes the record into it, or `release` gives it back;
+    - victims (`evicted`): the tier took these out of its index to make the room. They stay readable there until
+      `release`, so a chunk on its way down is in some tier at every moment (tests/tiers/test_contract.py holds it);
+      the store places them below, releases the room, and asks again;
+    - refused (neither): the tier cannot make the room now (`reason`); the store tries the tier below.
+    """
+
+    key: ChunkKey
+    meta: ChunkMeta
+    size: int
+    claim: object | None = None  # the tier's hold on the room (arena pages, reserved disk bytes)
+    evicted: list[Evicted] = field(default_factory=list)  # the victims, with their bytes when asked for
+    victims: list = field(default_factory=list)  # the tier's own entries behind `evicted`
+    reason: str = ""
+
+    @property
+    def ready(self) -> bool:
+        return self.claim is not None
+
+    @property
+    def state_bytes(self) -> int:
+        """What the record counts against the tier's state budget."""
+        return self.size if self.meta.object_class == encoding.CLASS_STATE else 0
+
+
 Ranges = tuple[tuple[int, int], ...]  # (byte offset, length) pairs in a file or arena, in order
+
+
+def ranges_before(ranges: Sequence[tuple[int, int]], end: int) -> list[tuple[int, int]]:
+    """The part of a record's ranges before byte `end` (e.g. its header)."""
+    out, left = [], end
+    for offset, n in ranges:
+        if left <= 0:
+            break
+        out.append((offset, min(n, left)))
+        left -= n
+    return out
+
+
+def ranges_from(ranges: Sequence[tuple[int, int]], start: int) -> list[tuple[int, int]]:
+    """The part of a record's ranges from byte `start` on (e.g. the payload after the header)."""
+    out, skip = [], start
+    for offset, n in ranges:
+        if skip >= n:
+            skip -= n
+            continue
+        out.append((offset + skip, n - skip))
+        skip = 0
+    return out
 
 
 @dataclass(frozen=True)
@@ -48,6 +95,48 @@ class ArenaFile:
     path: str
     size_bytes: int
     inode: int
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A ready Room in a MappableArena, at `ranges` of its file: invisible until committed."""
+
+    room: Room = field(repr=False)
+    ranges: Ranges  # (byte offset, length) in the arena, in record order
+
+    @property
+    def key(self) -> ChunkKey:
+        return self.room.key
+
+    @property
+    def meta(self) -> ChunkMeta:
+        return self.room.meta
+
+    @property
+    def size(self) -> int:
+        """Record bytes: header + payload."""
+        return self.room.size
+
+    @property
+    def payload_ranges(self) -> list[tuple[int, int]]:
+        """Where the client writes the payload (after the header that commit writes)."""
+        return ranges_from(self.ranges, encoding.header_bytes(self.key, self.meta))
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """A record held in place in a MappableArena for a reader until unpinned."""
+
+    key: ChunkKey
+    meta: ChunkMeta
+    size: int
+    ranges: Ranges
+    entry: object = field(repr=False, compare=False)
+
+    @property
+    def payload_ranges(self) -> list[tuple[int, int]]:
+        """Where a same-host reader copies the payload from."""
+        return ranges_from(self.ranges, encoding.header_bytes(self.key, self.meta))
 
 
 @dataclass(frozen=True)
@@ -63,24 +152,20 @@ class TierUsage:
     chunks_by_namespace: dict[str, int] = field(default_factory=dict)
 
 
-def _nothing_above(key: ChunkKey) -> bool:
-    return False
-
-
 @runtime_checkable
 class Tier(Protocol):
     """Every tier. Every method is thread-safe; reads (get, get_many, contains) of a tier that is down raise TierDown,
     which the store turns into a miss.
 
-    - put(key, record, return_evicted): store a copy of `record`, replacing any record under `key`. To make room the
-      tier evicts records and returns them, with their bytes when `return_evicted` is true (so the store can demote
-      them) and `record=None` otherwise (and for unreachable ones: `reachable=False`). A ChainDirectory evicts through
-      its index's one policy (chain-aware, states under their own byte budget by value); Redis evicts by its own
-      maxmemory policy. Raises TierFull when the record cannot fit at all (larger than the tier or its state budget,
-      or every candidate victim is being read), and TierDown when the backend is unreachable. After put returns, the
-      tier holds no more than its capacity and its state budget. One record a call: what a put evicts is demoted
-      before the next is placed, and the transports place each chunk as its bytes complete (batching puts would hold
-      a request's records in memory).
+    - make_room(key, meta, size_bytes, read_victims): a Room for a record of `size_bytes` (see Room). A tier with an
+      index takes victims through its one policy (chain-aware, states under their own byte budget by value: tiers/
+      index.py), with their bytes when `read_victims` (the store demotes them; unreachable ones come without); it
+      drops an older record under `key` first. Redis answers ready at once: it evicts by its own maxmemory policy.
+      After a put into a ready room the tier holds no more than its capacity and its state budget.
+    - put(room, record): write `record` (of the room's size) into a ready room; the room is used up. Raises
+      TierWriteFailed when the medium refuses the write (the room is given back), TierDown when unreachable.
+    - release(room): give back what a room still holds: its victims (their room is reused from now on) or an unused
+      claim. Idempotent.
     - get(key): a copy of the record, or None. Marks the key most recently used. The record may be corrupt; callers
       verify.
     - get_many(keys): get for each key, in order: one round trip where a tier pays per call (Redis); a loop for the
@@ -91,6 +176,9 @@ class Tier(Protocol):
       the backend keeps its own recency: Redis).
     - usage(): a TierUsage snapshot.
     - close(): release resources; idempotent.
+
+    One record a room: what one put evicts is demoted before the next is placed, and the transports place each chunk
+    as its bytes complete (batching puts would hold a request's records in memory).
 
     Three attributes tell the store how to treat a tier (data, not capability probes):
     - checksum_on_read: records that crossed a disk or network are verified on every read; records that never left
@@ -106,7 +194,11 @@ class Tier(Protocol):
     shared_by_nodes: bool
     codec: int
 
-    def put(self, key: ChunkKey, record, *, return_evicted: bool) -> list[Evicted]: ...
+    def make_room(self, key: ChunkKey, meta: ChunkMeta, size_bytes: int, *, read_victims: bool) -> Room: ...
+
+    def put(self, room: Room, record) -> None: ...
+
+    def release(self, room: Room) -> None: ...
 
     def get(self, key: ChunkKey) -> bytes | bytearray | None: ...
 
@@ -134,7 +226,7 @@ class ChainDirectory(Protocol):
       first. Returns how many.
     - needed_above (set by the store): needed_above(key) says whether a tier above holds a child of `key`; the tier
       then keeps `key` (a chain shrinks from its deep end across tiers too). Called under the tier's lock; it takes
-      the locks of tiers above it only.
+      the locks of tiers above it only. It asks, and moves nothing.
     - entries(namespaces): the keys (and metas) held in those namespaces: the inventory KV events start from (a
       server restarted over its disk tier, a pod registered after its saves).
     """
@@ -149,29 +241,15 @@ class ChainDirectory(Protocol):
 
 
 @runtime_checkable
-class HandsDown(Protocol):
-    """A tier that frees its victims' room only after they are placed below (the arenas, the disk tier).
-
-    hand_down (set by the store): hand_down(evicted) places what a put or reservation evicts in the tiers below while
-    the victims are still readable in this tier, before their pages are reused; put and reserve then return no
-    victims. So a chunk on its way down is always in a tier (without it, a read between the eviction and the demotion
-    missed: tests/server/test_data_channel.py). Called without the tier's lock. None (the default): victims are
-    returned, as Tier.put says.
-    """
-
-    hand_down: Callable[[list[Evicted]], None] | None
-
-
-@runtime_checkable
 class MappableArena(Tier, Protocol):
     """A tier whose arena same-host clients map to write and read records in place (the host tier's, in /dev/shm). Its
     reservations and pins name their `payload_ranges` in `arena`; tiercache.store.same_host uses them.
 
     - arena: the file clients map (an ArenaFile: path, size, inode).
-    - reserve(key, size, meta, return_evicted): room for a record of `size` bytes, invisible until committed;
-      returns the reservation and what it evicted (as Tier.put). TierFull when there is no room.
+    - reserve(room): a ready Room (from make_room, as for a put) as a Reservation at ranges of the arena, invisible
+      until committed.
     - commit(reservation): write the record's header over the reservation's front (unsealed: memory records are
-      trusted) and make it visible. abort(reservation): free it.
+      trusted) and make it visible. abort(reservation): give its room back.
     - pin(key): hold a record in place for a reader until unpin (its pages are not reused meanwhile), or None when
       the arena does not hold it.
     - views(ranges): the arena's bytes at reserved or pinned ranges, in place.
@@ -179,51 +257,14 @@ class MappableArena(Tier, Protocol):
 
     arena: ArenaFile
 
-    def reserve(self, key: ChunkKey, size: int, meta: ChunkMeta, *,
-                return_evicted: bool) -> tuple["Reservation", list[Evicted]]: ...
+    def reserve(self, room: Room) -> Reservation: ...
 
-    def commit(self, reservation: "Reservation") -> None: ...
+    def commit(self, reservation: Reservation) -> None: ...
 
-    def abort(self, reservation: "Reservation") -> None: ...
+    def abort(self, reservation: Reservation) -> None: ...
 
-    def pin(self, key: ChunkKey) -> "Pinned | None": ...
+    def pin(self, key: ChunkKey) -> Pinned | None: ...
 
-    def unpin(self, pinned: "Pinned") -> None: ...
+    def unpin(self, pinned: Pinned) -> None: ...
 
     def views(self, ranges: Sequence[tuple[int, int]]) -> list[memoryview]: ...
-
-
-class IndexedTier(Tier):
-    """The Tier and ChainDirectory methods every tier that keeps a ChunkIndex (GPU, host, disk) answers from it,
-    written once. The tier provides `_lock`, `_index`, `capacity_bytes` and `state_budget_bytes`."""
-
-    _lock: threading.Lock
-    _index: ChunkIndex
-    capacity_bytes: int
-    state_budget_bytes: int
-    needed_above: Callable[[ChunkKey], bool] = staticmethod(_nothing_above)  # the store sets it (ChainDirectory)
-
-    def usage(self) -> TierUsage:
-        with self._lock:
-            index = self._index
-            return TierUsage(len(index), index.used_bytes, self.capacity_bytes, state_chunks=index.state_chunks,
-                             state_bytes=index.state_bytes, state_budget_bytes=self.state_budget_bytes,
-                             bytes_by_namespace=dict(index.bytes_by_namespace),
-                             chunks_by_namespace=dict(index.chunks_by_namespace))
-
-    def touch(self, keys: Sequence[ChunkKey]) -> None:
-        with self._lock:
-            for key in keys:
-                self._index.touch(key)
-
-    def children(self, parent: ChunkKey) -> list[tuple[ChunkKey, ChunkMeta]]:
-        with self._lock:
-            return [(key, entry.meta) for key, entry in self._index.children(parent)]
-
-    def orphan(self, parent: ChunkKey) -> int:
-        with self._lock:
-            return self._index.orphan(parent)
-
-    def entries(self, namespaces: frozenset[str]) -> list[tuple[ChunkKey, ChunkMeta]]:
-        with self._lock:
-            return [(key, entry.meta) for key, entry in self._index.items() if key.namespace in namespaces]

@@ -18,8 +18,9 @@ and only for records of at most a quarter of that) — and puts do not wait for 
 it does not, a put waits for room rather than exceed the cap. Explicit deletes and replaced records are unlinked
 before the call returns.
 
-A victim on its way to the tier below (Redis) stays readable here until it has been placed there (HandsDown, set by
-the store): a chunk moving down is in one tier or the other at every moment, as it is out of the host arena.
+A victim on its way to the tier below (Redis) stays readable here until the store has placed it there and released its
+room (tiercache.tiers.indexed): a chunk moving down is in one tier or the other at every moment, as it is out of the
+host arena.
 """
 
 from __future__ import annotations
@@ -31,16 +32,17 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from tiercache.config import DiskTierConfig, state_budget
-from tiercache.errors import ChunkCorrupt, ConfigError, TierDown, TierFull, TierWriteFailed
+from tiercache.errors import ChunkCorrupt, ConfigError, TierDown, TierWriteFailed
 from tiercache.record import encoding
 from tiercache.record.codec import codec_id
 from tiercache.record.keys import ChunkKey
-from tiercache.tiers.base import Evicted, IndexedTier
+from tiercache.tiers.base import Room
 from tiercache.tiers.directory_lock import DirectoryLock
-from tiercache.tiers.index import ChunkIndex, Victim, parent_of
+from tiercache.tiers.index import ChunkIndex, Victim
+from tiercache.tiers.indexed import IndexedTier
 
 log = logging.getLogger(__name__)
 
@@ -61,24 +63,20 @@ class _File:
     meta: encoding.ChunkMeta
 
 
-class DiskTier(IndexedTier):
+class DiskTier(IndexedTier[_File]):
     name = "disk"
     checksum_on_read = True
     shared_by_nodes = False
-    hand_down: Callable[[list[Evicted]], None] | None = None  # (HandsDown)
 
     def __init__(self, config: DiskTierConfig) -> None:
+        super().__init__(ChunkIndex(config.state_value_weight), config.capacity_bytes,
+                         state_budget(config.capacity_bytes, config.state_budget_bytes))
         self.root = Path(config.path).expanduser()
         self.codec = codec_id(config.codec)
-        self.capacity_bytes = config.capacity_bytes
-        self.state_budget_bytes = state_budget(config.capacity_bytes, config.state_budget_bytes)
         self._fsync = config.fsync
-        self._index: ChunkIndex[_File] = ChunkIndex(config.state_value_weight)
         self._reserved_bytes = 0
         self._releasing_bytes = 0
-        self._leaving: dict[ChunkKey, _File] = {}  # victims being read and handed down: still readable
         self._headroom = min(config.capacity_bytes // 1000, _MAX_HEADROOM_BYTES)
-        self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # notified as the unlinker frees bytes
         self._prepare_root()
         self._sequence = itertools.count(self._rebuild_index() + 1)
@@ -88,49 +86,24 @@ class DiskTier(IndexedTier):
 
     # -- contract ---------------------------------------------------------------------------------------------------
 
-    def put(self, key: ChunkKey, record, *, return_evicted: bool) -> list[Evicted]:
-        size = len(memoryview(record).cast("B"))
-        meta = encoding.read_meta(record)
-        state = size if meta.object_class == encoding.CLASS_STATE else 0
-        if size > self.capacity_bytes or state > self.state_budget_bytes:
-            raise TierFull(f"{size} bytes exceed what the disk tier may hold")
-        with self._lock:
-            stale = self._take_out([key])
-        self._discard(stale)
-        evicted: list[Evicted] = []
-        while True:
-            with self._lock:
-                if (self._committed_bytes() + size <= self.capacity_bytes
-                        and self._index.state_excess(state, self.state_budget_bytes) <= 0):
-                    self._reserved_bytes += size
-                    self._index.state_reserved += state
-                    break
-                victims = self._choose_victims(key, meta, size, state)
-                if not victims:
-                    if not self._releasing_bytes:  # the rest of the room is reserved by writes in flight
-                        raise TierFull(f"disk tier has no room for {size} bytes right now", evicted)
-                    self._room.wait(_ROOM_WAIT_S)  # room is on its way out: wait for the unlinker
-                    continue
-            evicted += self._let_go(victims, read=return_evicted)
+    def put(self, room: Room, record) -> None:
         sequence = next(self._sequence)
-        entry = _File(self._path_for(key, sequence), size, sequence, meta)
+        entry = _File(self._path_for(room.key, sequence), room.size, sequence, room.meta)
         try:
             self._write_file(entry.path, record)
         except OSError as exc:  # e.g. ENOSPC: the filesystem is fuller than our cap says (other writers share it)
-            raise TierWriteFailed(f"disk tier write failed: {exc.strerror or exc}", evicted) from None
-        finally:
-            with self._lock:
-                self._reserved_bytes -= size
-                self._index.state_reserved -= state
+            self.release(room)
+            raise TierWriteFailed(f"disk tier write failed: {exc.strerror or exc}") from None
         with self._lock:
-            replaced = self._take_out([key])  # a concurrent put of the same key: last one wins
-            self._index.add(key, entry)
+            self._unclaim(room.claim, room.size, room.state_bytes)
+            room.claim = None
+            replaced = self._take_out([room.key])  # a concurrent put of the same key: last one wins
+            self._index.add(room.key, entry)
         self._discard(replaced)
-        return evicted
 
     def get(self, key: ChunkKey) -> bytearray | None:
         with self._lock:
-            entry = self._index.touch(key) or self._leaving.get(key)
+            entry = self._found(key)
         if entry is None:
             return None
         try:
@@ -142,10 +115,6 @@ class DiskTier(IndexedTier):
         except OSError as exc:  # EIO and the like: the store counts a miss and an error of the tier
             raise TierDown(f"disk tier read failed: {exc.strerror or exc}") from None
         return record if n == entry.record_bytes else record[:n]  # short: decode reports it corrupt
-
-    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        with self._lock:
-            return [k in self._index or k in self._leaving for k in keys]
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         with self._lock:
@@ -161,62 +130,58 @@ class DiskTier(IndexedTier):
             self._unlinker.join()
         self._directory_lock.release()
 
-    # -- placement --------------------------------------------------------------------------------------------------
+    # -- the room (IndexedTier's hooks) -----------------------------------------------------------------------------
 
-    # Space accounting. A file counts against the cap from the moment its write is reserved until it is unlinked:
-    # `used` (indexed files) + `reserved` (writes in flight) + `releasing` (files taken out of the index but not yet
-    # unlinked, e.g. queued for the unlinker) never exceeds capacity_bytes, so the files on disk never do either.
+    # Space accounting. A file counts against the cap from the moment its room is claimed until it is unlinked:
+    # `used` (indexed files) + `reserved` (rooms claimed, writes in flight) + `releasing` (files taken out of the index
+    # but not yet unlinked: victims leaving, files queued for the unlinker) never exceeds capacity_bytes, so the files
+    # on disk never do either.
 
-    def _committed_bytes(self) -> int:
-        return self._index.used_bytes + self._reserved_bytes + self._releasing_bytes
+    def _claim(self, size: int, state: int) -> int | None:
+        if (self._index.used_bytes + self._reserved_bytes + self._releasing_bytes + size > self.capacity_bytes
+                or self._index.state_excess(state, self.state_budget_bytes) > 0):
+            return None
+        self._reserved_bytes += size
+        self._index.state_reserved += state
+        return size
+
+    def _shortfall(self, size: int) -> int:
+        """What to evict for `size` bytes to fit within the cap less the headroom, counting what is already on its
+        way out as gone (so puts do not wait for the unlinker while it keeps up)."""
+        headroom = self._headroom if self._headroom >= 4 * size else 0  # small records only: big ones go one by one
+        return self._index.used_bytes + self._reserved_bytes + size - (self.capacity_bytes - headroom)
+
+    def _hold(self, entry: _File) -> None:
+        self._releasing_bytes += entry.record_bytes
+
+    def _let_go(self, entry: _File) -> None:
+        self._unlinks.put(entry)  # its bytes count until the unlinker has removed the file
+
+    def _unclaim(self, claim: int, size: int, state: int) -> None:
+        self._reserved_bytes -= size
+        self._index.state_reserved -= state
+
+    def _wait_for_room(self) -> bool:
+        if not self._releasing_bytes:  # the rest of the room is claimed by writes in flight
+            return False
+        self._room.wait(_ROOM_WAIT_S)  # room is on its way out: wait for the unlinker
+        return True
+
+    def _drop(self, key: ChunkKey) -> None:
+        with self._lock:
+            stale = self._take_out([key])
+        self._discard(stale)
+
+    def _read_entry(self, entry: _File) -> bytes | None:
+        return self._read_file(entry.path)
+
+    # -- files ------------------------------------------------------------------------------------------------------
 
     def _take_out(self, keys: Sequence[ChunkKey]) -> list[Victim[_File]]:
         """Under the lock: remove keys from the index; their bytes stay counted (releasing) until _discard."""
         taken = [Victim(k, e, True) for k, e in ((k, self._index.remove(k)) for k in keys) if e is not None]
         self._releasing_bytes += sum(v.entry.record_bytes for v in taken)
         return taken
-
-    def _choose_victims(self, key: ChunkKey, meta: encoding.ChunkMeta, size: int,
-                        state_bytes: int) -> list[Victim[_File]]:
-        """Under the lock: take out what the index says goes first until the record for `key` fits within the cap
-        less the headroom, counting what is already on its way out as gone; [] when that is so already."""
-        headroom = self._headroom if self._headroom >= 4 * size else 0  # small records only: big ones go one by one
-        over = self._index.used_bytes + self._reserved_bytes + size - (self.capacity_bytes - headroom)
-        state_over = self._index.state_excess(state_bytes, self.state_budget_bytes)
-        if over <= 0 and state_over <= 0:
-            return []
-        victims = self._index.victims(over, state_over, keep=parent_of(key, meta), needed_above=self.needed_above)
-        self._releasing_bytes += sum(v.entry.record_bytes for v in victims)
-        for victim in victims:
-            self._leaving[victim.key] = victim.entry
-        return victims
-
-    def _let_go(self, victims: list[Victim[_File]], read: bool) -> list[Evicted]:
-        """Outside the lock: read the victims and hand them down (with `hand_down` set; else return them), then stop
-        serving them and unlink their files on the unlinker thread. Until handed down they stay readable (_leaving)."""
-        try:
-            batch = self._read_out(victims, read)
-            if self.hand_down is None:
-                return batch
-            self.hand_down(batch)
-            return []
-        finally:
-            with self._lock:
-                for victim in victims:
-                    if self._leaving.get(victim.key) is victim.entry:
-                        del self._leaving[victim.key]
-            for victim in victims:
-                self._unlinks.put(victim.entry)
-
-    def _read_out(self, victims: list[Victim[_File]], read: bool) -> list[Evicted]:
-        """Outside the lock: the victims as evicted records (read from their files when `read`; unreachable objects
-        are not read: nothing below wants them). A file that could not be read is left out."""
-        evicted = []
-        for victim in victims:
-            record = self._read_file(victim.entry.path) if read and victim.reachable else None
-            if not read or not victim.reachable or record is not None:
-                evicted.append(Evicted(victim.key, record, victim.reachable))
-        return evicted
 
     def _discard(self, victims: list[Victim[_File]]) -> None:
         """Outside the lock: unlink taken-out files now and stop counting their bytes."""

@@ -26,8 +26,9 @@ from tiercache.backoff import Backoff
 from tiercache.config import RedisTierConfig
 from tiercache.errors import ConfigError, TierDown
 from tiercache.record.codec import codec_id
+from tiercache.record.encoding import ChunkMeta
 from tiercache.record.keys import ChunkKey
-from tiercache.tiers.base import Evicted, Tier, TierUsage
+from tiercache.tiers.base import Room, Tier, TierUsage
 
 T = TypeVar("T")
 _FIRST_BACKOFF_S = 0.1
@@ -85,9 +86,16 @@ class RedisTier(Tier):
 
     # -- contract ---------------------------------------------------------------------------------------------------
 
-    def put(self, key: ChunkKey, record, *, return_evicted: bool) -> list[Evicted]:
-        self._call(lambda r: r.set(self._name(key), memoryview(record), px=self._ttl_ms))
-        return []
+    def make_room(self, key: ChunkKey, meta: ChunkMeta, size_bytes: int, *, read_victims: bool) -> Room:
+        """Ready at once: Redis makes its own room (its maxmemory policy) and hands nothing down."""
+        return Room(key, meta, size_bytes, claim=True)
+
+    def put(self, room: Room, record) -> None:
+        self._call(lambda r: r.set(self._name(room.key), memoryview(record), px=self._ttl_ms))
+        room.claim = None
+
+    def release(self, room: Room) -> None:
+        room.claim = None
 
     def get(self, key: ChunkKey) -> bytes | None:
         return self._call(lambda r: r.get(self._name(key)))
