@@ -140,3 +140,73 @@ def test_client_settings_is_the_only_reader_of_tiercache_environment_variables()
     readers = sorted(str(path.relative_to(PACKAGE)) for _, path in modules()
                      if re.search(r"""["']TIERCACHE_""", path.read_text()))
     assert readers == ["client/settings.py"]
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The tiercache modules a module imports, lazy and type-checking ones too (`from a.b import c` names a.b.c when c
+    is a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.add(submodule if _is_module(submodule) else node.module)
+    return {name for name in found if name.startswith("tiercache.") and _is_module(name)}
+
+
+def _is_module(dotted: str) -> bool:
+    path = ROOT.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def test_no_import_circle():
+    """A circle between two modules means neither can be read (or changed) alone; the layers table allows circles
+    inside a layer, this does not."""
+    graph = {name: imported_modules(path) - {name} for name, path in modules()}
+    circles = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            circle = trail[trail.index(name):]
+            start = circle.index(min(circle))
+            circles.add(" -> ".join(circle[start:] + circle[:start] + [min(circle)]))
+            return
+        if name in done:
+            return
+        for imported in sorted(graph.get(name, ())):
+            visit(imported, trail + [name])
+        done.add(name)
+
+    done: set[str] = set()
+    for name in sorted(graph):
+        visit(name, [])
+    assert sorted(circles) == []
+
+
+KEY_SLICES = {"[:16]", "[:HASH_BYTES]", "[16]", "[17]", "[HASH_BYTES]", "[-2]", "[-1]", "[-2:]", "[-2:-1]", "[16:]"}
+
+
+def test_only_prefix_objects_takes_an_object_key_apart():
+    """Object keys are a chain hash, a kind and a group (prefix.objects.ObjectKey): a module that slices one by hand,
+    or builds one from bytes((ObjectKind...)), breaks when the layout of a key changes."""
+    owner = PACKAGE / "prefix" / "objects.py"
+    by_hand = []
+    for _, path in modules():
+        if path == owner:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Subscript) and re.search(r"(^|[._])key$", ast.unparse(node.value)) \
+                    and f"[{ast.unparse(node.slice)}]" in KEY_SLICES:
+                by_hand.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "bytes" and "ObjectKind." in ast.unparse(node):
+                by_hand.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert by_hand == []
+
+
+def test_no_module_is_over_400_lines():
+    """A module past ~400 lines holds more than one concept: split it by what it holds (the generated stubs aside)."""
+    long = [f"{path.relative_to(ROOT)}: {n} lines" for _, path in modules()
+            if (n := len(path.read_text().splitlines())) > 400]
+    assert long == []

@@ -10,7 +10,7 @@ import random
 import numpy as np
 
 from tiercache.client import Chunk
-from tiercache.events.restorable import AllBlocksCleared, BlockRemoved, BlockStored
+from tiercache.events.blocks import AllBlocksCleared, BlockRemoved, BlockStored
 from tiercache.prefix.hashes import token_bytes
 from tiercache.prefix.layout import ModelLayout
 from tiercache.prefix.objects import CacheSpec, ObjectKind, object_meta, object_ref

@@ -13,7 +13,8 @@ from tests.events.saves import N, U, Router, prompt
 from tests.events.test_restorable import Saver, flush, make_store, pod_of
 from tests.prefix.chains import ATTENTION, HYBRID
 from tiercache.config import KiB
-from tiercache.events.restorable import BlockRemoved, RestorableIndex
+from tiercache.events.blocks import BlockRemoved
+from tiercache.events.restorable import RestorableIndex
 from tiercache.record.keys import ChunkKey
 
 
@@ -74,12 +75,11 @@ def test_a_put_at_a_leaf_of_a_deep_shared_tree_costs_its_path_not_the_tree(tmp_p
     flush(index, router)
     assert len(router.blocks(0)) == 110
     tokens = branches[7] + prompt(600, N)
-    work = index.work
-    before = (work.nodes, work.searches, work.adverts)
+    before = index.effort
     saver.save(tokens, kv=24, states=[24 * N])  # the connector saves the whole prompt again: 23 chunks held, 1 new
     events = flush(index, router)
     assert [e.kind for e in events] == ["full_attention", "mamba"]
-    nodes, searches, adverts = (after - b for after, b in zip((work.nodes, work.searches, work.adverts), before))
+    nodes, searches, adverts = (after - b for after, b in zip(index.effort, before))
     # The new leaf and its parent (a new child) are read, one checkpoint each tried; the 23 chunks put again only
     # moved (their media are checked). A recompute of the tree would read 111 nodes and try 111 checkpoints.
     assert (nodes, searches) == (2, 2)

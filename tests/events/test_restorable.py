@@ -11,7 +11,8 @@ import pytest
 from tests.events.saves import N, Router, chunks, engine_hash, prompt, refs, spec_of
 from tests.prefix.chains import ATTENTION, HYBRID, SLIDING
 from tiercache.config import Config, DiskTierConfig, HostTierConfig, KiB, MiB, RedisTierConfig
-from tiercache.events.restorable import AllBlocksCleared, BlockRemoved, Pod, RestorableIndex
+from tiercache.events.blocks import AllBlocksCleared, BlockRemoved, Pod
+from tiercache.events.restorable import RestorableIndex
 from tiercache.prefix.hashes import token_bytes
 from tiercache.prefix.layout import ModelLayout
 from tiercache.prefix.objects import ObjectKind, object_meta, object_ref

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 
 from tiercache.errors import InvalidArgument, NotFound, PermissionDenied
 from tiercache.events.query import PodHit, query_hashes, query_tokens
-from tiercache.events.restorable import Pod
+from tiercache.events.blocks import Pod
 from tiercache.store.tiered import TieredStore
 
 if TYPE_CHECKING:  # pyzmq and msgpack load only in servers that publish events

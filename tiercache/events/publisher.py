@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import zmq
 
 from tiercache.config import EventsConfig
-from tiercache.events.restorable import AllBlocksCleared, Event, Pod, RestorableIndex
+from tiercache.events.blocks import AllBlocksCleared, Event, Pod
+from tiercache.events.restorable import RestorableIndex
 from tiercache.events.vllm_wire import batch_payload
 
 log = logging.getLogger(__name__)

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from tiercache.errors import InvalidArgument
-from tiercache.events.restorable import MEDIUM_BY_TIER, Pod, RestorableIndex
+from tiercache.events.blocks import MEDIUM_BY_TIER, Pod
+from tiercache.events.restorable import RestorableIndex
 from tiercache.prefix.hashes import PrefixHashes, token_bytes
-from tiercache.prefix.hit import tokens_by_tier
+from tiercache.prefix.hit import HitObject, tokens_by_tier
 from tiercache.prefix.lookup import LookupHit, find_prompt_hit
 from tiercache.prefix.objects import ObjectKind
 from tiercache.store.chain import StoreChain
@@ -39,7 +40,7 @@ class PodHit:
 
     pod: Pod
     tokens: int
-    objects: tuple[tuple[ObjectKind, int, int, str], ...] = ()
+    objects: tuple[HitObject, ...] = ()
 
     def tokens_by_tier(self, limit: int | None = None) -> dict[str, int]:
         """The hit's tokens by the tier their KV lies in (prefix.hit.tokens_by_tier); with `limit`, of its first
@@ -51,17 +52,17 @@ class PodHit:
         kept, covered, first_group = [], 0, None
         for kind, group, tokens, tier in self.objects:
             if kind is ObjectKind.STATE:
-                kept.append((kind, group, tokens, tier))
+                kept.append(HitObject(kind, group, tokens, tier))
                 continue
             first_group = group if first_group is None else first_group
             if group == first_group and covered < limit:
                 take = min(tokens, limit - covered)
-                kept.append((kind, group, take, tier))
+                kept.append(HitObject(kind, group, take, tier))
                 covered += take
         return tokens_by_tier(limit, kept)
 
     def tokens_by_medium(self, limit: int | None = None) -> dict[str, int]:
-        """By vLLM's media (CPU, STORAGE), as the events label the tiers (restorable.MEDIUM_BY_TIER)."""
+        """By vLLM's media (CPU, STORAGE), as the events label the tiers (blocks.MEDIUM_BY_TIER)."""
         by_medium: dict[str, int] = {}
         for tier, tokens in self.tokens_by_tier(limit).items():
             medium = MEDIUM_BY_TIER.get(tier, "STORAGE")

@@ -18,7 +18,7 @@ import time
 
 import msgpack
 
-from tiercache.events.restorable import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from tiercache.events.blocks import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 
 def event_map(event: Event) -> dict:

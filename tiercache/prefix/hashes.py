@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import functools
 import sys
 
 import numpy as np
@@ -45,6 +46,12 @@ def token_bytes(tokens) -> bytes:
     return ids.astype("<u4", copy=False).tobytes()
 
 
+@functools.lru_cache(maxsize=1024)
+def root_hash(namespace: str) -> bytes:
+    """h(0) of a namespace: the parent of every first chunk, never stored."""
+    return xxhash.xxh3_128_digest(namespace.encode())
+
+
 class PrefixHashes:
     """Chain hashes of one token sequence. `at(p)` names tokens[0:p]; boundaries are computed up front, the rest
     on demand (and cached per chunk)."""
@@ -55,7 +62,7 @@ class PrefixHashes:
         self.n, self.u = chunk_tokens, u
         self._bytes = token_bytes(tokens)
         self.length = len(self._bytes) // 4
-        self._boundaries = _chain(xxhash.xxh3_128_digest(namespace.encode()), self._bytes, 4 * chunk_tokens)
+        self._boundaries = _chain(root_hash(namespace), self._bytes, 4 * chunk_tokens)
         self._inside: dict[int, list[bytes]] = {}
 
     def boundaries(self, deepest: int) -> bytes:

@@ -9,10 +9,10 @@ positions where earlier requests ended (tails and states saved at a prompt's las
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from tiercache.prefix.layout import GroupKind
-from tiercache.prefix.objects import ObjectKind, ObjectRef, object_ref, ref_with_parent, shape_of
+from tiercache.prefix.objects import ObjectKind, ObjectRef, key_suffix, object_ref, ref_with_parent, shape_of
 
 
 @dataclass(frozen=True)
@@ -38,21 +38,32 @@ class Hit:
         return self.tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def tokens_by_tier(self) -> dict[str, int]:
-        return tokens_by_tier(self.tokens, ((o.ref.kind, o.ref.group, o.ref.tokens, o.tier) for o in self.objects))
+        return tokens_by_tier(self.tokens, (HitObject(o.ref.kind, o.ref.group, o.ref.tokens, o.tier)
+                                            for o in self.objects))
 
     def loaded_tokens_by_tier(self, held: int) -> dict[str, int]:
         """The hit's tokens past `held` (the prefix the engine holds itself) by the tier they come from: what loading
         the hit gives an engine that already has `held` tokens."""
         if held >= self.tokens:
             return {}
-        beyond = ((o.ref.kind, o.ref.group, max(0, o.ref.position - max(o.ref.start, held)), o.tier)
+        beyond = (HitObject(o.ref.kind, o.ref.group, max(0, o.ref.position - max(o.ref.start, held)), o.tier)
                   for o in self.objects)
         return {tier: n for tier, n in tokens_by_tier(self.tokens - held, beyond).items() if n}
 
 
-def tokens_by_tier(hit_tokens: int, objects: Iterable[tuple[ObjectKind, int, int, str]]) -> dict[str, int]:
+class HitObject(NamedTuple):
+    """One object of a hit as the search found it: its kind and layer group, the tokens of KV it holds (0 for a
+    state), and the tier it is in."""
+
+    kind: ObjectKind
+    group: int
+    tokens: int
+    tier: str
+
+
+def tokens_by_tier(hit_tokens: int, objects: Iterable[HitObject]) -> dict[str, int]:
     """Hit tokens attributed to the tier their KV came from (the first attention group's objects; the state counts
-    for the tokens no KV covers). `objects`: (kind, group, tokens of KV held, tier) of each object of the hit."""
+    for the tokens no KV covers)."""
     by_tier: dict[str, int] = {}
     first_group = None
     state_tier = None
@@ -84,7 +95,7 @@ def required_objects(spec, hashes, p: int) -> list[ObjectRef]:
             needed.append(object_ref(shape, hashes, ObjectKind.STATE, p, group))
             continue
         first = shape.first_chunk(group, p)
-        suffix = bytes((ObjectKind.KV, group))
+        suffix = key_suffix(ObjectKind.KV, group)
         chain = [at(k * n) + suffix for k in range(first - 1, p // n + 1)]  # kv keys (and h(0)'s root) in order
         needed += [ObjectRef(k * n, ObjectKind.KV, group, chain[i + 1], k * n - n, chain[i])
                    for i, k in enumerate(range(first, p // n + 1))]

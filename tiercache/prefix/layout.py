@@ -26,6 +26,12 @@ class GroupKind(enum.Enum):
     RECURRENT = "recurrent"
 
 
+def dtype_name(dtype) -> str:
+    """The name a layout gives an engine's tensor dtype (a torch.dtype: "torch.bfloat16" -> "bfloat16"), the same in
+    every connector: it is part of what keys a layout's bytes."""
+    return str(dtype).removeprefix("torch.")
+
+
 def dtype_bytes(dtype: str) -> int:
     try:
         return DTYPE_BYTES[dtype]

@@ -23,9 +23,9 @@ from typing import Iterable, Mapping, Protocol, Sequence
 
 from tiercache.errors import InvalidArgument
 from tiercache.prefix.hashes import HASH_BYTES, InsideChunk, PrefixHashes
-from tiercache.prefix.hit import checkpoint_objects, tokens_by_tier
+from tiercache.prefix.hit import HitObject, checkpoint_objects, tokens_by_tier
 from tiercache.prefix.layout import GroupKind
-from tiercache.prefix.objects import ChainShape, ObjectKind, object_key
+from tiercache.prefix.objects import ChainShape, ObjectKey, ObjectKind, object_key
 from tiercache.record.encoding import ChunkMeta
 
 MAX_GROUPS = 255  # a group is one byte of an object's key
@@ -89,7 +89,7 @@ class LookupHit:
     in that order as (kind, group, tokens of KV held, tier)."""
 
     tokens: int
-    objects: tuple[tuple[ObjectKind, int, int, str], ...] = ()
+    objects: tuple[HitObject, ...] = ()
     chain_chunks: int = 0  # kv chunks every attention group holds from the prompt's start
     unverified: tuple[int, ...] = ()  # checkpoint positions deeper than the hit whose hash the query lacked
     checkpoints: tuple[bytes, ...] = ()  # keys of the hit's tails and state (the leaves a load must not evict)
@@ -183,19 +183,19 @@ class _KvChains:
                 return False
         return True
 
-    def objects_at(self, p: int, checkpoints: Mapping[int, str]) -> tuple[tuple[ObjectKind, int, int, str], ...]:
-        """(kind, group, tokens of KV held, tier) of each object resuming at p needs, in required_objects order;
-        `checkpoints`: the tier of the tail or state of each group at p."""
+    def objects_at(self, p: int, checkpoints: Mapping[int, str]) -> tuple[HitObject, ...]:
+        """Each object resuming at p needs, in required_objects order; `checkpoints`: the tier of the tail or state
+        of each group at p."""
         n = self.n
-        objects: list[tuple[ObjectKind, int, int, str]] = []
+        objects: list[HitObject] = []
         for group, kind in enumerate(self.shape.kinds):
             if kind is GroupKind.RECURRENT:
-                objects.append((ObjectKind.STATE, group, 0, checkpoints[group]))
+                objects.append(HitObject(ObjectKind.STATE, group, 0, checkpoints[group]))
                 continue
-            objects += [(ObjectKind.KV, group, n, tier)
+            objects += [HitObject(ObjectKind.KV, group, n, tier)
                         for tier in self._where[group][self.shape.first_chunk(group, p) - 1:p // n]]
             if p % n:
-                objects.append((ObjectKind.TAIL, group, p % n, checkpoints[group]))
+                objects.append(HitObject(ObjectKind.TAIL, group, p % n, checkpoints[group]))
         return tuple(objects)
 
 
@@ -208,10 +208,12 @@ def _candidates(query: Query, view: ChainView, k: int) -> list[int]:
     found = {low} if k else set()
     parent = object_key(query.boundaries[k], ObjectKind.KV, shape.anchor)
     for key, meta in view.children(parent):
-        kind = key[-2] if len(key) >= 2 else 0
-        if kind == ObjectKind.STATE:
+        child = ObjectKey.parse(key)
+        if child is None:
+            continue
+        if child.kind is ObjectKind.STATE:
             found.add(meta.prefix_tokens)
-        elif kind == ObjectKind.TAIL:
+        elif child.kind is ObjectKind.TAIL:
             found.add(low + meta.prefix_tokens)
     found.update(p for p in query.positions if low <= p < high)
     if query.last_chunk is not None and k == len(query.boundaries) - 1:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from tiercache.errors import InvalidArgument
-from tiercache.prefix.hashes import PrefixHashes
+from tiercache.prefix.hashes import HASH_BYTES, PrefixHashes
 from tiercache.prefix.layout import GroupKind, ModelLayout, unified_block_size
 from tiercache.record.encoding import CLASS_KV, CLASS_STATE, ChunkMeta
 from tiercache.record.keys import salt_suffix, validate_namespace
@@ -117,13 +117,44 @@ class ChainShape:
         return 1 if window is None else max(1, (p - window) // self.chunk_tokens + 1)
 
 
+OBJECT_KEY_BYTES = HASH_BYTES + 2  # the chain hash of the prefix, the kind, the layer group
+
+
 def object_key(prefix_hash: bytes, kind: ObjectKind, group: int) -> bytes:
-    return prefix_hash + bytes((kind, group))
+    return prefix_hash + key_suffix(kind, group)
+
+
+def key_suffix(kind: ObjectKind, group: int) -> bytes:
+    """What follows the chain hash in the key of a `kind` object of `group` (prefix.hit appends it to many hashes)."""
+    return bytes((kind, group))
+
+
+_KINDS = frozenset(ObjectKind)
+
+
+class ObjectKey(NamedTuple):
+    """An object's key taken apart: the chain hash of the prefix it describes, its kind, its layer group. This module
+    is the only one that builds or slices object keys (tests/test_architecture.py holds it); the others parse."""
+
+    prefix_hash: bytes
+    kind: ObjectKind
+    group: int
+
+    @classmethod
+    def parse(cls, key: bytes) -> "ObjectKey | None":
+        """The parts of `key`, or None when it is no prefix object's key (an opaque chunk's)."""
+        if len(key) != OBJECT_KEY_BYTES or key[HASH_BYTES] not in _KINDS:
+            return None
+        return cls(key[:HASH_BYTES], ObjectKind(key[HASH_BYTES]), key[HASH_BYTES + 1])
+
+    @property
+    def key(self) -> bytes:
+        return object_key(self.prefix_hash, self.kind, self.group)
 
 
 class ObjectRef(NamedTuple):
-    """One cache object: the prefix length p it describes, its kind and layer group, its 18-byte key, and the key
-    of its parent (see the module docstring).
+    """One cache object: the prefix length p it describes, its kind and layer group, its key (OBJECT_KEY_BYTES), and
+    the key of its parent (see the module docstring).
 
     (A NamedTuple rather than a dataclass: a 262,144-token lookup builds ~2,000 of them, and this is 3x cheaper.)
     """

@@ -43,7 +43,7 @@ _FIELDS = {
     "/query_by_hash": {"model", "lora_name", "lora_id", "block_hash", "seq_hashes", "tenant_id", "instance_id",
                        "block_size", "cache_salt"},
 }
-_MEDIA = {"CPU": "CPU", "STORAGE": "DISK"}  # vLLM's media (events.restorable.MEDIUM_BY_TIER) -> Mooncake's
+_MEDIA = {"CPU": "CPU", "STORAGE": "DISK"}  # vLLM's media (events.blocks.MEDIUM_BY_TIER) -> Mooncake's
 
 # The servicer's pod query: (tenant, model, token ids, block hashes or None, pod ids, owner or None) -> answers.
 Answer = Callable[..., list[tuple[str, PodHit]]]

@@ -17,7 +17,7 @@ from tiercache import __version__
 from tiercache.config import Config
 from tiercache.errors import InvalidArgument, Unavailable
 from tiercache.events.pods import Known, PodRegistry
-from tiercache.events.restorable import Pod
+from tiercache.events.blocks import Pod
 from tiercache.prefix.lookup import find_hit
 from tiercache.protocol.data_channel import PutEntry
 from tiercache.protocol.wire import (chain_shape, chunk_meta, delivered, delivery_totals, frames, lookup_query, pb,
