@@ -73,7 +73,7 @@ class SimulatedEngine:
             lookup = dataclasses.replace(lookup, hit=dataclasses.replace(lookup.hit, tokens=0, objects=()))
             result.hit_tokens = 0
         else:
-            result.loaded_objects, result.loaded_bytes_by_tier = len(loaded[0]), loaded[1]
+            result.loaded_objects, result.loaded_bytes_by_tier = len(loaded.objects), loaded.bytes_by_tier
         self._save(self.cache.plan_prompt(lookup).objects, result, prompt)
         if output is not None and len(output):
             tokens = np.concatenate([prompt, output])

@@ -55,9 +55,14 @@ def format_size(n: int) -> str:
     return f"{n} B"
 
 
+def cache_dir() -> Path:
+    """Where tiercache keeps files of its own on a machine: $XDG_CACHE_HOME/tiercache, else ~/.cache/tiercache (the
+    disk tier's default directory, the vLLM connector's memo of weight fingerprints)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tiercache"
+
+
 def default_disk_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "tiercache", "chunks")
+    return str(cache_dir() / "chunks")
 
 
 def _require(ok: bool, message: str) -> None:

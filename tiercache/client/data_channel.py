@@ -22,7 +22,7 @@ from tiercache.config import DEFAULT_MAX_CHUNK_BYTES
 from tiercache.errors import ConnectFailed, ConnectionBroken, InvalidArgument, TierCacheError, TimedOut
 from tiercache.protocol import data_channel
 
-IDLE_CLOSE_S = 240.0  # a pooled connection idle this long is closed before the server's keepalive (300 s) does
+IDLE_CLOSE_S = 0.8 * data_channel.KEEPALIVE_S  # a pooled connection idle this long is closed before the server does
 # One TCP stream tops out below what the cores can move (loopback, 2-vCPU machine: ~4.3 GB/s for one, ~6 for two):
 # a batch is cut into up to DEFAULT_STREAMS stripes of at least STRIPE_MIN_BYTES, each on its own connection. Four
 # beat two and one there (4 MiB chunks against redis-py in the same rounds: ~1.6x, ~1.4x, ~1.1x).

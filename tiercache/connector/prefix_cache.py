@@ -31,6 +31,13 @@ from tiercache.prefix.objects import CacheSpec, ObjectKind, ObjectRef, object_ke
 log = logging.getLogger(__name__)
 
 
+class Loaded(NamedTuple):
+    """A hit's objects as loaded: their bytes, and the bytes read from each tier."""
+
+    objects: dict[ObjectRef, bytes]
+    bytes_by_tier: dict[str, int]
+
+
 @dataclass(frozen=True)
 class Lookup:
     """A prompt's hashes, its hit, and whether the server could be asked (when not, the hit is 0)."""
@@ -131,9 +138,9 @@ class PrefixCache:
     def load(self, hit: Hit) -> dict[ObjectRef, bytes] | None:
         """The bytes of every object of the hit, or None when any is gone or failed its checksum (then recompute)."""
         loaded = self.load_with_tiers(hit)
-        return None if loaded is None else loaded[0]
+        return None if loaded is None else loaded.objects
 
-    def load_with_tiers(self, hit: Hit) -> tuple[dict[ObjectRef, bytes], dict[str, int]] | None:
+    def load_with_tiers(self, hit: Hit) -> "Loaded | None":
         """Like load, with the bytes read from each tier (for benchmarks and logs). The caller holds none of the
         prompt itself (a transformers model, a simulated engine): with `report`, the whole hit counts as delivered
         when every object came back, as a failed load when not."""
@@ -151,7 +158,7 @@ class PrefixCache:
         for f in fetched:
             by_tier[f.tier] = by_tier.get(f.tier, 0) + len(f.data)
         self._report_load(hit, ok=True)
-        return {ref: f.data for ref, f in zip(refs, fetched)}, by_tier
+        return Loaded({ref: f.data for ref, f in zip(refs, fetched)}, by_tier)
 
     def _report_load(self, hit: Hit, ok: bool) -> None:
         if not self._report or not hit.tokens:

@@ -53,6 +53,9 @@ MAX_BLOCK_BYTES = 16 << 20  # a request's header block (keys, metas): far above 
 MAX_TOKEN_BYTES = 4096
 MAX_MESSAGE_BYTES = 64 << 10
 SEND_SLICE_BYTES = 1 << 20
+# Between requests the server keeps an idle connection this long; a client pooling connections closes its own well
+# before (client.data_channel.IDLE_CLOSE_S), so it never sends a request into a connection the server is closing.
+KEEPALIVE_S = 300.0
 
 _HELLO = struct.Struct("<4sH")
 _STATUS = struct.Struct("<BI")
@@ -348,10 +351,18 @@ def item(found: bool, size: int = 0, tier: str = "") -> bytes:
     return ITEM.pack(1 if found else 0, size, len(name)) + name
 
 
-def read_item(sock: socket.socket, max_size: int) -> tuple[bool, int, str]:
-    """An ITEM header: (found, payload size, tier). Anything else where an item belongs (a server that failed half-way
-    through a get closes the connection) is ConnectionBroken, never a size to allocate."""
+class Item(NamedTuple):
+    """One key's answer to a GET: whether it was found, its payload's size (which follows), the tier it came from."""
+
+    found: bool
+    size: int
+    tier: str
+
+
+def read_item(sock: socket.socket, max_size: int) -> Item:
+    """An ITEM header. Anything else where an item belongs (a server that failed half-way through a get closes the
+    connection) is ConnectionBroken, never a size to allocate."""
     found, size, tier_bytes = ITEM.unpack(recv_exactly(sock, ITEM.size))
     if found not in (0, 1) or size > max_size or (not found and size):
         raise ConnectionBroken(f"data channel: malformed item (found {found}, {size} bytes)")
-    return bool(found), size, bytes(recv_exactly(sock, tier_bytes)).decode(errors="replace")
+    return Item(bool(found), size, bytes(recv_exactly(sock, tier_bytes)).decode(errors="replace"))

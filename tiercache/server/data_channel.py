@@ -41,7 +41,7 @@ from tiercache.server.metrics import Metrics
 
 log = logging.getLogger("tiercache.server")
 
-DATA_KEEPALIVE_S = 300.0  # an idle connection between requests is closed after this (clients pool connections)
+DATA_KEEPALIVE_S = data_channel.KEEPALIVE_S  # an idle connection between requests is closed after this
 # Draining a refused request's payloads reads into a buffer made for that drain: a connection holds none while idle.
 _DRAIN_BYTES = 256 << 10
 _ACCEPT_BACKLOG = 128

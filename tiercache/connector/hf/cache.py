@@ -21,12 +21,8 @@ import numpy as np
 import torch
 
 from tiercache.errors import InvalidArgument
-from tiercache.prefix.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
+from tiercache.prefix.layout import GroupKind, LayerGroup, ModelLayout, StateTensor, dtype_name
 from tiercache.prefix.objects import CacheSpec, ObjectKind, ObjectRef
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _is_attention(layer) -> bool:
@@ -62,9 +58,9 @@ def derive_layout(model, model_name: str, revision: str) -> ModelLayout:
         if _is_attention(layer):
             window = getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
             _, heads, _, head_dim = layer.keys.shape
-            attention.setdefault((window, heads, head_dim, _dtype_name(layer.keys.dtype)), []).append(index)
+            attention.setdefault((window, heads, head_dim, dtype_name(layer.keys.dtype)), []).append(index)
         if _is_recurrent(layer):
-            spec = tuple(StateTensor(f"{kind}{s}", tuple(t.shape[1:]), _dtype_name(t.dtype))
+            spec = tuple(StateTensor(f"{kind}{s}", tuple(t.shape[1:]), dtype_name(t.dtype))
                          for kind, s, t in _state_tensors(layer))
             if state_spec is not None and spec != state_spec:
                 raise InvalidArgument("recurrent layers with different state shapes are not supported yet")

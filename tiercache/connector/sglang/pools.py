@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
@@ -143,8 +143,8 @@ class HostPools:
         return [list(zip(pointers[i * per_page:(i + 1) * per_page], sizes[i * per_page:(i + 1) * per_page]))
                 for i in range(len(keys))]
 
-    def transfer_pages(self, transfer: PoolTransfer) -> tuple[Any, list[str], list[int]]:
-        """(host pool, keys, the host offset of each key's page) of a v2 transfer; PoolMismatch when it does not fit
+    def transfer_pages(self, transfer: PoolTransfer) -> "TransferPages":
+        """The host pool, keys and host offset of each key's page of a v2 transfer; PoolMismatch when it does not fit
         its pool (SGLang's file backend refuses it the same way)."""
         keys = list(transfer.keys or [])
         host = self.registered.get(str(transfer.name))
@@ -156,7 +156,15 @@ class HostPools:
             count = None if indices is None else indices.numel()
             raise PoolMismatch(f"indices:{transfer.name}",
                                f"a {transfer.name} transfer of {len(keys)} pages with {count} host indices")
-        return host, keys, [int(indices[i * page_size]) for i in range(len(keys))]
+        return TransferPages(host, keys, [int(indices[i * page_size]) for i in range(len(keys))])
+
+
+class TransferPages(NamedTuple):
+    """A v2 transfer's pages in its host pool."""
+
+    host: Any  # SGLang's host pool
+    keys: list[str]
+    offsets: list[int]  # the host offset of each key's page
 
 
 class Staging:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import xxhash
 
+from tiercache.config import cache_dir
+
 log = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -60,8 +62,7 @@ def _file_identity(path: Path, memo: dict) -> tuple[str, bool]:
 
 
 def _memo_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tiercache" / "weights.json"
+    return cache_dir() / "weights.json"
 
 
 def _load_memo(path: Path) -> dict:

@@ -27,7 +27,7 @@ import torch
 from tiercache import kernels
 from tiercache.connector.vllm.preflight import SPECULATIVE_REFUSAL, mamba_mode_refusal
 from tiercache.errors import InvalidArgument
-from tiercache.prefix.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
+from tiercache.prefix.layout import GroupKind, LayerGroup, ModelLayout, StateTensor, dtype_name
 from tiercache.prefix.objects import ObjectKind
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
@@ -113,10 +113,6 @@ def model_layout(groups: EngineGroups, kv_cache_config, model: str, revision: st
     # The engine's name is part of the model name: vLLM's state layout is not transformers' (same model, other bytes).
     return ModelLayout(f"vllm:{model}", tuple(layer_groups), revision=revision, tp_rank=tp_rank, tp_size=tp_size,
                        identity=identity)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _layer_indices(names) -> tuple[int, ...]:
