@@ -129,7 +129,7 @@ def key_suffix(kind: ObjectKind, group: int) -> bytes:
     return bytes((kind, group))
 
 
-_KINDS = frozenset(ObjectKind)
+_KIND_OF = {kind.value: kind for kind in ObjectKind}  # a dict, not ObjectKind(x): parse is on every lookup's path
 
 
 class ObjectKey(NamedTuple):
@@ -143,9 +143,8 @@ class ObjectKey(NamedTuple):
     @classmethod
     def parse(cls, key: bytes) -> "ObjectKey | None":
         """The parts of `key`, or None when it is no prefix object's key (an opaque chunk's)."""
-        if len(key) != OBJECT_KEY_BYTES or key[HASH_BYTES] not in _KINDS:
-            return None
-        return cls(key[:HASH_BYTES], ObjectKind(key[HASH_BYTES]), key[HASH_BYTES + 1])
+        kind = _KIND_OF.get(key[HASH_BYTES]) if len(key) == OBJECT_KEY_BYTES else None
+        return None if kind is None else cls(key[:HASH_BYTES], kind, key[HASH_BYTES + 1])
 
     @property
     def key(self) -> bytes:

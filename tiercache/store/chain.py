@@ -44,12 +44,14 @@ class StoreChain:
         return self.locate([key])[0]
 
     def children(self, parent: bytes) -> list[tuple[bytes, ChunkMeta]]:
-        """The objects the first rank holds whose parent is `parent`, by key."""
-        if self._children is not None and parent in self._children:
-            return self._children[parent]
-        found = sorted((key.key, meta) for key, meta in self.store.children(ChunkKey(self.namespaces[0], parent)))
-        if self._children is not None:
-            self._children[parent] = found
+        """The objects the first rank holds whose parent is `parent`; with a memo, sorted by key (the restorable
+        index walks children in that order)."""
+        if self._children is None:
+            return [(key.key, meta) for key, meta in self.store.children(ChunkKey(self.namespaces[0], parent))]
+        found = self._children.get(parent)
+        if found is None:
+            found = self._children[parent] = sorted(
+                (key.key, meta) for key, meta in self.store.children(ChunkKey(self.namespaces[0], parent)))
             self._metas.update(found)
         return found
 
