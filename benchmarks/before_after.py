@@ -115,7 +115,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="pairs of runs, interleaved")
     parser.add_argument("--python", default=sys.executable, help="the interpreter both sides run with")
     parser.add_argument("--json", help="write every run and the comparison here")
+    parser.add_argument("--plot", help="plot each figure's ratio and interval to this PNG")
+    parser.add_argument("--plot-from", help="only plot (--plot) a JSON this script wrote")
     args = parser.parse_args()
+    if args.plot_from:
+        plot(json.loads(Path(args.plot_from).read_text()), args.plot)
+        return 0
     runs = []
     for repeat in range(args.repeats):
         for side, checkout in (("before", args.before), ("after", args.after)):
@@ -128,12 +133,37 @@ def main() -> int:
               "runs": runs, **compare(runs)}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(result, args.plot)
     for name, row in result["figures"].items():
         print(f"{name:40s} {row['before']:>12.4g} {row['after']:>12.4g}  x{row['ratio']:.3f} "
               f"[{row['low']:.3f}, {row['high']:.3f}] {row['verdict']}")
     if result["exact_equal_in_every_run"] is False:
         print("the figures that must not move differ between runs (see the JSON's runs: exact)")
     return 0
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["figures"])
+    rows = [result["figures"][name] for name in names]
+    fig, ax = plt.subplots(figsize=(8, 0.3 * len(names) + 1.2))
+    y = range(len(names))
+    ax.errorbar([r["ratio"] for r in rows], y, xerr=[[r["ratio"] - r["low"] for r in rows],
+                                                    [r["high"] - r["ratio"] for r in rows]], fmt="o", capsize=3)
+    ax.axvline(1.0, color="grey", linewidth=1)
+    ax.set_yticks(list(y), names, fontsize=8)
+    ax.invert_yaxis()
+    commits = result["commits"]
+    ax.set_xlabel("after / before, median of pairs, 95% bootstrap interval")
+    ax.set_title(f"{result['case']}: {commits['after']} / {commits['before']}, {result['repeats']} interleaved pairs",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _commit(checkout: Path) -> str:
