@@ -50,10 +50,13 @@ class TieredStore:
         self._watchers: list[Watcher] = []
         # The tiers with a directory of chains (tiers/index.py): the others (Redis) hold no children, orphan nothing.
         self._directories = [tier for tier in self.tiers if isinstance(tier, ChainDirectory)]
-        for level, tier in enumerate(self.tiers):  # a parent held below its children is no leaf (tiers/index.py)
+        # Per tier, how it asks whether a tier above holds a child of a key: a parent held below its children is no
+        # leaf (tiers/index.py). Passed to each make_room: nothing of the store is planted in a tier.
+        self._needed_above: list[Callable[[ChunkKey], bool] | None] = []
+        for level, tier in enumerate(self.tiers):
             above = [t for t in self.tiers[:level] if isinstance(t, ChainDirectory) and not t.shared_by_nodes]
-            if above and isinstance(tier, ChainDirectory):
-                tier.needed_above = functools.partial(self._has_children, above)
+            self._needed_above.append(functools.partial(self._has_children, above)
+                                      if above and isinstance(tier, ChainDirectory) else None)
         arena_levels = [level for level, tier in enumerate(self.tiers) if isinstance(tier, MappableArena)]
         # The same-host path (writes and reads in place), over the first tier whose arena clients can map; or None.
         self.same_host = (SameHostPath(self, self.tiers[arena_levels[0]], arena_levels[0]) if arena_levels
@@ -274,7 +277,7 @@ class TieredStore:
         tier = self.tiers[level]
         read = level + 1 < len(self.tiers)  # the last tier's victims fall off: no need for their bytes
         while True:
-            room = tier.make_room(key, meta, size, read_victims=read)
+            room = tier.make_room(key, meta, size, read_victims=read, needed_above=self._needed_above[level])
             if room.ready:
                 return room
             if not room.victims:

@@ -8,8 +8,8 @@ capability the store checks with `isinstance` against the protocol (never a conc
 - `Tier` — every tier (host, GPU, disk, Redis): make_room, put, release, get, get_many, contains, delete, touch,
   usage, close, and three attributes that say how the store treats it.
 - `ChainDirectory` — a tier that keeps an index (tiercache.tiers.index, through tiercache.tiers.indexed: GPU, host,
-  disk): the children of a parent (what the Lookup call searches for checkpoints), orphans of a lost parent, and
-  `needed_above`. Redis has none.
+  disk): the children of a parent (what the Lookup call searches for checkpoints), orphans of a lost parent. Redis
+  has none.
 - `MappableArena` — the arena same-host clients map (the host tier's in /dev/shm): reservations and pins in place.
   The store's same-host path (tiercache.store.same_host) is what uses it.
 tests/tiers/test_contract.py runs the contract against every tier `tiers.from_config` builds, and checks each against
@@ -62,6 +62,7 @@ class Room:
 
 
 Ranges = tuple[tuple[int, int], ...]  # (byte offset, length) pairs in a file or arena, in order
+NeededAbove = Callable[[ChunkKey], bool]  # whether a tier above holds a child of a key (Tier.make_room)
 
 
 def ranges_before(ranges: Sequence[tuple[int, int]], end: int) -> list[tuple[int, int]]:
@@ -157,11 +158,14 @@ class Tier(Protocol):
     """Every tier. Every method is thread-safe; reads (get, get_many, contains) of a tier that is down raise TierDown,
     which the store turns into a miss.
 
-    - make_room(key, meta, size_bytes, read_victims): a Room for a record of `size_bytes` (see Room). A tier with an
-      index takes victims through its one policy (chain-aware, states under their own byte budget by value: tiers/
-      index.py), with their bytes when `read_victims` (the store demotes them; unreachable ones come without); it
-      drops an older record under `key` first. Redis answers ready at once: it evicts by its own maxmemory policy.
-      After a put into a ready room the tier holds no more than its capacity and its state budget.
+    - make_room(key, meta, size_bytes, read_victims, needed_above): a Room for a record of `size_bytes` (see Room).
+      A tier with an index takes victims through its one policy (chain-aware, states under their own byte budget by
+      value: tiers/index.py), with their bytes when `read_victims` (the store demotes them; unreachable ones come
+      without), and keeps a leaf for which `needed_above(key)` says a tier above holds a child of it (a chain shrinks
+      from its deep end across tiers too; the store asks its tiers above, under this tier's lock, taking the locks of
+      tiers above it only); it drops an older record under `key` first. Redis answers ready at once: it evicts by its
+      own maxmemory policy. After a put into a ready room the tier holds no more than its capacity and its state
+      budget.
     - put(room, record): write `record` (of the room's size) into a ready room; the room is used up. Raises
       TierWriteFailed when the medium refuses the write (the room is given back), TierDown when unreachable.
     - release(room): give back what a room still holds: its victims (their room is reused from now on) or an unused
@@ -194,7 +198,8 @@ class Tier(Protocol):
     shared_by_nodes: bool
     codec: int
 
-    def make_room(self, key: ChunkKey, meta: ChunkMeta, size_bytes: int, *, read_victims: bool) -> Room: ...
+    def make_room(self, key: ChunkKey, meta: ChunkMeta, size_bytes: int, *, read_victims: bool,
+                  needed_above: NeededAbove | None = None) -> Room: ...
 
     def put(self, room: Room, record) -> None: ...
 
@@ -224,14 +229,9 @@ class ChainDirectory(Protocol):
       call searches for checkpoints.
     - orphan(parent): the store lost `parent` for good; records descending from it become unreachable and are evicted
       first. Returns how many.
-    - needed_above (set by the store): needed_above(key) says whether a tier above holds a child of `key`; the tier
-      then keeps `key` (a chain shrinks from its deep end across tiers too). Called under the tier's lock; it takes
-      the locks of tiers above it only. It asks, and moves nothing.
     - entries(namespaces): the keys (and metas) held in those namespaces: the inventory KV events start from (a
       server restarted over its disk tier, a pod registered after its saves).
     """
-
-    needed_above: Callable[[ChunkKey], bool]
 
     def children(self, parent: ChunkKey) -> list[tuple[ChunkKey, ChunkMeta]]: ...
 

@@ -14,11 +14,11 @@ and outside the lock `_drop` (an older record under the key) and `_read_entry` (
 from __future__ import annotations
 
 import threading
-from typing import Callable, Generic, Sequence, TypeVar
+from typing import Generic, Sequence, TypeVar
 
 from tiercache.record.encoding import ChunkMeta
 from tiercache.record.keys import ChunkKey
-from tiercache.tiers.base import ChainDirectory, Evicted, Room, Tier, TierUsage
+from tiercache.tiers.base import ChainDirectory, Evicted, NeededAbove, Room, Tier, TierUsage
 from tiercache.tiers.index import ChunkIndex, Victim, parent_of
 
 E = TypeVar("E")
@@ -31,8 +31,6 @@ def _nothing_above(key: ChunkKey) -> bool:
 class IndexedTier(Tier, ChainDirectory, Generic[E]):
     """The Tier and ChainDirectory methods a tier with a ChunkIndex answers from it (see the module docstring)."""
 
-    needed_above: Callable[[ChunkKey], bool] = staticmethod(_nothing_above)  # the store sets it (ChainDirectory)
-
     def __init__(self, index: ChunkIndex[E], capacity_bytes: int, state_budget_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.state_budget_bytes = state_budget_bytes
@@ -42,14 +40,15 @@ class IndexedTier(Tier, ChainDirectory, Generic[E]):
 
     # -- making room ------------------------------------------------------------------------------------------------
 
-    def make_room(self, key: ChunkKey, meta: ChunkMeta, size_bytes: int, *, read_victims: bool) -> Room:
+    def make_room(self, key: ChunkKey, meta: ChunkMeta, size_bytes: int, *, read_victims: bool,
+                  needed_above: NeededAbove | None = None) -> Room:
         room = Room(key, meta, size_bytes)
         if size_bytes > self.capacity_bytes or room.state_bytes > self.state_budget_bytes:
             room.reason = f"{size_bytes} bytes exceed what the {self.name} tier may hold"
             return room
         self._drop(key)  # an older record under the key: neither a victim to move down nor room to count
         with self._lock:
-            while not (victims := self._take_victims(room)):
+            while not (victims := self._take_victims(room, needed_above or _nothing_above)):
                 if room.ready:
                     return room
                 if not self._wait_for_room():  # everything left is being read, or the record would orphan it
@@ -66,7 +65,7 @@ class IndexedTier(Tier, ChainDirectory, Generic[E]):
             raise
         return room
 
-    def _take_victims(self, room: Room) -> list[Victim[E]]:
+    def _take_victims(self, room: Room, needed_above: NeededAbove) -> list[Victim[E]]:
         """Under the lock: hold the room if it fits now (no victims), else take out of the index what goes first
         until it would."""
         room.claim = self._claim(room.size, room.state_bytes)
@@ -75,7 +74,7 @@ class IndexedTier(Tier, ChainDirectory, Generic[E]):
         return self._index.victims(self._shortfall(room.size),
                                    self._index.state_excess(room.state_bytes, self.state_budget_bytes),
                                    units=self._units, evictable=self._evictable, keep=parent_of(room.key, room.meta),
-                                   needed_above=self.needed_above)
+                                   needed_above=needed_above)
 
     def _evicted(self, victims: list[Victim[E]], read: bool) -> list[Evicted]:
         """Outside the lock: the victims as evicted records, read when `read` (unreachable ones are not: nothing below

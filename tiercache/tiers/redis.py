@@ -28,7 +28,7 @@ from tiercache.errors import ConfigError, TierDown
 from tiercache.record.codec import codec_id
 from tiercache.record.encoding import ChunkMeta
 from tiercache.record.keys import ChunkKey
-from tiercache.tiers.base import Room, Tier, TierUsage
+from tiercache.tiers.base import NeededAbove, Room, Tier, TierUsage
 
 T = TypeVar("T")
 _FIRST_BACKOFF_S = 0.1
@@ -86,7 +86,8 @@ class RedisTier(Tier):
 
     # -- contract ---------------------------------------------------------------------------------------------------
 
-    def make_room(self, key: ChunkKey, meta: ChunkMeta, size_bytes: int, *, read_victims: bool) -> Room:
+    def make_room(self, key: ChunkKey, meta: ChunkMeta, size_bytes: int, *, read_victims: bool,
+                  needed_above: NeededAbove | None = None) -> Room:
         """Ready at once: Redis makes its own room (its maxmemory policy) and hands nothing down."""
         return Room(key, meta, size_bytes, claim=True)
 
