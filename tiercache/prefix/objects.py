@@ -146,10 +146,6 @@ class ObjectKey(NamedTuple):
         kind = _KIND_OF.get(key[HASH_BYTES]) if len(key) == OBJECT_KEY_BYTES else None
         return None if kind is None else cls(key[:HASH_BYTES], kind, key[HASH_BYTES + 1])
 
-    @property
-    def key(self) -> bytes:
-        return object_key(self.prefix_hash, self.kind, self.group)
-
 
 class ObjectRef(NamedTuple):
     """One cache object: the prefix length p it describes, its kind and layer group, its key (OBJECT_KEY_BYTES), and

@@ -243,15 +243,15 @@ class TieredStore:
         tiers that could are down.
         """
         last = len(self.tiers) if last is None else last
-        down = False
-        write_failure = ""
+        meta = encoding.read_meta(record)  # a tier's codec changes the payload's bytes, never the meta
+        down, write_failure = False, ""
         for level in range(first, last):
             tier = self.tiers[level]
             if self.write_through and tier.shared_by_nodes and first > 0:
                 return level  # demoting into the tier shared by nodes: write-through put it there already
             stored = self._for_tier(tier, key, record)
             try:
-                room = self.make_room(level, key, encoding.read_meta(stored), len(stored))
+                room = self.make_room(level, key, meta, len(stored))
                 if room is None:
                     continue
                 tier.put(room, stored)
