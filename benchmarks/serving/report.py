@@ -23,7 +23,8 @@ FIGURES = (("TTFT p50", "ttft_s", 50), ("TTFT p90", "ttft_s", 90), ("E2E p50", "
 
 
 def build(params: dict, runs: list[dict], meta: dict) -> dict:
-    return {"params": params, "meta": meta, "runs": runs, "arms": summarize(runs), "comparisons": compare(runs),
+    return {"params": params, "meta": meta, "runs": runs, "arms": summarize(runs),
+            "comparisons": compare(runs, saturated=bool(params.get("saturated"))),
             "outputs": compare_outputs(runs)}
 
 
@@ -64,7 +65,9 @@ def _phase(result: dict, phase: str) -> dict:
     return {**result["phases"][phase], "requests": result["phases"][phase]["requests"]}
 
 
-def compare(runs: list[dict]) -> list[dict]:
+def compare(runs: list[dict], saturated: bool = False) -> list[dict]:
+    """Every comparison both of whose arms ran; a saturated replay's also by requests per second (an open-loop
+    replay's is the offered rate, the same in every arm)."""
     rows = []
     for arm, base, phase, question in COMPARISONS:
         arm_runs, base_runs = _rounds(runs, arm), _rounds(runs, base)
@@ -75,6 +78,9 @@ def compare(runs: list[dict]) -> list[dict]:
         for label, field, p in FIGURES:
             row[label] = stats.paired_ratio([_per_request(arm_runs[r], field, phase) for r in rounds],
                                             [_per_request(base_runs[r], field, phase) for r in rounds], p)
+        if saturated and phase == "all":
+            row["throughput"] = stats.per_run_ratio([arm_runs[r]["throughput_rps"] for r in rounds],
+                                                    [base_runs[r]["throughput_rps"] for r in rounds])
         rows.append(row)
     return rows
 
@@ -119,9 +125,12 @@ def table(report: dict) -> str:
         lines.append(_row(name, arm, saturated))
         for phase, figures in arm.get("phases", {}).items():
             lines.append(_row(f"  {phase} restart", figures, saturated))
-    lines += ["", "ratios (arm / baseline, median of runs; 95% interval over rounds and requests):"]
+    lines += ["", "ratios (arm / baseline, median of runs; 95% interval over rounds and requests"
+              + ("; req/s over rounds only, above 1 is more served" if saturated else "") + "):"]
     for row in report["comparisons"]:
         cells = "  ".join(f"{label} {_ratio(row[label])}" for label, _, _ in FIGURES)
+        if "throughput" in row:
+            cells += f"  req/s {_ratio(row['throughput'])}"
         phase = "" if row["phase"] == "all" else f" ({row['phase']} restart)"
         lines.append(f"  {row['arm']} / {row['baseline']}{phase}: {cells}   [{row['question']}]")
     outputs = report["outputs"]

