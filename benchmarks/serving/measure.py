@@ -78,7 +78,9 @@ def merge(first: dict, second: dict) -> dict:
     for key in ("prompt_tokens", "hit_tokens", "preemptions"):
         merged[key] = first[key] + second[key]
     merged["hits"] = {k: first["hits"][k] + second["hits"][k] for k in first["hits"]}
-    merged["outcomes"] = first["outcomes"] + second["outcomes"]
+    later = [{**o, "sent_s": None if o.get("sent_s") is None else round(o["sent_s"] + first["wall_s"], 4)}
+             for o in second["outcomes"]]  # the second phase started after the first's last answer
+    merged["outcomes"] = first["outcomes"] + later
     return merged
 
 

@@ -16,6 +16,15 @@ turn's hit. So a same-hit mismatch where an earlier turn of the same conversatio
 reference run (its outputs may still agree) resumes from other bytes, legitimately: the sequential replay
 (serve_trace.py --sequential) showed exactly this in the two-engine arm, the same requests in both its rounds. Only a
 same-hit mismatch with neither cause is reported as unexplained.
+
+And a request shares its steps with the others in flight: when one of them hit at another length in this arm than
+in the reference, it needs other prefill tokens, the step budget is cut elsewhere, and the request's own prefill is
+split at other positions. vLLM alone shows it against itself: in the saturated replay (every request sent at once,
+docs/runs/serve_trace-saturated-2026-11-27-6d63f4c) vLLM alone given more memory answered 5 requests with the same
+hit length differently from vLLM alone, the same 5 in all three rounds, with no tiercache involved. A same-hit
+mismatch on a request that overlapped, in either run, a request whose hit differs is classified as that; it needs
+each request's send time (`sent_s`; a saturated replay sends all at 0), so a report without it names no such cause.
+The sequential replay, where no steps are shared, is the output check that leaves none of these causes open.
 """
 
 from __future__ import annotations
@@ -24,12 +33,15 @@ DIFFERENT_HIT = "different hit length"
 BATCHING = "same hit length: vLLM alone's own runs differ on it (the step split follows the batch)"
 EARLIER_TURN = "same hit length: an earlier turn of its conversation hit at another length (its prefix was computed " \
     "in other steps)"
+SHARED_STEPS = "same hit length: a request in flight beside it hit at another length (their steps were split " \
+    "elsewhere)"
 UNEXPLAINED = "same hit length: unexplained"
 
 
-def compare_outputs(runs: list[dict], reference: str = "alone") -> dict:
+def compare_outputs(runs: list[dict], reference: str = "alone", saturated: bool = False) -> dict:
     """Per arm: requests compared, identical, and every mismatch with its cause. `runs`: the report's runs (arm,
-    round, result); each arm's run is compared with the reference arm's run of the same round, else its first."""
+    round, result); each arm's run is compared with the reference arm's run of the same round, else its first.
+    `saturated`: every request was sent at once (outcomes written without their send time get 0)."""
     references = {run["round"]: run["result"] for run in runs
                   if run["arm"] == reference and "outcomes" in run["result"]}
     if not references:
@@ -43,7 +55,8 @@ def compare_outputs(runs: list[dict], reference: str = "alone") -> dict:
             continue
         base = references.get(run["round"], first)
         tally = arms.setdefault(run["arm"], {"compared": 0, "identical": 0, "mismatches": []})
-        _compare(base["outcomes"], run["result"]["outcomes"], run["round"], tally, unstable)
+        _compare(_timed(base["outcomes"], saturated), _timed(run["result"]["outcomes"], saturated), run["round"],
+                 tally, unstable)
     for tally in arms.values():
         causes: dict[str, int] = {}
         for mismatch in tally["mismatches"]:
@@ -80,10 +93,12 @@ def _compare(base: list[dict], outcomes: list[dict], round_: int, tally: dict, u
                         min(len(outcome["token_ids"]), len(other["token_ids"])))
         same_hit = outcome.get("cached_tokens") == other.get("cached_tokens")
         earlier = _earlier_turn_hit_differs(outcome, outcomes, hit_differs)
+        beside = _beside_a_different_hit(outcome, outcomes, hit_differs) \
+            or _beside_a_different_hit(other, base, hit_differs)
         tally["mismatches"].append({"round": round_, "request": outcome["index"], "first_difference": position,
                                     "hit_tokens": outcome.get("cached_tokens"),
                                     "reference_hit_tokens": other.get("cached_tokens"),
-                                    "cause": _cause(same_hit, outcome["index"] in unstable, earlier)})
+                                    "cause": _cause(same_hit, outcome["index"] in unstable, earlier, beside)})
 
 
 def _earlier_turn_hit_differs(outcome: dict, outcomes: list[dict], hit_differs: set[int]) -> bool:
@@ -94,9 +109,26 @@ def _earlier_turn_hit_differs(outcome: dict, outcomes: list[dict], hit_differs: 
                for o in outcomes)
 
 
-def _cause(same_hit: bool, unstable: bool, earlier_turn: bool = False) -> str:
+def _timed(outcomes: list[dict], saturated: bool) -> list[dict]:
+    return [{**o, "sent_s": 0.0} if saturated and o.get("sent_s") is None else o for o in outcomes]
+
+
+def _beside_a_different_hit(outcome: dict, outcomes: list[dict], hit_differs: set[int]) -> bool:
+    """Whether a request whose hit differs was in flight while this one's prompt was computed (before its first
+    token), in this run."""
+    start = outcome.get("sent_s")
+    if start is None:
+        return False
+    prefilled = start + outcome["ttft_s"]
+    return any(o["index"] in hit_differs and o["index"] != outcome["index"] and o.get("sent_s") is not None
+               and o["sent_s"] <= prefilled and o["sent_s"] + o["e2e_s"] >= start for o in outcomes)
+
+
+def _cause(same_hit: bool, unstable: bool, earlier_turn: bool = False, beside: bool = False) -> str:
     if not same_hit:
         return DIFFERENT_HIT
     if unstable:
         return BATCHING
-    return EARLIER_TURN if earlier_turn else UNEXPLAINED
+    if earlier_turn:
+        return EARLIER_TURN
+    return SHARED_STEPS if beside else UNEXPLAINED

@@ -29,6 +29,7 @@ class Outcome:
     token_ids: list[int] = field(default_factory=list)  # what the model generated (greedy: compared across arms)
     cached_tokens: int | None = None  # prompt tokens the engine did not compute (its own hit plus what it loaded)
     conversation: int | None = None  # the trace conversation it is a turn of (outputs.py: where its prefix came from)
+    sent_s: float | None = None  # when it was sent, from the replay's start (outputs.py: which requests shared steps)
 
 
 Route = Callable[[int, TraceRequest], int]  # (position in the replay, request) -> index of the server
@@ -68,7 +69,9 @@ async def replay(requests: Sequence[TraceRequest], servers: Sequence[str], model
             delay = request.arrival_s - (time.perf_counter() - started)
             if delay > 0:
                 await asyncio.sleep(delay)
+            sent_s = time.perf_counter() - started
             outcome = await complete(session, servers[route(position, request) % len(servers)], model, request)
+            outcome.sent_s = round(sent_s, 4)
             on_done(outcome)
             return outcome
 

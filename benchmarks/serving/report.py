@@ -25,7 +25,7 @@ FIGURES = (("TTFT p50", "ttft_s", 50), ("TTFT p90", "ttft_s", 90), ("E2E p50", "
 def build(params: dict, runs: list[dict], meta: dict) -> dict:
     return {"params": params, "meta": meta, "runs": runs, "arms": summarize(runs),
             "comparisons": compare(runs, saturated=bool(params.get("saturated"))),
-            "outputs": compare_outputs(runs)}
+            "outputs": compare_outputs(runs, saturated=bool(params.get("saturated")))}
 
 
 def summarize(runs: list[dict]) -> dict:

@@ -170,3 +170,44 @@ def test_a_same_hit_mismatch_after_an_earlier_turn_hit_otherwise_is_put_down_to_
     runs[2]["result"] = _result(0.6, 30, outcomes=outcomes)
     mismatches = reports.build(PARAMS, runs, {})["outputs"]["arms"]["tiercache"]["mismatches"]
     assert {m["request"]: m["cause"] for m in mismatches} == {9: EARLIER_TURN, 12: UNEXPLAINED}
+
+
+def _sent_at(outcomes: list[dict], sent: dict[int, float], ttft_s: float = 0.5, e2e_s: float = 1.0) -> list[dict]:
+    return [{**o, "sent_s": sent.get(o["index"], 1000.0 + 10 * o["index"]), "ttft_s": ttft_s, "e2e_s": e2e_s}
+            for o in outcomes]
+
+
+def test_a_same_hit_mismatch_beside_a_request_that_hit_otherwise_is_put_down_to_the_shared_steps():
+    """A neighbour that hit at another length needs other prefill tokens, so the step budget is cut elsewhere: a
+    request in flight beside it may be split otherwise (vLLM alone given more memory showed it in the saturated
+    replay). Only a neighbour in flight counts: the same request sent after that one ended stays unexplained."""
+    from benchmarks.serving.outputs import SHARED_STEPS
+
+    runs = _runs(1)
+    reference = [o["token_ids"] for o in runs[0]["result"]["outcomes"]]
+    changed = [list(t) for t in reference]
+    changed[20][1] += 1  # sent while request 21, which hit otherwise, was in flight
+    changed[30][1] += 1  # sent long after request 21 was answered
+    outcomes = _outcomes(0.6, 30, tokens=changed)
+    outcomes[21]["cached_tokens"] = 612
+    sent = {20: 5.0, 21: 4.8, 30: 50.0}
+    runs[0]["result"]["outcomes"] = _sent_at(runs[0]["result"]["outcomes"], sent)
+    runs[2]["result"] = _result(0.6, 30, outcomes=_sent_at(outcomes, sent))
+    causes = {m["request"]: m["cause"] for m in
+              reports.build(PARAMS, runs, {})["outputs"]["arms"]["tiercache"]["mismatches"]}
+    assert causes == {20: SHARED_STEPS, 30: UNEXPLAINED}  # request 21 answered alike
+
+
+def test_a_saturated_report_written_without_send_times_sends_every_request_at_once():
+    from benchmarks.serving.outputs import SHARED_STEPS
+
+    runs = _runs(1)
+    reference = [o["token_ids"] for o in runs[0]["result"]["outcomes"]]
+    changed = [list(t) for t in reference]
+    changed[30][1] += 1
+    outcomes = _outcomes(0.6, 30, tokens=changed)
+    outcomes[21]["cached_tokens"] = 612
+    runs[2]["result"] = _result(0.6, 30, outcomes=outcomes)
+    open_loop = reports.build(PARAMS, runs, {})["outputs"]["arms"]["tiercache"]["causes"]
+    saturated = reports.build({**PARAMS, "saturated": True}, runs, {})["outputs"]["arms"]["tiercache"]["causes"]
+    assert open_loop[UNEXPLAINED] == 1 and saturated[SHARED_STEPS] == 1 and UNEXPLAINED not in saturated
