@@ -53,9 +53,11 @@ def test_three_arms_on_a_few_requests(tmp_path):
     assert restart["phases"]["after"]["hits"]["tiercache_delivered"] > 0
     # Send times place the requests in flight together (the output check's shared steps): the restart's second phase
     # is sent after the first one's last answer.
-    assert all(o["sent_s"] is not None and o["sent_s"] >= 0 for run in report["runs"] for o in run["result"]["outcomes"])
-    first = [o for o in restart_run(report)["outcomes"] if o["index"] < restart_run(report)["restart_at"]]
-    later = [o for o in restart_run(report)["outcomes"] if o["index"] >= restart_run(report)["restart_at"]]
+    assert all(o["sent_s"] is not None and o["sent_s"] >= 0
+               for run in report["runs"] for o in run["result"]["outcomes"])
+    restarted = restart_run(report)
+    first = [o for o in restarted["outcomes"] if o["index"] < restarted["restart_at"]]
+    later = [o for o in restarted["outcomes"] if o["index"] >= restarted["restart_at"]]
     assert max(o["sent_s"] + o["e2e_s"] for o in first) <= min(o["sent_s"] for o in later)
     assert report["outputs"]["arms"]["tiercache"]["compared"] == 6
     assert report["outputs"]["arms"]["restart"]["compared"] == 6  # both phases, by their slice positions
