@@ -25,6 +25,12 @@ hit length differently from vLLM alone, the same 5 in all three rounds, with no 
 mismatch on a request that overlapped, in either run, a request whose hit differs is classified as that; it needs
 each request's send time (`sent_s`; a saturated replay sends all at 0), so a report without it names no such cause.
 The sequential replay, where no steps are shared, is the output check that leaves none of these causes open.
+
+Last, the arms without tiercache (vLLM alone with either memory, restarted, two of them) answer the same slice many
+times over, and a request whose step split follows the batch shows it there: a same-hit mismatch whose very answer one
+of those runs also gave at that hit length, or a request those runs answered in more than one way at that hit length,
+is put down to the engine. (In the published open-loop rounds every request left unexplained before was one such:
+docs/runs/serve_trace-round4-2026-11-27-189fba5.)
 """
 
 from __future__ import annotations
@@ -35,7 +41,12 @@ EARLIER_TURN = "same hit length: an earlier turn of its conversation hit at anot
     "in other steps)"
 SHARED_STEPS = "same hit length: a request in flight beside it hit at another length (their steps were split " \
     "elsewhere)"
+ANSWERED_SO = "same hit length: vLLM without tiercache gave this very answer at this hit length in another run"
+ENGINE_VARIES = "same hit length: vLLM without tiercache answered it in more than one way at this hit length"
 UNEXPLAINED = "same hit length: unexplained"
+# The arms in which tiercache takes no part (serve_trace's and chat_rounds'): what the engine alone answers.
+WITHOUT_TIERCACHE = frozenset({"alone", "alone-equal", "alone-restart", "two-alone", "two-alone-conv",
+                               "noreuse-alone", "noreuse-alone-equal"})
 
 
 def compare_outputs(runs: list[dict], reference: str = "alone", saturated: bool = False) -> dict:
@@ -48,6 +59,7 @@ def compare_outputs(runs: list[dict], reference: str = "alone", saturated: bool 
         return {"reference": reference, "arms": {}, "note": f"no {reference} run to compare with"}
     first = references[min(references)]
     unstable = _unstable(references)
+    engine = _engine_answers(runs)
     arms: dict[str, dict] = {}
     for run in runs:
         if run["arm"] == reference or "outcomes" not in run["result"] or run["arm"].startswith("noreuse-") \
@@ -57,6 +69,9 @@ def compare_outputs(runs: list[dict], reference: str = "alone", saturated: bool 
         tally = arms.setdefault(run["arm"], {"compared": 0, "identical": 0, "mismatches": []})
         _compare(_timed(base["outcomes"], saturated), _timed(run["result"]["outcomes"], saturated), run["round"],
                  tally, unstable)
+        for mismatch in tally["mismatches"]:
+            if mismatch["cause"] == UNEXPLAINED and mismatch["round"] == run["round"]:
+                mismatch["cause"] = _engine_cause(engine, run, mismatch) or UNEXPLAINED
     for tally in arms.values():
         causes: dict[str, int] = {}
         for mismatch in tally["mismatches"]:
@@ -75,6 +90,29 @@ def _unstable(references: dict[int, dict]) -> set[int]:
             if outcome["ok"]:
                 answers.setdefault(outcome["index"], set()).add(tuple(outcome["token_ids"]))
     return {index for index, seen in answers.items() if len(seen) > 1}
+
+
+def _engine_answers(runs: list[dict]) -> dict[tuple, list[tuple[tuple, tuple]]]:
+    """(nothing reused?, request, hit length) -> (run, answer) of every run of an arm without tiercache."""
+    answers: dict[tuple, list[tuple[tuple, tuple]]] = {}
+    for run in runs:
+        if run["arm"] not in WITHOUT_TIERCACHE:
+            continue
+        for outcome in run["result"].get("outcomes", ()):
+            if outcome["ok"]:
+                key = (run["arm"].startswith("noreuse-"), outcome["index"], outcome.get("cached_tokens"))
+                answers.setdefault(key, []).append(((run["arm"], run["round"]), tuple(outcome["token_ids"])))
+    return answers
+
+
+def _engine_cause(engine: dict, run: dict, mismatch: dict) -> str | None:
+    """Whether the engine without tiercache, in runs other than this one, gave this answer or more than one."""
+    outcome = next(o for o in run["result"]["outcomes"] if o["index"] == mismatch["request"])
+    key = (run["arm"].startswith("noreuse-"), mismatch["request"], mismatch["hit_tokens"])
+    others = [answer for source, answer in engine.get(key, ()) if source != (run["arm"], run["round"])]
+    if tuple(outcome["token_ids"]) in others:
+        return ANSWERED_SO
+    return ENGINE_VARIES if len(set(others)) > 1 else None
 
 
 def _compare(base: list[dict], outcomes: list[dict], round_: int, tally: dict, unstable: set[int]) -> None:

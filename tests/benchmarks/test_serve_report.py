@@ -211,3 +211,24 @@ def test_a_saturated_report_written_without_send_times_sends_every_request_at_on
     open_loop = reports.build(PARAMS, runs, {})["outputs"]["arms"]["tiercache"]["causes"]
     saturated = reports.build({**PARAMS, "saturated": True}, runs, {})["outputs"]["arms"]["tiercache"]["causes"]
     assert open_loop[UNEXPLAINED] == 1 and saturated[SHARED_STEPS] == 1 and UNEXPLAINED not in saturated
+
+
+def test_a_same_hit_mismatch_the_engine_without_tiercache_also_gives_is_put_down_to_the_engine():
+    """Request 7: tiercache's answer is one vLLM given the memory also gave, at the same hit length, in another round.
+    Request 8: vLLM given the memory answered it two ways at that hit length. Request 9: its other answer came at
+    another hit length only, which does not count: unexplained."""
+    from benchmarks.serving.outputs import ANSWERED_SO, ENGINE_VARIES
+
+    runs = _runs(2)
+    reference = [o["token_ids"] for o in runs[0]["result"]["outcomes"]]
+    odd = {7: [9, 9, 9, 9], 8: [8, 8, 8, 8], 9: [7, 7, 7, 7]}
+    mine = [odd.get(i, t) for i, t in enumerate(reference)]
+    runs[2]["result"] = _result(0.6, 30, outcomes=_outcomes(0.6, 30, tokens=mine))  # tiercache, round 0
+    other_round = [list(t) for t in reference]
+    other_round[7], other_round[8], other_round[9] = odd[7], [6, 6, 6, 6], odd[9]
+    equal = _outcomes(0.9, 21, tokens=other_round)
+    equal[9]["cached_tokens"] = 300
+    runs[6]["result"] = _result(0.9, 21, outcomes=equal)  # alone-equal, round 1
+    causes = {m["request"]: m["cause"] for m in
+              reports.build(PARAMS, runs, {})["outputs"]["arms"]["tiercache"]["mismatches"] if m["round"] == 0}
+    assert causes == {7: ANSWERED_SO, 8: ENGINE_VARIES, 9: UNEXPLAINED}
