@@ -35,6 +35,9 @@ docs/runs/serve_trace-round4-2026-11-27-189fba5.)
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 DIFFERENT_HIT = "different hit length"
 BATCHING = "same hit length: vLLM alone's own runs differ on it (the step split follows the batch)"
 EARLIER_TURN = "same hit length: an earlier turn of its conversation hit at another length (its prefix was computed " \
@@ -68,10 +71,7 @@ def compare_outputs(runs: list[dict], reference: str = "alone", saturated: bool 
         base = references.get(run["round"], first)
         tally = arms.setdefault(run["arm"], {"compared": 0, "identical": 0, "mismatches": []})
         _compare(_timed(base["outcomes"], saturated), _timed(run["result"]["outcomes"], saturated), run["round"],
-                 tally, unstable)
-        for mismatch in tally["mismatches"]:
-            if mismatch["cause"] == UNEXPLAINED and mismatch["round"] == run["round"]:
-                mismatch["cause"] = _engine_cause(engine, run, mismatch) or UNEXPLAINED
+                 tally, unstable, functools.partial(_engine_cause, engine, run))
     for tally in arms.values():
         causes: dict[str, int] = {}
         for mismatch in tally["mismatches"]:
@@ -105,17 +105,17 @@ def _engine_answers(runs: list[dict]) -> dict[tuple, list[tuple[tuple, tuple]]]:
     return answers
 
 
-def _engine_cause(engine: dict, run: dict, mismatch: dict) -> str | None:
+def _engine_cause(engine: dict, run: dict, outcome: dict) -> str | None:
     """Whether the engine without tiercache, in runs other than this one, gave this answer or more than one."""
-    outcome = next(o for o in run["result"]["outcomes"] if o["index"] == mismatch["request"])
-    key = (run["arm"].startswith("noreuse-"), mismatch["request"], mismatch["hit_tokens"])
+    key = (run["arm"].startswith("noreuse-"), outcome["index"], outcome.get("cached_tokens"))
     others = [answer for source, answer in engine.get(key, ()) if source != (run["arm"], run["round"])]
     if tuple(outcome["token_ids"]) in others:
         return ANSWERED_SO
     return ENGINE_VARIES if len(set(others)) > 1 else None
 
 
-def _compare(base: list[dict], outcomes: list[dict], round_: int, tally: dict, unstable: set[int]) -> None:
+def _compare(base: list[dict], outcomes: list[dict], round_: int, tally: dict, unstable: set[int],
+             engine_cause: Callable[[dict], str | None]) -> None:
     reference = {o["index"]: o for o in base if o["ok"]}
     hit_differs = {o["index"] for o in outcomes
                    if o["index"] in reference and o.get("cached_tokens") != reference[o["index"]].get("cached_tokens")}
@@ -133,10 +133,12 @@ def _compare(base: list[dict], outcomes: list[dict], round_: int, tally: dict, u
         earlier = _earlier_turn_hit_differs(outcome, outcomes, hit_differs)
         beside = _beside_a_different_hit(outcome, outcomes, hit_differs) \
             or _beside_a_different_hit(other, base, hit_differs)
+        cause = _cause(same_hit, outcome["index"] in unstable, earlier, beside)
+        if cause == UNEXPLAINED:
+            cause = engine_cause(outcome) or UNEXPLAINED
         tally["mismatches"].append({"round": round_, "request": outcome["index"], "first_difference": position,
                                     "hit_tokens": outcome.get("cached_tokens"),
-                                    "reference_hit_tokens": other.get("cached_tokens"),
-                                    "cause": _cause(same_hit, outcome["index"] in unstable, earlier, beside)})
+                                    "reference_hit_tokens": other.get("cached_tokens"), "cause": cause})
 
 
 def _earlier_turn_hit_differs(outcome: dict, outcomes: list[dict], hit_differs: set[int]) -> bool:

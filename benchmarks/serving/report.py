@@ -23,9 +23,9 @@ FIGURES = (("TTFT p50", "ttft_s", 50), ("TTFT p90", "ttft_s", 90), ("E2E p50", "
 
 
 def build(params: dict, runs: list[dict], meta: dict) -> dict:
+    saturated = bool(params.get("saturated"))
     return {"params": params, "meta": meta, "runs": runs, "arms": summarize(runs),
-            "comparisons": compare(runs, saturated=bool(params.get("saturated"))),
-            "outputs": compare_outputs(runs, saturated=bool(params.get("saturated")))}
+            "comparisons": compare(runs, saturated=saturated), "outputs": compare_outputs(runs, saturated=saturated)}
 
 
 def summarize(runs: list[dict]) -> dict:

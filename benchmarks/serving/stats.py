@@ -80,7 +80,8 @@ def per_run_ratio(arm_runs: Sequence[float | None], base_runs: Sequence[float | 
     ratios = np.median(arm[picks], axis=1) / np.median(base[picks], axis=1)
     low, high = (float(x) for x in np.percentile(ratios, (2.5, 97.5)))
     return {"ratio": round(float(np.median(arm) / np.median(base)), 4), "low": round(low, 4),
-            "high": round(high, 4), "verdict": verdict(1 / high, 1 / low), "rounds": len(pairs)}
+            "high": round(high, 4), "rounds": len(pairs),
+            "verdict": verdict(1 / high, 1 / low)}  # verdict reads a time ratio: more served is less time
 
 
 def verdict(low: float, high: float) -> str:
