@@ -79,8 +79,8 @@ def merge(first: dict, second: dict) -> dict:
         merged[key] = first[key] + second[key]
     merged["hits"] = {k: first["hits"][k] + second["hits"][k] for k in first["hits"]}
     offset = first_phase_end(first)
-    later = [{**o, "sent_s": None if o.get("sent_s") is None else round(o["sent_s"] + offset, 4)}
-             for o in second["outcomes"]]  # the second phase started after the first's last answer
+    # The second phase started after the first's last answer. Not rounded: a rounded send time could fall before it.
+    later = [{**o, "sent_s": None if o.get("sent_s") is None else o["sent_s"] + offset} for o in second["outcomes"]]
     merged["outcomes"] = first["outcomes"] + later
     return merged
 

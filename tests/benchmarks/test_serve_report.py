@@ -234,7 +234,10 @@ def test_a_same_hit_mismatch_the_engine_without_tiercache_also_gives_is_put_down
     assert causes == {7: ANSWERED_SO, 8: ENGINE_VARIES, 9: UNEXPLAINED}
 
 
-def test_a_restart_s_second_phase_is_placed_after_the_first_s_last_answer():
+# The first phase's last answer ends after its wall time rounded to 10 ms (0.2632 > 0.26), or just past a 0.1 ms step
+# (0.33313...), where the second phase's first request is sent at once.
+@pytest.mark.parametrize("last_e2e_s, wall_s, second_sent_s", [(0.2132, 0.26, 0.0001), (0.2831309190024389, 0.33, 0.0)])
+def test_a_restart_s_second_phase_is_placed_after_the_first_s_last_answer(last_e2e_s, wall_s, second_sent_s):
     """The report rounds a phase's wall time to 10 ms; the merged send times must still put the second phase after
     the first's last answer, or the output check would take the two phases for neighbours in flight."""
     from benchmarks.serving.measure import merge
@@ -247,8 +250,8 @@ def test_a_restart_s_second_phase_is_placed_after_the_first_s_last_answer():
         return {"index": index, "server": "s", "ok": True, "ttft_s": e2e_s / 2, "e2e_s": e2e_s, "output_tokens": 4,
                 "error": "", "token_ids": [1, 2, 3, 4], "cached_tokens": 0, "sent_s": sent_s}
 
-    first = phase([outcome(0, 0.0, 0.1), outcome(1, 0.05, 0.2132)], wall_s=0.26)  # its last answer at 0.2632 s
-    second = phase([outcome(2, 0.0001, 0.1)], wall_s=0.1)
+    first = phase([outcome(0, 0.0, 0.1), outcome(1, 0.05, last_e2e_s)], wall_s=wall_s)
+    second = phase([outcome(2, second_sent_s, 0.1)], wall_s=0.1)
     merged = merge(first, second)
     ends = [o["sent_s"] + o["e2e_s"] for o in merged["outcomes"] if o["index"] < 2]
     assert merged["outcomes"][2]["sent_s"] >= max(ends)
