@@ -154,6 +154,5 @@ def _cold_greedy(model, prompt, steps: int) -> list[int]:
 
 
 def _ttft_ms(cached, started: float) -> float:
-    """Time to the first token's logits: lookup + load + compute (the save that follows is not on that path)."""
-    t = cached.last_timings
-    return 1000 * (t["lookup"] + t["load"] + t["compute"]) if t else 1000 * (time.perf_counter() - started)
+    """Time to the first token's logits (CachedPrefill.last_ttft_s), or since `started` before any prefill."""
+    return 1000 * (cached.last_ttft_s if cached.last_timings else time.perf_counter() - started)

@@ -12,6 +12,7 @@ from zero) is refused hits, with the reason logged, rather than given wrong logi
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -122,6 +123,13 @@ class CachedPrefill:
         self.last_timings = clock.laps
         return Prefill(out.logits[:, -1], past, hit)
 
+    @property
+    def last_ttft_s(self) -> float:
+        """Seconds of the last prefill to its first token's logits: lookup + load + compute (the save that follows
+        is not on that path)."""
+        t = self.last_timings
+        return t["lookup"] + t["load"] + t["compute"]
+
     @torch.no_grad()
     def finish(self, token_ids, past_key_values, prompt_tokens: int) -> None:
         """Save the end of a request: `token_ids` are all the tokens `past_key_values` has consumed (prompt and
@@ -213,8 +221,6 @@ def _record_sliding_windows(cache, record: bool) -> None:
 
 def _last_logits_only(model) -> dict:
     """The forward argument that keeps only the last position's logits, where the model takes it."""
-    import inspect
-
     try:
         takes = "logits_to_keep" in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
