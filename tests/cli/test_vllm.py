@@ -14,6 +14,7 @@ from tiercache.cli import main
 from tests.helpers import python_env
 from tests.prefix.hf_configs import QWEN35_08B, tiny_qwen3_next
 from tests.vllm_engine.models import FOUR_LAYER
+from tiercache.prefix.cpu_features import detect
 
 CONNECTOR = {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.connector.vllm",
              "kv_role": "kv_both", "kv_connector_extra_config": {"url": "grpc://127.0.0.1:1"}}
@@ -54,10 +55,24 @@ def test_layout_json_follows_the_flags(model_dir, capsys):
     assert report["block_tokens"] == 1072 and report["vllm_flags"][-1] == "1072"
 
 
-def test_layout_on_the_cpu_platform_gives_the_real_engines_n(tmp_path, capsys):
+@pytest.mark.parametrize("level,n,ssm", [("avx2", 128, "bfloat16"), ("avx512", 128, "bfloat16"),
+                                         ("avx512_bf16", 256, "float32"), ("amx", 256, "float32")])
+def test_layout_on_the_cpu_platform_gives_the_real_engines_n_for_the_cpu_named(tmp_path, capsys, level, n, ssm):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_qwen3_next(FOUR_LAYER)))
+    code, out, _ = _run(capsys, "layout", str(tmp_path), "--platform", "cpu", "--json", "--cpu-features", level)
+    report = json.loads(out)
+    assert code == 0 and (report["block_tokens"], report["dtypes"]["ssm"], report["cpu"]) == (n, ssm, level)
+    assert report["cpu_rule"].startswith(f"{level} from --cpu-features {level}: ")
+    code, out, _ = _run(capsys, "layout", str(tmp_path), "--platform", "cpu", "--cpu-features", level)
+    assert f"\ncpu         {report['cpu_rule']}\n" in out
+
+
+def test_layout_on_the_cpu_platform_reads_this_machines_cpu(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(tiny_qwen3_next(FOUR_LAYER)))
     code, out, _ = _run(capsys, "layout", str(tmp_path), "--platform", "cpu", "--json")
-    assert code == 0 and json.loads(out)["block_tokens"] == FOUR_LAYER.block_size == 256
+    report = json.loads(out)
+    assert code == 0 and report["cpu_rule"].startswith(f"{detect().name} from this machine (/proc/cpuinfo)")
+    assert report["block_tokens"] == FOUR_LAYER.sizing(detect().name).block_tokens
 
 
 def _check(capsys, model_dir, *flags: str, connector: dict | None = None) -> tuple[int, list[str], str]:
@@ -120,6 +135,10 @@ def test_check_vllm_notes_what_costs_hits(model_dir, capsys):
     (["check-vllm", "{dir}", "--kv-transfer-config", "{bad"], "tiercache check-vllm: error: --kv-transfer-config is "
                                                                "not JSON: "),
     (["check-vllm", "{dir}"], "tiercache check-vllm: error: --kv-transfer-config names no TierCacheConnector"),
+    (["layout", "{dir}", "--cpu-features", "avx2"], "tiercache layout: error: --cpu-features describes a CPU "
+                                                     "engine's host: it needs --platform cpu, not cuda"),
+    (["layout", "{dir}", "--platform", "cpu", "--cpu-features", "sse"], "tiercache layout: error: argument "
+                                                                         "--cpu-features: invalid choice: 'sse'"),
     (["check-vllm", "{dir}", "--block-size", "x"], "tiercache check-vllm: error: vLLM flags: argument --block-size: "
                                                     "expected a positive integer, got 'x'"),
     (["check-vllm", "{dir}", "--prefix-match-unit", "0", "--kv-transfer-config", json.dumps(CONNECTOR)],

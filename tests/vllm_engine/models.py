@@ -2,8 +2,9 @@
 dense model for the gates that must hold without recurrent states too.
 
 Each config is one vLLM CPU runs: Gated-DeltaNet + full attention (Qwen3-Next), bf16 (the CPU GDN kernel needs it),
-head_dim a multiple of 32 (the CPU attention kernel's). vLLM picks the unified block size N from the page sizes:
-the "Setting attention block size to N tokens" line of its log; `block_size` below is that N.
+head_dim a multiple of 32 (the CPU attention kernel's). vLLM picks the unified block size N from the page sizes, and
+the state's dtype, so N, from the CPU it runs on: `block_size` below is tiercache's prediction for the CPU the engines
+see (tests/cpu_stand_in), which tests/vllm_engine/test_block_size.py checks against the engine's own start line.
 """
 
 from __future__ import annotations
@@ -19,9 +20,20 @@ class TinyModel:
     full_attention_interval: int
     kv_heads: int
     head_dim: int
-    block_size: int  # N as vLLM derives it for this config (asserted by the tests through the hits they see)
     seed: int = 0
     hybrid = True
+
+    @property
+    def block_size(self) -> int:
+        """N as vLLM's CPU engine derives it for this config on the engines' CPU (prefix.block_size)."""
+        return self.sizing().block_tokens
+
+    def sizing(self, cpu_level: str | None = None):
+        from tests.cpu_stand_in import engine_cpu
+        from tests.prefix.hf_configs import tiny_qwen3_next
+        from tiercache.prefix.block_size import PLATFORMS, engine_sizing
+
+        return engine_sizing(tiny_qwen3_next(self), self.name, platform=PLATFORMS["cpu"], cpu=engine_cpu(cpu_level))
 
     def write(self, directory: Path) -> str:
         path = directory / self.name
@@ -47,11 +59,11 @@ class TinyModel:
         return str(path)
 
 
-# Two shapes so that no criterion holds for one config only: N = 256 (4 layers, GDN/attention alternating, 2 KV
-# heads) and N = 128 (6 layers, two GDN per attention layer, 4 KV heads of 128).
-FOUR_LAYER = TinyModel("qwen3-next-4l", layers=4, full_attention_interval=2, kv_heads=2, head_dim=64, block_size=256)
-SIX_LAYER = TinyModel("qwen3-next-6l", layers=6, full_attention_interval=3, kv_heads=4, head_dim=128, block_size=128,
-                      seed=1)
+# Two shapes so that no criterion holds for one config only (4 layers, GDN/attention alternating, 2 KV heads; 6 layers,
+# two GDN per attention layer, 4 KV heads of 128). With AVX-512 BF16 (a float32 state) their N are 256 and 128;
+# without it (a bf16 state), 128 and 128 (tests/prefix/test_block_size.py).
+FOUR_LAYER = TinyModel("qwen3-next-4l", layers=4, full_attention_interval=2, kv_heads=2, head_dim=64)
+SIX_LAYER = TinyModel("qwen3-next-6l", layers=6, full_attention_interval=3, kv_heads=4, head_dim=128, seed=1)
 
 
 @dataclass(frozen=True)

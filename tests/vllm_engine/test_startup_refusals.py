@@ -21,10 +21,14 @@ def _refused(four_layer, name: str, url: str, **options) -> str:
 def test_a_server_whose_chunk_limit_is_below_the_largest_object_is_refused_at_start(four_layer):
     with ServerProcess("--host-mem", "16MiB", "--disk-size", "0", "--max-chunk-size", "64KiB") as server:
         log = _refused(four_layer, "small-chunk-limit", server.url)
-    # The 4-layer model's largest object is a kv chunk (2 attention layers x 256 tokens: 256 KiB; its state is 70 KiB).
-    assert re.search(r"TierCacheConnector: a kv chunk of vllm:\S+ \(N=256\) is 256\.0 KiB \(262144 bytes\), above "
-                     r"the 64\.0 KiB chunk limit of the tiercache server at \S+: start it with `tiercache serve "
-                     r"--max-chunk-size 1MiB` \(server\.max_chunk_bytes\)", log), log[-3000:]
+    # The 4-layer model's largest object is a kv chunk (2 attention layers x N tokens of 512 bytes each: 256 KiB
+    # where N is 256, 128 KiB where N is 128, the CPU's choice; its state is 70 KiB or less).
+    sizing = four_layer.model.sizing()
+    n, chunk = sizing.block_tokens, sizing.kv_chunk_bytes
+    assert chunk > sizing.layout.state_bytes
+    assert re.search(rf"TierCacheConnector: a kv chunk of vllm:\S+ \(N={n}\) is {chunk / 1024:.1f} KiB \({chunk} "
+                     r"bytes\), above the 64\.0 KiB chunk limit of the tiercache server at \S+: start it with "
+                     r"`tiercache serve --max-chunk-size 1MiB` \(server\.max_chunk_bytes\)", log), log[-3000:]
 
 
 def test_an_engine_without_prefix_caching_is_refused_naming_the_flag_for_its_version(four_layer, cache_server):

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.cpu_stand_in import ENV
 from tests.vllm_engine.models import FOUR_LAYER
+from tiercache.prefix.cpu_features import detect
 from tiercache.process import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,7 +105,9 @@ def test_the_try_it_page_runs_as_written_and_shows_the_hit_where_it_says(tmp_pat
     page = DOC.read_text()
     shown = "".join(fenced(page, "text"))
 
-    # The model is the real-engine tests' FOUR_LAYER shape (N = 256: the page's retention interval), with a tokenizer.
+    # The model is the real-engine tests' FOUR_LAYER shape, with a tokenizer; the page's N (its retention interval)
+    # is what `tiercache layout` says for this machine, and the engine chose it (with a CPU stood in for the suite,
+    # tests/cpu_stand_in, the engine chose the stood-in CPU's, which the page's layout cannot know).
     config = json.loads((directory / "model" / "config.json").read_text())
     interval = FOUR_LAYER.full_attention_interval
     assert config["layer_types"] == ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
@@ -111,9 +115,14 @@ def test_the_try_it_page_runs_as_written_and_shows_the_hit_where_it_says(tmp_pat
     assert (config["num_key_value_heads"], config["head_dim"]) == (FOUR_LAYER.kv_heads, FOUR_LAYER.head_dim)
     tokenizer = json.loads((directory / "model" / "tokenizer.json").read_text())
     assert config["vocab_size"] == len(tokenizer["model"]["vocab"])  # the special tokens are in it (ids 0-2)
-    assert f"--prefix-cache-retention-interval {FOUR_LAYER.block_size}" in page
+    assert "--prefix-cache-retention-interval $N" in page
+    page_n = int(re.search(r"^N = (\d+)$", everything, re.M).group(1))
+    n = FOUR_LAYER.block_size
+    assert page_n == (n if not os.environ.get(ENV) else FOUR_LAYER.sizing(detect().name).block_tokens)
     for log in ("vllm.log", "vllm-restarted.log"):
-        assert f"Setting attention block size to {FOUR_LAYER.block_size} tokens" in (directory / log).read_text()
+        text = (directory / log).read_text()
+        assert re.search(rf"TierCacheConnector \(SCHEDULER\) on \S+: namespace \S+, N={n},", text), text[-3000:]
+        assert (f"Setting attention block size to {n} tokens" in text) == (n > 128)  # above the CPU default only
 
     # The connector's start line names this server; the requests' token counts are the ones the page shows:
     # 0 cached, then vLLM's own hit, then after the restart the same hit from tiercache.

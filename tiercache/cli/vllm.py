@@ -86,6 +86,7 @@ def _add_cache_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_platform_flags(parser: argparse.ArgumentParser) -> None:
     from tiercache.prefix.block_size import DEFAULT_PLATFORM, PLATFORMS
+    from tiercache.prefix.cpu_features import LEVELS
 
     parser.add_argument("--platform", choices=sorted(PLATFORMS), default=DEFAULT_PLATFORM,
                         help="; ".join(f"{p.name}: {p.about}" for p in PLATFORMS.values())
@@ -93,11 +94,14 @@ def _add_platform_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel-block-size", type=positive, metavar="K",
                         help="another attention backend's smallest kernel block (e.g. 128: FlashAttention 4's "
                              "head-dim-256 kernel on Blackwell)")
+    parser.add_argument("--cpu-features", choices=LEVELS, metavar="LEVEL",
+                        help="with --platform cpu: the engine host's CPU, one of " + ", ".join(LEVELS) + " (default: "
+                             "this machine's, from /proc/cpuinfo; AVX-512 BF16 changes a hybrid's state dtype and N)")
 
 
 def layout(args: argparse.Namespace) -> int:
     directory, config = _model_config(args.model)
-    sizing = _sizing(config, directory.name, args, args.platform, args.kernel_block_size)
+    sizing = _sizing(config, directory.name, args, args)
     unit = _match_unit(sizing, args.match_unit)
     report = _report(sizing, unit)
     if args.json:
@@ -175,10 +179,12 @@ def _block_checks(config: dict, model: str, flags: argparse.Namespace, args: arg
     except InvalidArgument as exc:
         return _Blocks(None, None, (), (f"N is not checked: {exc}",))
     try:
-        sizing = _sizing(config, model, flags, args.platform, args.kernel_block_size)
+        sizing = _sizing(config, model, flags, args)
     except InvalidArgument as exc:  # e.g. heads that do not split over --tensor-parallel-size: vLLM refuses too
         return _Blocks(None, None, (str(exc),))
     n, found, notes = sizing.block_tokens, [], []
+    if sizing.cpu:  # the CPU engine's N depends on its host's CPU: say which one it was sized for
+        notes.append(f"N={n} is for the CPU {sizing.cpu.rule()}")
     try:
         unit = _match_unit(sizing, (transfer.get("kv_connector_extra_config") or {}).get("match_unit"))
     except InvalidArgument as exc:
@@ -220,14 +226,20 @@ def _parse_vllm_flags(tokens: list[str]) -> tuple[argparse.Namespace, list[str]]
     return flags, [t for t in rest if t.startswith("-")]
 
 
-def _sizing(config: dict, model: str, flags: argparse.Namespace, platform: str, kernel_block: int | None):
+def _sizing(config: dict, model: str, flags: argparse.Namespace, platform_flags: argparse.Namespace):
+    """`flags`: vLLM's (the cache flags); `platform_flags`: ours (--platform, --kernel-block-size, --cpu-features)."""
     from tiercache.prefix.block_size import PLATFORMS, CacheFlags, engine_sizing
+    from tiercache.prefix.cpu_features import parse
 
+    if platform_flags.cpu_features and platform_flags.platform != "cpu":
+        raise InvalidArgument(f"--cpu-features describes a CPU engine's host: it needs --platform cpu, not "
+                              f"{platform_flags.platform}")
     cache = CacheFlags(tensor_parallel_size=flags.tensor_parallel_size, dtype=flags.dtype,
                        kv_cache_dtype=flags.kv_cache_dtype, mamba_cache_dtype=flags.mamba_cache_dtype,
                        mamba_ssm_cache_dtype=flags.mamba_ssm_cache_dtype, block_size=flags.block_size,
-                       kernel_block_size=kernel_block)
-    return engine_sizing(config, model, cache, PLATFORMS[platform])
+                       kernel_block_size=platform_flags.kernel_block_size)
+    cpu = parse(platform_flags.cpu_features) if platform_flags.cpu_features else None
+    return engine_sizing(config, model, cache, PLATFORMS[platform_flags.platform], cpu)
 
 
 def _match_unit(sizing, unit: int | None) -> int:
@@ -247,6 +259,7 @@ def _report(sizing, unit: int) -> dict[str, Any]:
     attention, recurrent = layout.attention_groups, layout.recurrent_group
     return {
         "model": layout.model, "platform": sizing.platform.name, "tensor_parallel_size": layout.tp_size,
+        "cpu": sizing.cpu.name if sizing.cpu else None, "cpu_rule": sizing.cpu.rule() if sizing.cpu else None,
         "dtypes": vars(sizing.dtypes), "attention_layers": sum(len(g.layers) for g in attention),
         "recurrent_layers": len(recurrent.layers), "kv_bytes_per_token_per_layer": sizing.kv_bytes_per_token_per_layer,
         "kv_bytes_per_token": layout.kv_bytes_per_token, "state_bytes_per_layer": sizing.state_bytes_per_layer,
@@ -268,6 +281,7 @@ def _lines(report: dict[str, Any], sizing) -> list[tuple[str, str]]:
         ("model", f"{report['model']}: {report['attention_layers']} attention and {report['recurrent_layers']} "
                   f"recurrent layers; sizes are one rank's of tensor-parallel size {report['tensor_parallel_size']}"),
         ("platform", f"{sizing.platform.name}: {sizing.platform.about}"),
+        *([("cpu", report["cpu_rule"])] if report["cpu_rule"] else []),
         ("dtypes", f"weights {d['model']}, KV {d['kv']}, conv state {d['conv']}, SSM state {d['ssm']}"),
         ("kv", f"{report['kv_bytes_per_token_per_layer']} bytes per token per attention layer, "
                f"{report['kv_bytes_per_token']} per token over {report['attention_layers']} layers"),

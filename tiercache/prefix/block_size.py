@@ -8,7 +8,9 @@ vllm/platforms/interface.py): one attention page must hold one recurrent layer's
     N = k * ceil(state bytes per layer / (k * KV bytes per token per layer)), rounded up to the kernel block
 
 and logs "Setting attention block size to N tokens". The kernel block and the default block size are the platform's
-(`PLATFORMS`); the dtypes are the flags', resolved as vLLM resolves `auto` (`resolve_dtypes`). N decides the flags a
+(`PLATFORMS`); the dtypes are the flags', resolved as vLLM resolves `auto` (`resolve_dtypes`), which on the CPU
+platform depends on the CPU (prefix.cpu_features: the same model gets N = 256 on an AVX-512 BF16 server and 128 on an
+AVX2 one, tests/prefix/test_block_size.py). N decides the flags a
 deployment passes (`--prefix-cache-retention-interval N`) and every object's size, so `tiercache layout` prints it
 before anything starts; tests/vllm_engine/test_block_size.py checks it against what vLLM's CPU engine logs.
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from tiercache.errors import InvalidArgument
+from tiercache.prefix.cpu_features import CpuFeatures, detect
 from tiercache.prefix.hf_config import HybridConfig, hybrid_layout, read_hybrid_config
 from tiercache.prefix.layout import ModelLayout, unified_block_size
 
@@ -81,6 +84,7 @@ class EngineSizing:
     kernel_alignment: int  # k above
     platform: Platform
     dtypes: Dtypes
+    cpu: CpuFeatures | None = None  # the CPU platform's: what decided the state's dtype
 
     @property
     def kv_bytes_per_token_per_layer(self) -> int:
@@ -97,11 +101,13 @@ class EngineSizing:
 
 
 def engine_sizing(config: Mapping[str, Any], model: str, flags: CacheFlags = CacheFlags(),
-                  platform: Platform = PLATFORMS[DEFAULT_PLATFORM]) -> EngineSizing:
+                  platform: Platform = PLATFORMS[DEFAULT_PLATFORM], cpu: CpuFeatures | None = None) -> EngineSizing:
+    """`cpu`: the engine's CPU on the CPU platform (default: this machine's); ignored on another platform."""
     hybrid = read_hybrid_config(config)
     if flags.tensor_parallel_size < 1:
         raise InvalidArgument(f"--tensor-parallel-size must be at least 1, got {flags.tensor_parallel_size}")
-    dtypes = resolve_dtypes(hybrid, flags, platform)
+    cpu = (cpu or detect()) if platform.name == "cpu" else None
+    dtypes = resolve_dtypes(hybrid, flags, platform, cpu)
     layout = hybrid_layout(hybrid, model, kv_dtype=dtypes.kv, conv_dtype=dtypes.conv, ssm_dtype=dtypes.ssm,
                            tp_size=flags.tensor_parallel_size)
     kernel_block = flags.kernel_block_size or platform.kernel_block
@@ -111,16 +117,18 @@ def engine_sizing(config: Mapping[str, Any], model: str, flags: CacheFlags = Cac
                               f"{kernel_block}")
     alignment = max(kernel_block, block_size)
     n = max(block_size, _round_up(unified_block_size(layout, alignment), kernel_block))
-    return EngineSizing(layout, n, alignment, platform, dtypes)
+    return EngineSizing(layout, n, alignment, platform, dtypes, cpu)
 
 
-def resolve_dtypes(config: HybridConfig, flags: CacheFlags, platform: Platform) -> Dtypes:
+def resolve_dtypes(config: HybridConfig, flags: CacheFlags, platform: Platform,
+                   cpu: CpuFeatures | None = None) -> Dtypes:
     """What vLLM caches in for these flags. `auto`: the model's dtype (ModelConfig: the config's, float32 weights
     served in bfloat16) for the weights, KV (--kv-cache-dtype) and conv state (--mamba-cache-dtype); the recurrent
     state (--mamba-ssm-cache-dtype) follows the conv state unless vLLM's model hook names another (Qwen3.5: the
-    config's `mamba_ssm_dtype`; Nemotron-H: its `mamba_ssm_cache_dtype`, else float32), and on the CPU platform an
-    SSM state not in float32 is reset to it (CpuPlatform.check_and_update_config, on CPUs with AVX-512 BF16 — as on
-    the CI machine —, except a bfloat16 or float16 one that vLLM's CPU Gated DeltaNet kernel takes)."""
+    config's `mamba_ssm_dtype`; Nemotron-H: its `mamba_ssm_cache_dtype`, else float32), and on the CPU platform, where
+    the CPU has AVX-512 BF16 (`cpu`, default this machine's), an SSM state not in float32 is reset to it
+    (CpuPlatform.check_and_update_config), except a bfloat16 or float16 one that vLLM's CPU Gated DeltaNet kernel
+    takes; without AVX-512 BF16 nothing is reset."""
     if flags.dtype == "auto":
         model = _dtype("config.json's dtype", config.dtype or "bfloat16", MODEL_DTYPES)
         model = "bfloat16" if model == "float32" else model
@@ -134,8 +142,8 @@ def resolve_dtypes(config: HybridConfig, flags: CacheFlags, platform: Platform) 
         ssm = config.ssm_dtype or "float32"
     elif ssm == "auto" and config.model_type != "qwen3_next":  # Qwen3.5's hook; Qwen3-Next has none
         ssm = config.ssm_dtype or "auto"
-    if platform.name == "cpu" and ssm != "float32" and not (config.family == "gated_deltanet"
-                                                            and ssm in ("bfloat16", "float16")):
+    if platform.name == "cpu" and (cpu or detect()).accelerated_gdn and ssm != "float32" \
+            and not (config.family == "gated_deltanet" and ssm in ("bfloat16", "float16")):
         ssm = "float32"
     ssm = conv if ssm == "auto" else _dtype("--mamba-ssm-cache-dtype", ssm, STATE_DTYPES)
     return Dtypes(model, kv, conv, ssm)

@@ -118,7 +118,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.layout = model_layout(self.groups, kv_cache_config, settings.model_name or model.served_model_name
                                    or model.model, settings.revision or model.revision or "main",
                                    tp_rank=tp_rank, tp_size=parallel.tensor_parallel_size,
-                                   identity=engine_identity(vllm_config, self.groups, settings.weights_id))
+                                   identity=engine_identity(vllm_config, self.groups, settings.weights_id,
+                                                                   kv_cache_config))
         block = self.groups.block_size
         unit = settings.match_unit or (16 if block % 16 == 0 else block)
         self.spec = CacheSpec(self.layout, block, unit, salt=settings.salt,

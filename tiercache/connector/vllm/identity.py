@@ -1,6 +1,9 @@
 """What names a vLLM engine's bytes beyond their shapes: the weights, quantization, dtypes, the order of layers in
 an object, and the engine's page layout. It goes into the namespace (`ModelLayout.identity`), so two checkpoints
 served from the same path or name, or a CPU and a GPU engine (their attention pages differ), never share bytes.
+Within vLLM's CPU build the page layout follows the host's CPU (`page_layout`): its attention kernel arranges K/V
+for AMX tiles on a CPU with AMX and otherwise not, with pages of the same size, so CPU engines on hosts of two kinds
+sharing one server would read each other's pages wrongly ordered, checksums intact (prefix.cpu_features).
 
 The weights' identity is read from the files, not from the name: a file in a Hugging Face cache snapshot is a link
 to a blob named by its content hash (that name is used as it is); any other weight file is hashed (xxh3-128) once
@@ -95,7 +98,7 @@ def model_directory(model: str, revision: str | None) -> Path | None:
         return None
 
 
-def engine_identity(vllm_config, groups, weights_id: str | None = None) -> str:
+def engine_identity(vllm_config, groups, weights_id: str | None = None, kv_cache_config=None) -> str:
     """Canonical text of everything besides shapes that decides an object's bytes in this engine."""
     import vllm
     from vllm.platforms import current_platform
@@ -114,7 +117,41 @@ def engine_identity(vllm_config, groups, weights_id: str | None = None) -> str:
     return ";".join([f"weights={weights_id}", f"quant={model.quantization}", f"dtype={model.dtype}",
                      f"cache={vllm_config.cache_config.cache_dtype}", f"vllm={vllm.__version__}",
                      f"device={current_platform.device_type}:{_device_name(current_platform)}",
-                     f"attention={attention}", f"layers={layers}"])
+                     f"attention={attention}", f"layers={layers}", page_layout(vllm_config, kv_cache_config, groups)])
+
+
+def page_layout(vllm_config, kv_cache_config, groups) -> str:
+    """How the engine arranges the bytes inside its pages where the platform or the host decides it: on the CPU, the
+    attention kernel of each attention group (vLLM CPU's `_get_attn_isa`: "amx", "vec", "vec16", ...); for a hybrid,
+    the conv state's layout ("SD" or "DS": VLLM_SSM_CONV_STATE_LAYOUT, which vLLM sets for NIXL). What cannot be read
+    is named as unread, so it never matches an engine that could read it."""
+    from vllm.platforms import current_platform
+
+    parts = []
+    if current_platform.device_type == "cpu" and kv_cache_config is not None:
+        parts.append(f"cpu_attention={_cpu_attention_kernels(vllm_config, kv_cache_config, groups)}")
+    if groups.mamba:
+        try:
+            from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+            conv = get_conv_state_layout()
+        except ImportError:  # a vLLM without the choice: its one layout
+            conv = "fixed"
+        parts.append(f"conv={conv}")
+    return ";".join(parts)
+
+
+def _cpu_attention_kernels(vllm_config, kv_cache_config, groups) -> str:
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    specs = [kv_cache_config.kv_cache_groups[g].kv_cache_spec for g in groups.attention]
+    try:  # a private function of vLLM's CPU backend: a vLLM without it, or failing in it, shares with no other engine
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return ",".join(_get_attn_isa(model.dtype, spec.block_size, spec.head_size, cache.cache_dtype)
+                        for spec in specs)
+    except Exception as exc:  # noqa: BLE001 - named as unread (never equal to a kernel's name), and said
+        log.warning("TierCacheConnector: cannot tell which CPU attention kernel lays out this engine's pages (%s); its "
+                    "namespace says so, and it shares objects with no engine that can", exc)
+        return "unread"
 
 
 def _device_name(platform) -> str:

@@ -1,0 +1,67 @@
+"""A CPU of another kind stood in for vLLM's CPU build: loaded at interpreter start by every Python process that has
+this folder on PYTHONPATH and TIERCACHE_TEST_CPU set (avx2, avx512, avx512_bf16 or amx: tiercache.prefix.cpu_features
+LEVELS), vLLM's engine processes included.
+
+vLLM decides by asking torch (`torch.cpu._is_avx512_supported`, `_is_avx512_bf16_supported`, `_is_amx_tile_supported`,
+read in vllm/platforms/cpu.py, the CPU attention backend and the GDN ops): those answer for the level named, so vLLM
+takes that CPU's branches: its state dtype, N, attention kernel and kernel library (`vllm._C_AVX2` for avx2). torch's
+and oneDNN's own kernels are held to the same level (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA), set before torch loads.
+A level can only be stood in below the machine's own: a kernel the CPU lacks would not run.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import os
+import sys
+
+LEVEL = os.environ.get("TIERCACHE_TEST_CPU", "")
+_LEVELS = ("avx2", "avx512", "avx512_bf16", "amx")
+# What torch's checks answer at each level, and the kernels torch and oneDNN are held to.
+_ANSWERS = {"_is_avx512_supported": 1, "_is_avx512_vnni_supported": 1, "_is_avx512_bf16_supported": 2,
+            "_is_amx_tile_supported": 3, "_is_amx_fp16_supported": 4}
+_ATEN = {"avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512", "amx": "avx512"}
+_ONEDNN = {"avx2": "AVX2", "avx512": "AVX512_CORE", "avx512_bf16": "AVX512_CORE_BF16", "amx": "AVX512_CORE_AMX"}
+
+
+def _stand_in(cpu_module) -> None:
+    rank = _LEVELS.index(LEVEL)
+    for name, needed in _ANSWERS.items():
+        if hasattr(cpu_module, name):
+            answer = rank >= needed
+            setattr(cpu_module, name, lambda answer=answer: answer)
+
+
+class _TorchCpuFinder(importlib.abc.MetaPathFinder):
+    """Patches torch.cpu right after its own code ran (so a process that never imports torch pays nothing)."""
+
+    def __init__(self) -> None:
+        self._busy = False
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch.cpu" or self._busy:
+            return None
+        self._busy = True
+        try:
+            import importlib.util
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._busy = False
+        if spec is None or spec.loader is None:
+            return None
+        original = spec.loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            _stand_in(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if LEVEL:
+    if LEVEL not in _LEVELS:
+        raise SystemExit(f"TIERCACHE_TEST_CPU={LEVEL!r}: one of {', '.join(_LEVELS)}")
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", _ATEN[LEVEL])
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN[LEVEL])
+    sys.meta_path.insert(0, _TorchCpuFinder())
