@@ -60,5 +60,5 @@ def test_engines_whose_attention_pages_differ_get_the_same_n_and_never_each_othe
     with pytest.raises(AssertionError, match="hold other bytes"):
         assert_same_bytes(got, own, "pages of the other kernel")
     for ours, yardstick in zip(got.engine_bytes["groups"], own.engine_bytes["groups"], strict=True):
-        if ours["kind"] != "mamba":  # every attention page of the prefix is laid out otherwise
+        if ours["kind"] != "mamba":  # every attention page of the prefix holds other bytes
             assert all(a != b for a, b in zip(ours["blocks"], yardstick["blocks"], strict=True)), ours["kind"]
