@@ -71,7 +71,7 @@ def test_layout_on_the_cpu_platform_reads_this_machines_cpu(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(tiny_qwen3_next(FOUR_LAYER)))
     code, out, _ = _run(capsys, "layout", str(tmp_path), "--platform", "cpu", "--json")
     report = json.loads(out)
-    assert code == 0 and report["cpu_rule"].startswith(f"{detect().name} from this machine (/proc/cpuinfo)")
+    assert code == 0 and report["cpu_rule"].startswith(f"{detect().name} from {detect().source}: ")
     assert report["block_tokens"] == FOUR_LAYER.sizing(detect().name).block_tokens
 
 
@@ -137,6 +137,8 @@ def test_check_vllm_notes_what_costs_hits(model_dir, capsys):
     (["check-vllm", "{dir}"], "tiercache check-vllm: error: --kv-transfer-config names no TierCacheConnector"),
     (["layout", "{dir}", "--cpu-features", "avx2"], "tiercache layout: error: --cpu-features describes a CPU "
                                                      "engine's host: it needs --platform cpu, not cuda"),
+    (["check-vllm", "--cpu-features", "avx2", "{dir}", "--kv-transfer-config", json.dumps(CONNECTOR)],
+     "tiercache check-vllm: error: --cpu-features describes a CPU engine's host: it needs --platform cpu, not cuda"),
     (["layout", "{dir}", "--platform", "cpu", "--cpu-features", "sse"], "tiercache layout: error: argument "
                                                                          "--cpu-features: invalid choice: 'sse'"),
     (["check-vllm", "{dir}", "--block-size", "x"], "tiercache check-vllm: error: vLLM flags: argument --block-size: "

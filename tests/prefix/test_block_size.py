@@ -44,8 +44,8 @@ def test_qwen35_08b_as_the_docs_size_it():
     (SIX_LAYER, CacheFlags(), AVX512_BF16, 128),  # 4 KV heads of 128: one page of 128 tokens holds it
     (FOUR_LAYER, CacheFlags(mamba_ssm_cache_dtype="bfloat16"), AVX512_BF16, 128),  # the CPU GDN kernel keeps bf16
     (SIX_LAYER, CacheFlags(block_size=256), AVX512_BF16, 256),
-    # AVX2: nothing reset, a bf16 state, one page (the engine said 128 for the 4-layer model on an AMD EPYC with AVX2
-    # only; tests/vllm_engine/test_block_size.py checks both models with AVX2 stood in)
+    # AVX2: nothing reset, a bf16 state, one page (tests/vllm_engine/test_block_size.py checks both models against
+    # vLLM's engine with AVX2 stood in)
     (FOUR_LAYER, CacheFlags(), AVX2, 128),
     (SIX_LAYER, CacheFlags(), AVX2, 128),
     (FOUR_LAYER, CacheFlags(mamba_ssm_cache_dtype="float32"), AVX2, 256),  # asked for: as AVX-512 BF16's default

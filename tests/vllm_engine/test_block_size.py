@@ -83,6 +83,10 @@ def test_layout_prints_the_n_the_engine_chooses(tmp_path, models_dir, cache_serv
     assert engine_u == 16
     if not options:  # the N the other engine tests assume for this CPU (tests/vllm_engine/models.py)
         assert engine_n == model.sizing(cpu_level).block_tokens
+    # vLLM took the branch of the CPU it was given (so a stand-in that did not take cannot pass where N is equal)
+    accelerated = engine_cpu(cpu_level).accelerated_gdn
+    assert ("Reset SSM cache type to float32" in log) == (accelerated and not options), log[-3000:]
+    assert ("Using bfloat16 SSM state storage" in log) == (accelerated and bool(options)), log[-3000:]
 
 
 def _record(line: str) -> None:

@@ -34,6 +34,7 @@ def _start_line(engines, name: str) -> tuple[str, int]:
     return started.group(1), int(started.group(2))
 
 
+@pytest.mark.timeout(1200)  # four engine starts on a shared CI machine
 def test_engines_whose_attention_pages_differ_get_the_same_n_and_never_each_others_pages(four_layer, cache_server):
     amx = four_layer.start("pages-amx", cache_server.url)
     vec = four_layer.start("pages-vec", cache_server.url, cpu_level=NO_AMX)

@@ -1,5 +1,5 @@
-"""The 4-layer model (N = 256) under the heavier cases: a 16K-token shared document, preemption under a small KV
-cache, loads that fail, and a cache server that dies or hangs mid-run."""
+"""The 4-layer model (N = 256 with AVX-512 BF16, 128 without) under the heavier cases: a 16K-token shared document,
+preemption under a small KV cache, loads that fail, and a cache server that dies or hangs mid-run."""
 
 from __future__ import annotations
 

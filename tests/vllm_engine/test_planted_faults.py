@@ -6,9 +6,9 @@ full block of the prefix and of the state at the hit, per KV cache group) and th
 (assert_same_computation: the hit, the tokens, the top-20 logprobs of 16 generated tokens and the prompt logprobs the
 engine computed, all by `==`). Each fault's prompt is restored by a `judged` engine with the connector that never saw
 it, and compared with vLLM's own hit at the same position in `alone` (no connector). The prompt has 808 tokens: for
-the hybrid (N = 256) the hit is 800, three kv chunks, a tail and the state at 800 (the server also holds the state
-at 784); for the dense model (N = 64; vLLM hits whole blocks; no recurrent state, so the state faults do not apply)
-the hit is 768, 12 kv chunks.
+the hybrid (N = 256 with AVX-512 BF16: three kv chunks; 128 without: six) the hit is 800, the kv chunks, a tail and
+the state at 800 (the server also holds the state at 784); for the dense model (N = 64; vLLM hits whole blocks; no
+recurrent state, so the state faults do not apply) the hit is 768, 12 kv chunks.
 
 The bytes gate must catch every fault (a hit one token longer through the position it reads the bytes at: the bytes
 themselves are the right ones for 800). The outputs gate must catch those in OUTPUTS_CATCH. Measured on a 2-vCPU x86

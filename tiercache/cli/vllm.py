@@ -53,7 +53,8 @@ def add_commands(commands: argparse._SubParsersAction, command: Callable[..., ar
 
     check_parser = command(commands, "check-vllm", help="say what TierCacheConnector would refuse in a vLLM command "
                            "line, before vLLM starts",
-                           usage="tiercache check-vllm [--platform P] [--vllm-version V] MODEL [vllm serve's flags]",
+                           usage="tiercache check-vllm [--platform P [--cpu-features LEVEL]] [--vllm-version V] MODEL "
+                                 "[vllm serve's flags]",
                            description="Takes what follows `vllm serve` (the model, then its flags) and says the "
                                        "connector's refusals (and vLLM's own about N) before anything starts, or ok "
                                        "with N and u. Reads config.json; never imports vLLM (the lines are worded "
@@ -96,10 +97,18 @@ def _add_platform_flags(parser: argparse.ArgumentParser) -> None:
                              "head-dim-256 kernel on Blackwell)")
     parser.add_argument("--cpu-features", choices=LEVELS, metavar="LEVEL",
                         help="with --platform cpu: the engine host's CPU, one of " + ", ".join(LEVELS) + " (default: "
-                             "this machine's, from /proc/cpuinfo; AVX-512 BF16 changes a hybrid's state dtype and N)")
+                             "this machine's, as torch or else /proc/cpuinfo says; AVX-512 BF16 changes a hybrid's "
+                             "state dtype and N)")
+
+
+def _check_platform_flags(args: argparse.Namespace) -> None:
+    if args.cpu_features and args.platform != "cpu":
+        raise InvalidArgument(f"--cpu-features describes a CPU engine's host: it needs --platform cpu, not "
+                              f"{args.platform}")
 
 
 def layout(args: argparse.Namespace) -> int:
+    _check_platform_flags(args)
     directory, config = _model_config(args.model)
     sizing = _sizing(config, directory.name, args, args)
     unit = _match_unit(sizing, args.match_unit)
@@ -116,6 +125,7 @@ def check(args: argparse.Namespace) -> int:
     from tiercache.connector.vllm.preflight import EngineChoices, refusals
     from tiercache.prefix.hf_config import model_kinds
 
+    _check_platform_flags(args)
     directory, config = _model_config(args.model)
     flags, unread = _parse_vllm_flags(args.vllm_args)
     version, where = _vllm_version(args.vllm_version)
@@ -231,9 +241,6 @@ def _sizing(config: dict, model: str, flags: argparse.Namespace, platform_flags:
     from tiercache.prefix.block_size import PLATFORMS, CacheFlags, engine_sizing
     from tiercache.prefix.cpu_features import parse
 
-    if platform_flags.cpu_features and platform_flags.platform != "cpu":
-        raise InvalidArgument(f"--cpu-features describes a CPU engine's host: it needs --platform cpu, not "
-                              f"{platform_flags.platform}")
     cache = CacheFlags(tensor_parallel_size=flags.tensor_parallel_size, dtype=flags.dtype,
                        kv_cache_dtype=flags.kv_cache_dtype, mamba_cache_dtype=flags.mamba_cache_dtype,
                        mamba_ssm_cache_dtype=flags.mamba_ssm_cache_dtype, block_size=flags.block_size,

@@ -17,19 +17,25 @@ import sys
 
 LEVEL = os.environ.get("TIERCACHE_TEST_CPU", "")
 _LEVELS = ("avx2", "avx512", "avx512_bf16", "amx")
-# What torch's checks answer at each level, and the kernels torch and oneDNN are held to.
-_ANSWERS = {"_is_avx512_supported": 1, "_is_avx512_vnni_supported": 1, "_is_avx512_bf16_supported": 2,
-            "_is_amx_tile_supported": 3, "_is_amx_fp16_supported": 4}
+# The level from which torch's checks answer yes (below it: no; at or above it: what the CPU says, which must be yes
+# for the level's own features: a level above the machine's is refused), and the kernels torch and oneDNN are held to.
+_ANSWERS = {"_is_avx512_supported": 1, "_is_avx512_vnni_supported": 2, "_is_avx512_bf16_supported": 2,
+            "_is_amx_tile_supported": 3, "_is_amx_fp16_supported": 3}
+_REQUIRED = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported")
 _ATEN = {"avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512", "amx": "avx512"}
 _ONEDNN = {"avx2": "AVX2", "avx512": "AVX512_CORE", "avx512_bf16": "AVX512_CORE_BF16", "amx": "AVX512_CORE_AMX"}
 
 
 def _stand_in(cpu_module) -> None:
     rank = _LEVELS.index(LEVEL)
+    lacking = [name for name, needed in _ANSWERS.items() if name in _REQUIRED and rank >= needed
+               and not getattr(cpu_module, name)()]
+    if lacking:
+        raise SystemExit(f"TIERCACHE_TEST_CPU={LEVEL}: this CPU has no {', '.join(lacking)}; a CPU can only be stood "
+                         f"in below the machine's own (its kernels would not run)")
     for name, needed in _ANSWERS.items():
-        if hasattr(cpu_module, name):
-            answer = rank >= needed
-            setattr(cpu_module, name, lambda answer=answer: answer)
+        if hasattr(cpu_module, name) and rank < needed:
+            setattr(cpu_module, name, lambda: False)
 
 
 class _TorchCpuFinder(importlib.abc.MetaPathFinder):
@@ -62,6 +68,7 @@ class _TorchCpuFinder(importlib.abc.MetaPathFinder):
 if LEVEL:
     if LEVEL not in _LEVELS:
         raise SystemExit(f"TIERCACHE_TEST_CPU={LEVEL!r}: one of {', '.join(_LEVELS)}")
-    os.environ.setdefault("ATEN_CPU_CAPABILITY", _ATEN[LEVEL])
-    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN[LEVEL])
+    # set, not defaulted: an engine stood in lower than the suite inherits the suite's values
+    os.environ["ATEN_CPU_CAPABILITY"] = _ATEN[LEVEL]
+    os.environ["ONEDNN_MAX_CPU_ISA"] = _ONEDNN[LEVEL]
     sys.meta_path.insert(0, _TorchCpuFinder())

@@ -117,14 +117,15 @@ def engine_identity(vllm_config, groups, weights_id: str | None = None, kv_cache
     return ";".join([f"weights={weights_id}", f"quant={model.quantization}", f"dtype={model.dtype}",
                      f"cache={vllm_config.cache_config.cache_dtype}", f"vllm={vllm.__version__}",
                      f"device={current_platform.device_type}:{_device_name(current_platform)}",
-                     f"attention={attention}", f"layers={layers}", page_layout(vllm_config, kv_cache_config, groups)])
+                     f"attention={attention}", f"layers={layers}",
+                     *filter(None, [page_layout(vllm_config, kv_cache_config, groups)])])
 
 
 def page_layout(vllm_config, kv_cache_config, groups) -> str:
     """How the engine arranges the bytes inside its pages where the platform or the host decides it: on the CPU, the
     attention kernel of each attention group (vLLM CPU's `_get_attn_isa`: "amx", "vec", "vec16", ...); for a hybrid,
-    the conv state's layout ("SD" or "DS": VLLM_SSM_CONV_STATE_LAYOUT, which vLLM sets for NIXL). What cannot be read
-    is named as unread, so it never matches an engine that could read it."""
+    the conv state's layout ("SD" or "DS": VLLM_SSM_CONV_STATE_LAYOUT, which vLLM sets for NIXL). "" where neither
+    applies (a dense model on a GPU: its namespace is what it was before the CPU kernels were named)."""
     from vllm.platforms import current_platform
 
     parts = []
@@ -143,15 +144,29 @@ def page_layout(vllm_config, kv_cache_config, groups) -> str:
 def _cpu_attention_kernels(vllm_config, kv_cache_config, groups) -> str:
     model, cache = vllm_config.model_config, vllm_config.cache_config
     specs = [kv_cache_config.kv_cache_groups[g].kv_cache_spec for g in groups.attention]
-    try:  # a private function of vLLM's CPU backend: a vLLM without it, or failing in it, shares with no other engine
+    try:  # a private function of vLLM's CPU backend
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         return ",".join(_get_attn_isa(model.dtype, spec.block_size, spec.head_size, cache.cache_dtype)
                         for spec in specs)
-    except Exception as exc:  # noqa: BLE001 - named as unread (never equal to a kernel's name), and said
-        log.warning("TierCacheConnector: cannot tell which CPU attention kernel lays out this engine's pages (%s); its "
-                    "namespace says so, and it shares objects with no engine that can", exc)
-        return "unread"
+    except Exception as exc:  # noqa: BLE001 - a vLLM without it: name what decides the kernel instead
+        log.warning("TierCacheConnector: vLLM does not say which CPU attention kernel lays out this engine's pages "
+                    "(%s); the namespace names the CPU's capabilities instead", exc)
+        return _cpu_capabilities()
+
+
+def _cpu_capabilities() -> str:
+    """What vLLM's CPU kernels choose by (an engine whose kernel cannot be named shares only with one of the same
+    CPU); this host's name where even that cannot be read."""
+    import socket
+
+    import torch
+
+    try:
+        return "caps:" + ",".join(name for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported",
+                                                    "_is_avx512_supported") if getattr(torch.cpu, name)())
+    except Exception:  # noqa: BLE001 - no sharing beyond this host
+        return f"host:{socket.gethostname()}"
 
 
 def _device_name(platform) -> str:
