@@ -4,20 +4,17 @@ Ns the engines chose after them (tests/vllm_engine/test_block_size.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from tests.cpu_stand_in import engine_cpu
 from tests.vllm_engine.models import FOUR_LAYER, SIX_LAYER
+from tiercache.prefix.cpu_features import cpuinfo_flags
 
 _FLAGS = ("avx2", "avx512f", "avx512vl", "avx512bw", "avx512dq", "avx512_bf16", "amx_tile")
 
 
 def machine_flags() -> str:
-    try:
-        line = next(row for row in Path("/proc/cpuinfo").read_text().splitlines() if row.startswith("flags"))
-    except (OSError, StopIteration):
+    held = cpuinfo_flags()
+    if not held:
         return "no /proc/cpuinfo flags"
-    held = set(line.partition(":")[2].split())
     return " ".join(f if f in held else f"-{f}" for f in _FLAGS)
 
 

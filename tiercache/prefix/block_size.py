@@ -126,7 +126,7 @@ def resolve_dtypes(config: HybridConfig, flags: CacheFlags, platform: Platform,
     served in bfloat16) for the weights, KV (--kv-cache-dtype) and conv state (--mamba-cache-dtype); the recurrent
     state (--mamba-ssm-cache-dtype) follows the conv state unless vLLM's model hook names another (Qwen3.5: the
     config's `mamba_ssm_dtype`; Nemotron-H: its `mamba_ssm_cache_dtype`, else float32), and on the CPU platform, where
-    the CPU has AVX-512 BF16 (`cpu`, default this machine's), an SSM state not in float32 is reset to it
+    the CPU has AVX-512 BF16 (`cpu`, as engine_sizing resolved it), an SSM state not in float32 is reset to it
     (CpuPlatform.check_and_update_config), except a bfloat16 or float16 one that vLLM's CPU Gated DeltaNet kernel
     takes; without AVX-512 BF16 nothing is reset."""
     if flags.dtype == "auto":
@@ -142,7 +142,7 @@ def resolve_dtypes(config: HybridConfig, flags: CacheFlags, platform: Platform,
         ssm = config.ssm_dtype or "float32"
     elif ssm == "auto" and config.model_type != "qwen3_next":  # Qwen3.5's hook; Qwen3-Next has none
         ssm = config.ssm_dtype or "auto"
-    if platform.name == "cpu" and (cpu or detect()).accelerated_gdn and ssm != "float32" \
+    if platform.name == "cpu" and cpu is not None and cpu.accelerated_gdn and ssm != "float32" \
             and not (config.family == "gated_deltanet" and ssm in ("bfloat16", "float16")):
         ssm = "float32"
     ssm = conv if ssm == "auto" else _dtype("--mamba-ssm-cache-dtype", ssm, STATE_DTYPES)

@@ -81,7 +81,7 @@ def _from_torch() -> CpuFeatures:
 
 def _from_cpuinfo(cpuinfo: Path) -> CpuFeatures:
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    flags = _flags(cpuinfo) if x86 else set()
+    flags = cpuinfo_flags(cpuinfo) if x86 else set()
     if x86 and flags is None:
         return CpuFeatures(False, False, False, source=f"this machine ({cpuinfo} unreadable: none assumed)")
     flags = flags or set()
@@ -97,7 +97,7 @@ def parse(name: str) -> CpuFeatures:
     return CpuFeatures(avx512=rank >= 1, avx512_bf16=rank >= 2, amx=rank >= 3, source=f"--cpu-features {name}")
 
 
-def _flags(cpuinfo: Path) -> set[str] | None:
+def cpuinfo_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
     """The first `flags` line's words; None when the file cannot be read."""
     try:
         text = cpuinfo.read_text()
