@@ -23,9 +23,13 @@ from tiercache.connector.vllm.cores import born_off_compute_cores
 client = born_off_compute_cores(lambda: Client.from_url("grpc://127.0.0.1:1"))
 threads = {}
 for tid in os.listdir("/proc/self/task"):
-    with open(f"/proc/self/task/{tid}/comm") as comm:
-        name = comm.read().strip()
-    threads.setdefault(name, []).append(sorted(os.sched_getaffinity(int(tid))))
+    try:  # a short-lived thread may end between the listing and these reads: it computes on no core then
+        with open(f"/proc/self/task/{tid}/comm") as comm:
+            name = comm.read().strip()
+        bound = sorted(os.sched_getaffinity(int(tid)))
+    except (FileNotFoundError, ProcessLookupError):
+        continue
+    threads.setdefault(name, []).append(bound)
 print(json.dumps({"threads": threads, "main": sorted(os.sched_getaffinity(0))}))
 client.close()
 """
