@@ -23,7 +23,7 @@ serve:
 	$(VENV)/bin/tiercache serve $(ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check setup.py tiercache tests benchmarks
+	$(VENV)/bin/ruff check setup.py tiercache tests benchmarks testkit
 
 test: install lint
 	$(PYTEST) -q -m "not slow and not gpu"

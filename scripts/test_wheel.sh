@@ -52,7 +52,7 @@ say "tests of the wheel, the fresh venv, and make serve"
 TIERCACHE_WHEEL_DIR="$work" "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/install
 
 say "a real-engine test with the installed wheel, from a copy of tests/ outside the checkout"
-cp -r tests pyproject.toml "$work/"
+cp -r tests testkit pyproject.toml "$work/"
 (cd "$work" && VLLM_TARGET_DEVICE=cpu TIERCACHE_WHEEL_SITE="$site" "$work/vllm-env/bin/python" -m pytest -q \
     -p no:cacheprovider tests/vllm_engine/test_installed_wheel.py \
     "tests/vllm_engine/test_hits.py::test_repeated_prompts_below_and_above_n_hit_like_vllm_in_a_fresh_engine[FOUR_LAYER]")

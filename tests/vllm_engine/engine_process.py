@@ -28,6 +28,8 @@ Protocol: one JSON object per line on stdin, one answer per line on stdout ({"re
   {"op": "generate_embeds", "seed": s, "length": n, "max_tokens": n} -> the same, for a prompt of embeddings
   {"op": "reset_prefix_cache"} -> {"reset": bool} (vLLM forgets its own prefix cache: the next run is cold)
   {"op": "stats"} -> {"connector": {...} | null}
+  {"op": "offload_stats"} -> tests/vllm_engine/offload_stats.py (engines with vLLM's offloading: option "offload",
+      its TieringOffloadingSpec config; "offload_complete_after": testkit.offload_worker's delayed completion)
   {"op": "exit"}
 Everything vLLM logs goes to stderr.
 """
@@ -82,6 +84,12 @@ def make_engine(options: dict):
 
     settings = dict(options)
     connector = settings.pop("connector", None)
+    offload = settings.pop("offload", None)
+    if offload is not None:  # vLLM's own offloading, with its tiers (testkit.offload_worker stands its worker in)
+        settings["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"spec_name": "TieringOffloadingSpec", **offload})
+        settings.setdefault("disable_log_stats", False)  # vLLM's counters: which tier each hit came from
     if connector is not None:
         settings["kv_transfer_config"] = KVTransferConfig(
             kv_connector="TierCacheConnector", kv_connector_module_path="tiercache.connector.vllm",
@@ -157,6 +165,9 @@ def settle(llm) -> None:
     request is unfinished, but vLLM needs one more step to hand finished requests to the connector (their
     end-of-request saves), and the worker puts saves on a background thread. Both are done when this returns."""
     core = llm.llm_engine.engine_core.engine_core
+    if not hasattr(core.scheduler.connector, "drain"):  # vLLM's offloading: its stores and its tiers' jobs
+        _step_until_idle(core)
+        return
     for _ in range(8):
         if not core.scheduler.has_requests():
             break
@@ -165,6 +176,15 @@ def settle(llm) -> None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         get_kv_transfer_group().drain(timeout_s=5)  # a hung cache server must not hang the tests
+
+
+def _step_until_idle(core, timeout_s: float = 60) -> None:
+    """Step the engine while vLLM's scheduler says work is left (a connector's pending transfers count: vLLM keeps
+    a finished request until its stores are done, and its offloading manager has pending work while a tier does)."""
+    deadline = time.monotonic() + timeout_s
+    while core.scheduler.has_requests() and time.monotonic() < deadline:
+        core.step_fn()
+        time.sleep(0.001)  # the tier's threads run between steps
 
 
 def connector_stats(llm) -> dict | None:
@@ -194,6 +214,10 @@ def main() -> None:
         import tiercache.connector.vllm.identity as identity
 
         identity.page_layout = lambda *args: "pages unnamed (a planted fault)"
+    if "offload" in options:
+        from testkit.offload_worker import install
+
+        install(complete_after=options.pop("offload_complete_after", 0))
     engine_bytes = EngineBytes()
     engine_bytes.install()
     faults = None
@@ -222,6 +246,10 @@ def main() -> None:
             answer = {"reset": bool(llm.reset_prefix_cache())}
         elif command["op"] == "stats":
             answer = {"connector": connector_stats(llm)}
+        elif command["op"] == "offload_stats":
+            from tests.vllm_engine.offload_stats import offload_stats
+
+            answer = offload_stats(llm)
         else:
             answer = {"error": f"unknown op {command['op']}"}
         reply.write(json.dumps(answer) + "\n")

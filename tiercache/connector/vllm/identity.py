@@ -98,27 +98,55 @@ def model_directory(model: str, revision: str | None) -> Path | None:
         return None
 
 
+def model_identity(weights_id: str, quantization: str | None, cache_dtype: str, hf_overrides) -> str:
+    """What of `vllm serve`'s model and flags changes the bytes and that vLLM hands neither of tiercache's vLLM parts
+    in plain sight: the weights, the quantization, the KV cache's dtype (fp8 variants have one size), and the config
+    overrides (`--hf-overrides`: a RoPE scaling changes every K). The connector reads them from vLLM's config; the
+    secondary tier, which vLLM gives no config, takes this text from `tiercache vllm-tier`, which reads the same
+    flags (tests/vllm/test_identity.py holds both to one answer)."""
+    return ";".join([f"weights={weights_id}", f"quant={quantization}", f"cache={cache_dtype}",
+                     f"overrides={overrides_digest(hf_overrides)}"])
+
+
+def overrides_digest(hf_overrides) -> str:
+    """A digest of vLLM's hf_overrides: a dict (what --hf-overrides parses to), a function (the Python API's: named
+    by its qualified name, the most that can be said of it), or nothing."""
+    if not hf_overrides:
+        return "none"
+    if callable(hf_overrides):
+        return f"fn:{getattr(hf_overrides, '__module__', '?')}.{getattr(hf_overrides, '__qualname__', '?')}"
+    text = json.dumps(hf_overrides, sort_keys=True, separators=(",", ":"), default=str)
+    return xxhash.xxh3_128_hexdigest(text.encode())
+
+
 def engine_identity(vllm_config, groups, weights_id: str | None = None, kv_cache_config=None) -> str:
     """Canonical text of everything besides shapes that decides an object's bytes in this engine."""
     import vllm
     from vllm.platforms import current_platform
 
     model = vllm_config.model_config
-    if weights_id is None:
-        directory = model_directory(model.model, model.revision)
-        if directory is None:
-            log.warning("TierCacheConnector: cannot read the weights of %s; the namespace names them by name and "
-                        "revision only (set kv_connector_extra_config.weights_id to name them exactly)", model.model)
-            weights_id = "unread"
-        else:
-            weights_id = weights_identity(directory)
     attention = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     layers = "|".join(",".join(names) for names in groups.layer_names)
-    return ";".join([f"weights={weights_id}", f"quant={model.quantization}", f"dtype={model.dtype}",
-                     f"cache={vllm_config.cache_config.cache_dtype}", f"vllm={vllm.__version__}",
+    return ";".join([engine_model_identity(vllm_config, weights_id), f"dtype={model.dtype}",
+                     f"vllm={vllm.__version__}",
                      f"device={current_platform.device_type}:{_device_name(current_platform)}",
                      f"attention={attention}", f"layers={layers}",
                      *filter(None, [page_layout(vllm_config, kv_cache_config, groups)])])
+
+
+def engine_model_identity(vllm_config, weights_id: str | None = None) -> str:
+    """model_identity read from a running engine's config (`weights_id` names the weights outright)."""
+    model = vllm_config.model_config
+    if weights_id is None:
+        directory = model_directory(model.model, model.revision)
+        if directory is None:
+            log.warning("tiercache: cannot read the weights of %s; the namespace names them by name and revision "
+                        "only (set weights_id to name them exactly)", model.model)
+            weights_id = "unread"
+        else:
+            weights_id = weights_identity(directory)
+    return model_identity(weights_id, model.quantization, vllm_config.cache_config.cache_dtype,
+                          getattr(model, "hf_overrides", None))
 
 
 def page_layout(vllm_config, kv_cache_config, groups) -> str:
@@ -152,10 +180,10 @@ def _cpu_attention_kernels(vllm_config, kv_cache_config, groups) -> str:
     except Exception as exc:  # noqa: BLE001 - a vLLM without it: name what decides the kernel instead
         log.warning("TierCacheConnector: vLLM does not say which CPU attention kernel lays out this engine's pages "
                     "(%s); the namespace names the CPU's capabilities instead", exc)
-        return _cpu_capabilities()
+        return cpu_capabilities()
 
 
-def _cpu_capabilities() -> str:
+def cpu_capabilities() -> str:
     """What vLLM's CPU kernels choose by (an engine whose kernel cannot be named shares only with one of the same
     CPU); this host's name where even that cannot be read."""
     import socket
