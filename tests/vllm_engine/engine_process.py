@@ -30,6 +30,7 @@ Protocol: one JSON object per line on stdin, one answer per line on stdout ({"re
   {"op": "stats"} -> {"connector": {...} | null}
   {"op": "offload_stats"} -> tests/vllm_engine/offload_stats.py (engines with vLLM's offloading: option "offload",
       its TieringOffloadingSpec config; "offload_complete_after": testkit.offload_worker's delayed completion)
+  {"op": "tier_fault", "kind": testkit.tier_faults.KINDS | null} -> {"planted": loads faulted so far}
   {"op": "exit"}
 Everything vLLM logs goes to stderr.
 """
@@ -86,8 +87,10 @@ def make_engine(options: dict):
     connector = settings.pop("connector", None)
     offload = settings.pop("offload", None)
     if offload is not None:  # vLLM's own offloading, with its tiers (testkit.offload_worker stands its worker in)
+        offload = dict(offload)
+        engine_id = offload.pop("engine_id", None)  # names its pool: /dev/shm/vllm_offload_{engine_id}.mmap
         settings["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector="OffloadingConnector", kv_role="kv_both", engine_id=engine_id,
             kv_connector_extra_config={"spec_name": "TieringOffloadingSpec", **offload})
         settings.setdefault("disable_log_stats", False)  # vLLM's counters: which tier each hit came from
     if connector is not None:
@@ -218,6 +221,9 @@ def main() -> None:
         from testkit.offload_worker import install
 
         install(complete_after=options.pop("offload_complete_after", 0))
+        from testkit import tier_faults
+
+        tier_faults.install()
     engine_bytes = EngineBytes()
     engine_bytes.install()
     faults = None
@@ -250,6 +256,11 @@ def main() -> None:
             from tests.vllm_engine.offload_stats import offload_stats
 
             answer = offload_stats(llm)
+        elif command["op"] == "tier_fault":
+            from testkit import tier_faults
+
+            tier_faults.plant(command["kind"])
+            answer = {"planted": tier_faults.planted()}
         else:
             answer = {"error": f"unknown op {command['op']}"}
         reply.write(json.dumps(answer) + "\n")

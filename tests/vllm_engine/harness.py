@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +66,12 @@ class EngineProcess:
                  cpu_level: str | None = None, **options) -> None:
         """`cpu_level`: a CPU stood in for this engine (tests/cpu_stand_in), else the suite's."""
         extra = options.pop("connector_extra", {})
+        self.pool_file: Path | None = None  # vLLM's offloading pool (engines with option "offload")
+        if "offload" in options:
+            engine_id = f"tiercache-test-{uuid.uuid4().hex[:12]}"
+            options["offload"] = {**options["offload"], "engine_id": engine_id}
+            self.pool_file = Path(f"/dev/shm/vllm_offload_{engine_id}.mmap")
+        self.pool_file_left = False  # whether close() found the pool file still there (and removed it)
         settings = {"model": model_dir, **options}
         if url is not None:
             settings["connector"] = {"url": url, "timeout_s": timeout_s, **extra}
@@ -115,6 +122,14 @@ class EngineProcess:
     def stats(self) -> dict | None:
         return self._call({"op": "stats"}, 60)["connector"]
 
+    def offload_stats(self) -> dict:
+        """vLLM's offloading counters and each secondary tier's own (tests/vllm_engine/offload_stats.py)."""
+        return self._call({"op": "offload_stats"}, 60)
+
+    def plant(self, kind: str | None) -> None:
+        """A fault every later load of the tiercache tier gets (testkit.tier_faults), None to stop."""
+        self._call({"op": "tier_fault", "kind": kind}, 60)
+
     def close(self) -> None:
         if self.process.poll() is None:
             try:
@@ -123,7 +138,11 @@ class EngineProcess:
                 self.process.wait(timeout=60)
             except (BrokenPipeError, subprocess.TimeoutExpired):
                 self.process.kill()
+                self.process.wait()
         self._log.close()
+        if self.pool_file is not None and self.pool_file.exists():  # vLLM unlinks it only on a clean shutdown
+            self.pool_file_left = True
+            self.pool_file.unlink(missing_ok=True)
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

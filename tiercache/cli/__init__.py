@@ -12,7 +12,7 @@ import signal
 import sys
 from typing import Sequence
 
-from tiercache.cli import vllm
+from tiercache.cli import vllm, vllm_tier
 from tiercache.cli.stats_table import format_table
 from tiercache.cli.values import port, positive, seconds
 from tiercache.config import (Config, DiskTierConfig, HostTierConfig, ServerConfig, format_size, load_file, parse_size,
@@ -167,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
              description="Reads a bearer token from stdin (or asks for it, without echo, on a terminal) and prints "
                          "the token_sha256 a tenants file names it by (README, 'Security').")
     vllm.add_commands(commands, _command)
+    vllm_tier.add_command(commands, _command)
     return parser
 
 
@@ -287,7 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"serve": serve, "stats": show_stats, "bench": run_bench, "demo": demo, "token-hash": token_hash,
-                "layout": vllm.layout, "check-vllm": vllm.check}[args.command](args)
+                "layout": vllm.layout, "check-vllm": vllm.check,
+                "vllm-tier": vllm_tier.vllm_tier}[args.command](args)
     except TierCacheError as exc:  # the shape of _Parser's errors: which command failed, on one line
         print(f"{args.command_prog}: error: {exc}", file=sys.stderr)
         return 2
