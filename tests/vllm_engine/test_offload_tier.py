@@ -15,8 +15,13 @@ decode tokens only with `offload_prompt_only` false (the chat case).
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 
+from tests.helpers import ServerProcess
 from tests.vllm_engine.conftest import Engines, prompt, start_cache_server
 from tests.vllm_engine.harness import assert_same_bytes, assert_same_computation
 from tests.vllm_engine.models import FOUR_LAYER
@@ -24,16 +29,22 @@ from tests.vllm_engine.offload_runs import EXTERNAL, OffloadEngines, counted
 from tiercache.cli.vllm_tier import tier_entry
 
 PROMPTS = {name: 500 + i for i, name in enumerate(["restore", "restart", "tail", "chat", "vanish", "swap", "flip"])}
+# A store or load waits this long on a server that does not answer (SIGSTOP) before it fails: short here, so that a
+# settled engine is not kept waiting on one (the default is 30 s).
+TIER_TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def run(models_dir, tmp_path_factory):
     server = start_cache_server(tmp_path_factory, "offload-tier")
     engines = Engines(FOUR_LAYER, models_dir, tmp_path_factory.mktemp("engine-logs"))
-    made = OffloadEngines(engines, tier_entry(engines.path, [], server.url), tmp_path_factory.mktemp("fs-tier"))
-    yield made, server
+    tier = {**tier_entry(engines.path, [], server.url), "timeout_s": TIER_TIMEOUT_S}
+    made = OffloadEngines(engines, tier, tmp_path_factory.mktemp("fs-tier"))
+    servers = [server]
+    yield made, servers
     made.close()
-    server.kill()
+    for each in servers:
+        each.kill()
 
 
 def long_prompt(n: int, name: str) -> list[int]:
@@ -150,3 +161,46 @@ def test_the_bytes_gate_fails_on_a_fault_planted_in_the_tiers_loads(run, fault):
     assert got.cached == 3 * n
     with pytest.raises(AssertionError, match="hold other bytes"):
         assert_same_bytes(got, made.alone_hit_at(tokens, 3 * n), f"planted {fault}")
+
+
+def test_a_dead_stopped_or_restarted_server_costs_no_request_and_never_holds_the_scheduler(run):
+    """Every request completes, computed as vLLM alone computes it; the scheduler's lookups in the tier never wait on
+    the server; and once the server is back, the engine offloads to it again without a restart (a second engine
+    restores what it offloaded then)."""
+    made, servers = run
+    n = made.n
+    engine = made.restarted
+    server = servers[0]
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        stopped = prompt(600, 2 * n + 5)
+        assert_same_computation(engine.one(stopped), made.alone_cold(stopped), "server stopped")
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    server.kill()
+    dead = prompt(601, 2 * n + 5)
+    assert_same_computation(engine.one(dead), made.alone_cold(dead), "server dead")
+    servers.append(ServerProcess(*server.args[2:], port=server.port).start())  # the same flags, port and disk
+    offloaded = _offload_until_stored(engine, n)
+    got, hits = counted(made.replica, offloaded)
+    assert got.cached == 3 * n and hits == {EXTERNAL: 3 * n}, f"after the restart: hit {got.cached}, {hits}"
+    delays = engine.offload_stats()["lookup_sync_delay"]["1:TierCacheTier"]
+    # A Python call can wait for the interpreter's lock up to its switch interval (5 ms) on a loaded machine: all
+    # but a few lookups stay under 1 ms, and none waited on the server (its deadline is 0.5 s).
+    assert delays["buckets"]["0.001"] >= 0.95 * delays["count"] and delays["buckets"]["0.05"] == delays["count"], \
+        f"the tier's lookups held vLLM's scheduler: {delays}"
+
+
+def _offload_until_stored(engine, n: int, timeout_s: float = 60) -> list[int]:
+    """New prompts until one is stored whole in the server (the client's breaker finds the server back within its
+    probe interval; stores before that fail, counted): that prompt."""
+    deadline = time.monotonic() + timeout_s
+    for seed in range(700, 800):
+        before = engine.offload_stats()["tiers"][0]
+        tokens = prompt(seed, 4 * n - 24)
+        engine.one(tokens)
+        after = engine.offload_stats()["tiers"][0]
+        if after["stored_chunks"] > before["stored_chunks"] and after["store_failures"] == before["store_failures"]:
+            return tokens
+        assert time.monotonic() < deadline, f"the engine stored nothing in the restarted server: {after}"
+    raise AssertionError("no prompt stored")
