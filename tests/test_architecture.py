@@ -211,3 +211,54 @@ def test_no_module_is_over_400_lines():
     long = [f"{path.relative_to(ROOT)}: {n} lines" for _, path in modules()
             if (n := len(path.read_text().splitlines())) > 400]
     assert long == []
+
+
+# -- the product, the lab and the tests stand apart ---------------------------------------------------------------
+# tiercache (the product) imports neither the tests, the lab (benchmarks) nor the test kit; the test kit (testkit:
+# engine patches both tests and served benchmark engines need) imports neither tests nor benchmarks; and no import
+# between tests and benchmarks is added beyond those listed in tests/architecture_crossings.txt, which only shrinks.
+
+CROSSINGS = ROOT / "tests" / "architecture_crossings.txt"
+
+
+def _top_imports(path: Path) -> set[str]:
+    """The top-level names (tests, benchmarks, testkit, ...) a file imports, lazy imports too."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def _files(top: str) -> list[Path]:
+    return sorted((ROOT / top).rglob("*.py"))
+
+
+def test_the_product_imports_no_test_lab_or_test_kit_code():
+    wrong = [f"{p.relative_to(ROOT)} imports {sorted(names)}" for p in _files("tiercache") if "_proto" not in p.parts
+             for names in [_top_imports(p) & {"tests", "benchmarks", "testkit"}] if names]
+    assert not wrong, wrong
+
+
+def test_the_test_kit_imports_neither_tests_nor_the_lab():
+    wrong = [f"{p.relative_to(ROOT)} imports {sorted(names)}" for p in _files("testkit")
+             for names in [_top_imports(p) & {"tests", "benchmarks"}] if names]
+    assert not wrong, wrong
+
+
+def crossings() -> set[str]:
+    """`file -> top` for every file of tests/ importing benchmarks and of benchmarks/ importing tests."""
+    found = set()
+    for top, other in (("tests", "benchmarks"), ("benchmarks", "tests")):
+        found.update(f"{p.relative_to(ROOT)} -> {other}" for p in _files(top) if other in _top_imports(p))
+    return found
+
+
+def test_no_new_import_between_tests_and_the_lab():
+    listed = {line.strip() for line in CROSSINGS.read_text().splitlines() if line.strip() and line[0] != "#"}
+    new = sorted(crossings() - listed)
+    assert not new, f"new imports between tests and benchmarks (move what both need to testkit/): {new}"
+    gone = sorted(listed - crossings())
+    assert not gone, f"remove these from {CROSSINGS.name}, they are gone: {gone}"
