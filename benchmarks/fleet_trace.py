@@ -83,7 +83,7 @@ def block_tokens(args) -> int:
     if args.engine == "vllm":
         if args.block_size:
             return args.block_size
-        from tests.vllm_engine.models import FOUR_LAYER
+        from testkit.vllm_models import FOUR_LAYER
 
         return FOUR_LAYER.block_size
     return spec_for(args).chunk_tokens

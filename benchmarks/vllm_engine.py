@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from tests.vllm_engine.conftest import prompt  # noqa: E402
 from tests.vllm_engine.harness import EngineProcess  # noqa: E402
-from tests.vllm_engine.models import FOUR_LAYER  # noqa: E402
+from testkit.vllm_models import FOUR_LAYER  # noqa: E402
 from tiercache.process import ServerProcess  # noqa: E402
 
 LENGTHS = [32, 128, 255, 512, 1000, 2048, 4096]

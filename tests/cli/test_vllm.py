@@ -12,8 +12,8 @@ import pytest
 
 from tiercache.cli import main
 from tests.helpers import python_env
-from tests.prefix.hf_configs import QWEN35_08B, tiny_qwen3_next
-from tests.vllm_engine.models import FOUR_LAYER
+from tests.prefix.hf_configs import QWEN35_08B
+from testkit.vllm_models import FOUR_LAYER
 from tiercache.prefix.cpu_features import detect
 
 CONNECTOR = {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.connector.vllm",
@@ -58,7 +58,7 @@ def test_layout_json_follows_the_flags(model_dir, capsys):
 @pytest.mark.parametrize("level,n,ssm", [("avx2", 128, "bfloat16"), ("avx512", 128, "bfloat16"),
                                          ("avx512_bf16", 256, "float32"), ("amx", 256, "float32")])
 def test_layout_on_the_cpu_platform_gives_the_real_engines_n_for_the_cpu_named(tmp_path, capsys, level, n, ssm):
-    (tmp_path / "config.json").write_text(json.dumps(tiny_qwen3_next(FOUR_LAYER)))
+    (tmp_path / "config.json").write_text(json.dumps(FOUR_LAYER.config_fields()))
     code, out, _ = _run(capsys, "layout", str(tmp_path), "--platform", "cpu", "--json", "--cpu-features", level)
     report = json.loads(out)
     assert code == 0 and (report["block_tokens"], report["dtypes"]["ssm"], report["cpu"]) == (n, ssm, level)
@@ -68,7 +68,7 @@ def test_layout_on_the_cpu_platform_gives_the_real_engines_n_for_the_cpu_named(t
 
 
 def test_layout_on_the_cpu_platform_reads_this_machines_cpu(tmp_path, capsys):
-    (tmp_path / "config.json").write_text(json.dumps(tiny_qwen3_next(FOUR_LAYER)))
+    (tmp_path / "config.json").write_text(json.dumps(FOUR_LAYER.config_fields()))
     code, out, _ = _run(capsys, "layout", str(tmp_path), "--platform", "cpu", "--json")
     report = json.loads(out)
     assert code == 0 and report["cpu_rule"].startswith(f"{detect().name} from {detect().source}: ")

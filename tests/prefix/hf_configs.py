@@ -44,13 +44,3 @@ QWEN35_08B = CONFIGS["qwen3.5-0.8b"]
 
 def published_config(name: str) -> dict:
     return CONFIGS[name]
-
-
-def tiny_qwen3_next(model) -> dict:
-    """The config.json transformers writes for a tests/vllm_engine/models.py TinyModel (the fields that matter)."""
-    return {"model_type": "qwen3_next", "num_hidden_layers": model.layers,
-            "layer_types": ["full_attention" if (i + 1) % model.full_attention_interval == 0 else "linear_attention"
-                            for i in range(model.layers)],
-            "num_attention_heads": 4, "num_key_value_heads": model.kv_heads, "head_dim": model.head_dim,
-            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
-            "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "dtype": "bfloat16"}

@@ -12,8 +12,8 @@ from tiercache.prefix.block_size import PLATFORMS, CacheFlags, engine_sizing
 from tiercache.prefix.cpu_features import parse
 from tiercache.prefix.layout import unified_block_size
 from tiercache.prefix.presets import PRESETS, preset
-from tests.prefix.hf_configs import CONFIGS, QWEN35_08B, tiny_qwen3_next
-from tests.vllm_engine.models import FOUR_LAYER, SIX_LAYER
+from tests.prefix.hf_configs import CONFIGS, QWEN35_08B
+from testkit.vllm_models import FOUR_LAYER, SIX_LAYER
 
 CPU = PLATFORMS["cpu"]
 AVX512_BF16, AVX2 = parse("avx512_bf16"), parse("avx2")
@@ -51,13 +51,13 @@ def test_qwen35_08b_as_the_docs_size_it():
     (FOUR_LAYER, CacheFlags(mamba_ssm_cache_dtype="float32"), AVX2, 256),  # asked for: as AVX-512 BF16's default
 ])
 def test_the_cpu_platform_gives_the_n_of_vllms_cpu_engine(model, flags, cpu, n):
-    assert engine_sizing(tiny_qwen3_next(model), model.name, flags, CPU, cpu).block_tokens == n
+    assert engine_sizing(model.config_fields(), model.name, flags, CPU, cpu).block_tokens == n
 
 
 def test_the_cpu_platform_resets_an_auto_ssm_state_to_float32_only_with_avx512_bf16():
-    assert engine_sizing(tiny_qwen3_next(FOUR_LAYER), "m", platform=CPU, cpu=AVX512_BF16).dtypes.ssm == "float32"
-    assert engine_sizing(tiny_qwen3_next(FOUR_LAYER), "m", platform=CPU, cpu=AVX2).dtypes.ssm == "bfloat16"
-    assert engine_sizing(tiny_qwen3_next(FOUR_LAYER), "m").dtypes.ssm == "bfloat16"  # a GPU follows the conv state
+    assert engine_sizing(FOUR_LAYER.config_fields(), "m", platform=CPU, cpu=AVX512_BF16).dtypes.ssm == "float32"
+    assert engine_sizing(FOUR_LAYER.config_fields(), "m", platform=CPU, cpu=AVX2).dtypes.ssm == "bfloat16"
+    assert engine_sizing(FOUR_LAYER.config_fields(), "m").dtypes.ssm == "bfloat16"  # a GPU follows the conv state
     nemotron, bf16 = CONFIGS["nemotron-h-8b"], CacheFlags(mamba_ssm_cache_dtype="bfloat16")
     assert engine_sizing(nemotron, "m", bf16, CPU, AVX512_BF16).dtypes.ssm == "float32"  # not a GDN state
     assert engine_sizing(nemotron, "m", bf16, CPU, AVX2).dtypes.ssm == "bfloat16"
@@ -65,9 +65,9 @@ def test_the_cpu_platform_resets_an_auto_ssm_state_to_float32_only_with_avx512_b
 
 
 def test_the_cpu_platform_reads_this_machines_cpu_by_default():
-    sizing = engine_sizing(tiny_qwen3_next(FOUR_LAYER), "m", platform=CPU)
+    sizing = engine_sizing(FOUR_LAYER.config_fields(), "m", platform=CPU)
     assert sizing.cpu is not None and sizing.cpu.source.startswith("this machine")
-    assert engine_sizing(tiny_qwen3_next(FOUR_LAYER), "m").cpu is None  # a GPU engine's host CPU decides nothing
+    assert engine_sizing(FOUR_LAYER.config_fields(), "m").cpu is None  # a GPU engine's host CPU decides nothing
 
 
 @pytest.mark.parametrize("flags,n", [

@@ -22,7 +22,7 @@ if not _VLLM_CPU:
 else:
     from tests.helpers import ServerProcess
     from tests.vllm_engine.harness import EngineProcess
-    from tests.vllm_engine.models import DENSE, FOUR_LAYER, SIX_LAYER
+    from testkit.vllm_models import DENSE, FOUR_LAYER, SIX_LAYER
 
 VOCAB = 1024
 

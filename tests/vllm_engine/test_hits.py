@@ -1,5 +1,5 @@
 """Hits on the real engine match vLLM's own, bit for bit, for two model shapes (N = 256 and N = 128 on a
-CPU with AVX-512 BF16; 128 and 128 without it: tests/vllm_engine/models.py).
+CPU with AVX-512 BF16; 128 and 128 without it: testkit/vllm_models.py).
 
 Three engines per model: `alone` is vLLM without the connector (the yardstick: its own prefix cache), `first` runs
 with TierCacheConnector and fills tiercache, `fresh` is a second engine with the connector that has never seen the

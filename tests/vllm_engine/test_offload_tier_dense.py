@@ -10,7 +10,7 @@ import pytest
 
 from tests.vllm_engine.conftest import Engines, prompt, start_cache_server
 from tests.vllm_engine.harness import assert_same_bytes, assert_same_computation
-from tests.vllm_engine.models import DENSE
+from testkit.vllm_models import DENSE
 from tests.vllm_engine.offload_runs import EXTERNAL, OffloadEngines, counted
 from tiercache.cli.vllm_tier import tier_entry
 

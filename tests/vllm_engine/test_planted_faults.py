@@ -1,4 +1,4 @@
-"""Each exactness gate of the harness fails on the faults it is meant to catch (tests/vllm_engine/planted_faults.py
+"""Each exactness gate of the harness fails on the faults it is meant to catch (testkit/connector_faults.py
 plants them in the connector's load path, one request at a time, so one engine serves them all).
 
 The gates (tests/vllm_engine/harness.py): the engine bytes gate (assert_same_bytes: the hit, and the digests of every
@@ -25,7 +25,7 @@ import pytest
 
 from tests.vllm_engine.conftest import prompt
 from tests.vllm_engine.harness import assert_same_bytes, assert_same_computation
-from tests.vllm_engine.planted_faults import KINDS
+from testkit.connector_faults import KINDS
 
 PROMPT_TOKENS = 808  # hit 800
 EARLIER = 16  # the earlier state the server holds sits this far below the hit

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm_engine.models import FOUR_LAYER
+from testkit.vllm_models import FOUR_LAYER
 from tiercache.process import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,7 +104,7 @@ def test_the_try_it_page_runs_as_written_and_shows_the_hit_where_it_says(tmp_pat
     shown = "".join(fenced(page, "text"))
 
     # The model is the real-engine tests' FOUR_LAYER shape, with a tokenizer; the page's N (its retention interval)
-    # is what `tiercache layout` says for this machine (with a CPU stood in for the suite, tests/cpu_stand_in, for
+    # is what `tiercache layout` says for this machine (with a CPU stood in for the suite, testkit/cpu_stand_in, for
     # that CPU: layout asks torch as vLLM does), and the engine chose it.
     config = json.loads((directory / "model" / "config.json").read_text())
     interval = FOUR_LAYER.full_attention_interval

