@@ -4,6 +4,7 @@ engine in tests/vllm_engine/test_offload_tier.py; here each rule is pinned where
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -153,4 +154,29 @@ def test_answers_are_kept_while_a_request_that_asked_lives_and_asked_again_after
     verdicts.request_finished("r1")
     assert verdicts.lookup(b"late", "r2") == Verdict.RETRY
     wait_for(lambda: verdicts.lookup(b"late", "r2") == Verdict.HIT)
+    verdicts.close()
+
+
+def test_a_later_request_asks_again_about_a_miss_older_than_the_deadline(client):
+    """Requests overlapping without end on a hot prefix must not keep a miss for ever (an outage's, or one from before
+    another engine stored the key); a request that already has its answer keeps it."""
+    verdicts = Verdicts(lambda keys: client.exists(NAMESPACE, keys), deadline_s=0.2)
+    verdicts.lookup(b"hot", "r1")
+    wait_for(lambda: verdicts.lookup(b"hot", "r1") == Verdict.MISS)
+    client.put(NAMESPACE, b"hot", b"\x00" * SLOT)
+    later = (f"r{i}" for i in itertools.count(2))  # a new request every poll, r1 alive all along
+    wait_for(lambda: verdicts.lookup(b"hot", next(later)) == Verdict.HIT, timeout_s=5)
+    assert verdicts.lookup(b"hot", "r1") == Verdict.HIT  # the new answer is shared
+    verdicts.close()
+
+
+def test_a_failed_key_is_asked_about_again_once_its_failure_is_old(client, monkeypatch):
+    import tiercache.connector.vllm_tier.verdicts as verdicts_module
+
+    monkeypatch.setattr(verdicts_module, "FAILED_KEY_S", 0.2)
+    client.put(NAMESPACE, b"k", b"\x00" * SLOT)
+    verdicts = Verdicts(lambda keys: client.exists(NAMESPACE, keys), deadline_s=10)
+    verdicts.load_failed([b"k"])
+    assert verdicts.lookup(b"k", "r1") == Verdict.MISS
+    wait_for(lambda: verdicts.lookup(b"k", "r2") == Verdict.HIT, timeout_s=5)
     verdicts.close()

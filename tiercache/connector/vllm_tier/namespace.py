@@ -57,7 +57,17 @@ def _seed_digest() -> str:
     none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
     if none_hash is None:
         raise RuntimeError("vLLM has not set the block hashes' seed (NONE_HASH) yet")
+    if _seed_is_random(kv_cache_utils):
+        log.warning("TierCacheTier: vLLM seeds this engine's block hashes at random (a non-cryptographic "
+                    "--prefix-caching-hash-algo without PYTHONHASHSEED): no other engine and no restart will find "
+                    "what it stores. Set PYTHONHASHSEED to one value on every engine, or keep the default sha256")
     return xxhash.xxh3_64_hexdigest(bytes(none_hash))
+
+
+def _seed_is_random(kv_cache_utils) -> bool:
+    seed = getattr(kv_cache_utils, "get_none_hash_seed", lambda: None)()
+    default = getattr(kv_cache_utils, "DEFAULT_NONE_HASH_SEED", None)
+    return seed is not None and seed != default and seed != os.getenv("PYTHONHASHSEED")
 
 
 def _platform() -> str:

@@ -5,11 +5,15 @@ until the request is scheduled (`lookup`: HIT, MISS or RETRY). A round trip per 
 in the engine, so:
 - a key seen for the first time is queued for a background thread that asks the server in batches (Exists), and the
   lookup answers RETRY; vLLM keeps scanning the request's keys on RETRY, so one step queues them all;
-- an answer is kept while a request that asked for it is alive (vLLM asks again every step until it schedules);
+- an answer is kept while a request that asked for it is alive (vLLM asks again every step until it schedules); a
+  request that comes later shares a HIT, but asks again about a MISS older than the deadline (requests that
+  overlap without end on a hot prefix would otherwise keep a miss from an outage, or from before another engine
+  stored the key, for ever);
 - a key the server has not answered for within the deadline (down, slow, stopped) is a MISS;
 - a key whose load failed (evicted after the lookup, a checksum mismatch, the server gone) is a MISS until this tier
-  stores it again: vLLM drops a key whose promotion failed and asks again, and a tier that answered HIT again would
-  have it promote, fail and defer the request forever (vLLM's own fs tier keeps such a negative answer too).
+  stores it again, or for FAILED_KEY_S (another engine may store it again): vLLM drops a key whose promotion failed
+  and asks again, and a tier that answered HIT again would have it promote, fail and defer the request forever
+  (vLLM's own fs tier keeps such a negative answer too).
 tests/vllm/test_tier.py drives these through vLLM's own tiering manager.
 """
 
@@ -25,6 +29,7 @@ from typing import Callable, Sequence
 log = logging.getLogger(__name__)
 
 _BATCH_KEYS = 4096
+FAILED_KEY_S = 60.0
 
 
 class Verdict(enum.Enum):
@@ -38,6 +43,7 @@ class _Entry:
     asked_at: float
     present: bool | None = None  # None: not answered yet
     requests: set[str] = field(default_factory=set)
+    answered_at: float = 0.0
 
 
 @dataclass
@@ -55,7 +61,7 @@ class Verdicts:
         self._exists = exists
         self._deadline_s = deadline_s
         self._entries: dict[bytes, _Entry] = {}
-        self._failed: set[bytes] = set()
+        self._failed: dict[bytes, float] = {}  # key -> when its load failed
         self._by_request: dict[str, set[bytes]] = {}
         self._queued: list[bytes] = []
         self._lock = threading.Lock()
@@ -68,11 +74,15 @@ class Verdicts:
     def lookup(self, key: bytes, request: str) -> Verdict:
         now = time.monotonic()
         with self._lock:
-            if key in self._failed:
-                return Verdict.MISS
+            failed_at = self._failed.get(key)
+            if failed_at is not None:
+                if now - failed_at < FAILED_KEY_S:
+                    return Verdict.MISS
+                del self._failed[key]
             entry = self._entries.get(key)
-            if entry is None:
-                entry = self._entries[key] = _Entry(now)
+            if entry is None or (entry.present is False and request not in entry.requests
+                                 and now - entry.answered_at >= self._deadline_s):
+                entry = self._entries[key] = _Entry(now, requests=entry.requests if entry else set())
                 self._queued.append(key)
                 self._wake.notify()
             entry.requests.add(request)
@@ -80,7 +90,7 @@ class Verdicts:
             if entry.present is None:
                 if now - entry.asked_at < self._deadline_s:
                     return Verdict.RETRY
-                entry.present = False
+                entry.present, entry.answered_at = False, now
                 self.counts.timed_out += 1
             return Verdict.HIT if entry.present else Verdict.MISS
 
@@ -96,18 +106,21 @@ class Verdicts:
                     del self._entries[key]
 
     def load_failed(self, keys: Sequence[bytes]) -> None:
+        now = time.monotonic()
         with self._lock:
-            self._failed.update(keys)
+            for stale in [k for k, at in self._failed.items() if now - at >= FAILED_KEY_S]:
+                del self._failed[stale]
+            self._failed.update(dict.fromkeys(keys, now))
             for key in keys:
                 entry = self._entries.get(key)
                 if entry is not None:
-                    entry.present = False
+                    entry.present, entry.answered_at = False, now
 
     def stored(self, keys: Sequence[bytes]) -> None:
         """This tier stored `keys`: a load that failed before may succeed now, and a lookup need not ask."""
         with self._lock:
-            self._failed.difference_update(keys)
             for key in keys:
+                self._failed.pop(key, None)
                 entry = self._entries.get(key)
                 if entry is not None:
                     entry.present = True
@@ -140,7 +153,7 @@ class Verdicts:
                     entry = self._entries.get(key)
                     if entry is None or entry.present is not None:
                         continue
-                    entry.present = held
+                    entry.present, entry.answered_at = held, time.monotonic()
                     if not entry.requests:  # every request that asked ended before the answer
                         del self._entries[key]
 
