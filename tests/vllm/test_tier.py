@@ -73,7 +73,12 @@ def engines(server):
             parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
                                               data_parallel_index=0, data_parallel_size=1,
                                               data_parallel_rank_local=None, is_parallelism_agnostic=False))
-        manager = TieringOffloadingSpec(config).get_manager()
+        try:
+            manager = TieringOffloadingSpec(config).get_manager()
+        except BaseException:  # a tier that refused to start: vLLM made the pool first and does not remove it
+            for path in glob.glob(f"/dev/shm/vllm_offload_{engine_id}.mmap*"):
+                os.unlink(path)
+            raise
         made.append((engine_id, manager))
         assert glob.glob(f"/dev/shm/vllm_offload_{engine_id}.mmap*"), "the pool is not where the check looks"
         return manager
@@ -311,3 +316,28 @@ def test_finished_jobs_are_polled_off_the_scheduler_thread(engines):
     with second.lock:
         assert second.lookup(key, context) is HIT
     assert promoted_bytes(second, key, context) == payload
+
+
+def test_a_server_whose_chunk_limit_is_below_a_pool_row_is_refused_at_start(engines, tmp_path):
+    """A configuration that cannot work is refused before the engine serves: every store would be refused."""
+    from tiercache.errors import InvalidArgument
+
+    with ServerProcess("--host-mem", "4MiB", "--disk-size", "0", "--disk-dir", str(tmp_path / "small"),
+                       "--max-chunk-size", "2KiB", "--no-data-channel") as small:
+        with pytest.raises(InvalidArgument, match="--max-chunk-size"):
+            engines(url=small.url)
+
+
+def test_an_unreachable_server_is_a_miss_not_a_refusal(engines):
+    manager = engines(url="grpc://127.0.0.1:1", lookup_deadline_s=0.2)  # nothing listens on port 1
+    context = request(manager, "r1")
+    answers = []
+
+    def answered() -> bool:
+        with manager.lock:
+            answers.append(manager.lookup(key_of(7), context))
+            manager.on_schedule_end(END)
+        return answers[-1] != RETRY
+
+    wait_for(answered, timeout_s=10, what="an answer from an unreachable server")
+    assert answers[-1] == MISS
