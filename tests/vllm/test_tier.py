@@ -341,3 +341,13 @@ def test_an_unreachable_server_is_a_miss_not_a_refusal(engines):
 
     wait_for(answered, timeout_s=10, what="an answer from an unreachable server")
     assert answers[-1] == MISS
+
+
+def test_the_short_name_resolves_to_the_tier_and_registering_twice_is_harmless():
+    from tiercache.connector.vllm_tier.plugin import register
+    from tiercache.connector.vllm_tier.tier import TierCacheTier
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    register()
+    register()  # vLLM loads plugins once per process, but more than one process part may
+    assert SecondaryTierFactory.get_tier_class({"type": "tiercache"}) is TierCacheTier

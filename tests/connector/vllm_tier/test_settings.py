@@ -50,3 +50,12 @@ def test_vllm_tier_says_bad_input_in_one_line(tmp_path):
         out = subprocess.run([sys.executable, "-m", "tiercache", "vllm-tier", *args], capture_output=True, text=True,
                              timeout=60, env=python_env())
         assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_the_plugin_entry_point_never_raises_without_vllm():
+    """vLLM runs every `vllm.general_plugins` entry point in each of its processes: one that raised would stop vLLM
+    from starting. Here no vLLM is installed: registering is a no-op (tests/vllm/test_tier.py registers for real)."""
+    from tiercache.connector.vllm_tier.plugin import register
+
+    register()
+    register()
