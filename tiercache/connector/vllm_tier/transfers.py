@@ -3,7 +3,8 @@
 A job names slots of vLLM's shared CPU pool (rows of the memoryview the tier was given); a store puts each slot's
 bytes under its key, a load gets each key's bytes straight into its slot (the client fills the buffer it is given:
 no copy beyond the one its path makes). vLLM pins a job's slots until the job is reported, so a job is reported
-only once its thread has returned from the client, and nothing of it can still read or write a slot. Loads go
+only once its thread has returned from the client, and nothing of it can still read or write a slot (the client
+returns, or raises, only once every stripe of a call has finished: client.data_channel's `_in_parallel`). Loads go
 before stores (a load holds a request back; a store is for later). Every failure is the job's: counted, reported as
 failed, never raised into vLLM's scheduler.
 """
