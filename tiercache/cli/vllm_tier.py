@@ -3,8 +3,9 @@ model and the flags `vllm serve` gets.
 
 vLLM tells a secondary tier the model's name, dtype and layout, but not what else changes the bytes: which weights
 are at that path, `--quantization`, `--kv-cache-dtype` (fp8 variants are one size), `--hf-overrides` (a RoPE scaling
-changes every K). This command reads them as the engine will (the weights from their files, as the connector does:
-connector.vllm.identity) and prints them in the entry as `model_identity`, which the tier refuses to start without.
+changes every K), `--attention-backend`. This command reads them as the engine will (the weights from their files,
+as the connector does: connector.vllm.identity) and prints them in the entry (`model_identity`, which the tier
+refuses to start without, and `attention_backend`).
 Never imports vLLM.
 
 Exit status: 0, the entry is printed (one JSON line); 2, bad input (one line).
@@ -60,6 +61,8 @@ def tier_entry(model: str, vllm_args: list[str], url: str | None = None, salt: s
                                               overrides)}
     if salt:
         entry["salt"] = salt
+    if flags.attention_backend:
+        entry["attention_backend"] = flags.attention_backend
     return entry
 
 
@@ -69,6 +72,7 @@ def _parse(tokens: list[str]) -> argparse.Namespace:
     parser.add_argument("--quantization", "-q")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--hf-overrides")
+    parser.add_argument("--attention-backend")
     normalized = [t.split("=", 1)[0].replace("_", "-") + t[len(t.split("=", 1)[0]):] if t.startswith("--") else t
                   for t in tokens]
     flags, _ = parser.parse_known_args(normalized)

@@ -59,3 +59,14 @@ def test_the_plugin_entry_point_never_raises_without_vllm():
 
     register()
     register()
+
+
+def test_a_named_attention_backend_goes_into_the_entry(tmp_path):
+    from tiercache.cli.vllm_tier import tier_entry
+
+    (tmp_path / "config.json").write_text("{}")
+    assert "attention_backend" not in tier_entry(str(tmp_path), [], "grpc://127.0.0.1:9")
+    entry = tier_entry(str(tmp_path), ["--attention-backend", "FLASHINFER"], "grpc://127.0.0.1:9")
+    assert entry["attention_backend"] == "FLASHINFER"
+    assert TierSettings.from_tier_kwargs({k: v for k, v in entry.items()
+                                          if k not in ("type", "module_path")}).attention_backend == "FLASHINFER"

@@ -10,7 +10,8 @@ of one group, laid out by vLLM). So the namespace names:
   blocks per chunk;
 - how slots are laid out: the groups (block size, layer names), bytes per block and per row, the parallel layout
   (every rank's pages are in one row), vLLM's layout flags, vLLM's version, the platform (and on the CPU the
-  capabilities its attention kernel lays pages out by: connector.vllm.identity);
+  capabilities its attention kernel lays pages out by: connector.vllm.identity), an attention backend named on
+  vLLM's command line;
 - the salt, as the connector adds it (tenants may require one).
 """
 
@@ -26,7 +27,7 @@ from tiercache.record.keys import salt_suffix
 log = logging.getLogger(__name__)
 
 
-def identity_text(config, model_identity: str, row_bytes: int) -> str:
+def identity_text(config, model_identity: str, row_bytes: int, attention_backend: str = "") -> str:
     """The canonical text of an OffloadingConfig (vLLM 0.32 or 0.33) and the tier's model identity."""
     import vllm
 
@@ -34,6 +35,7 @@ def identity_text(config, model_identity: str, row_bytes: int) -> str:
     parallel = config.parallel
     return ";".join([
         model_identity, f"dtype={config.model.dtype}", f"vllm={vllm.__version__}", f"platform={_platform()}",
+        f"attention={attention_backend or 'auto'}",
         f"seed={_seed_digest()}", f"tokens_per_hash={config.cache.tokens_per_hash}",
         f"blocks_per_chunk={config.cache.blocks_per_chunk}", f"groups={groups}",
         f"block_bytes={config.worker_kv_bytes_per_block}", f"row_bytes={row_bytes}",
@@ -42,10 +44,10 @@ def identity_text(config, model_identity: str, row_bytes: int) -> str:
         f"layout={config.replicated_layout},{config.canonical_layout},{config.kv_cache_layout}"])
 
 
-def namespace(config, model_identity: str, row_bytes: int, salt: str = "") -> str:
+def namespace(config, model_identity: str, row_bytes: int, salt: str = "", attention_backend: str = "") -> str:
     """model-name@vllm-tier#digest[~salt digest]."""
     name = os.path.basename(str(config.model.name).rstrip("/"))[:96] or "model"
-    digest = xxhash.xxh3_128_hexdigest(identity_text(config, model_identity, row_bytes).encode())
+    digest = xxhash.xxh3_128_hexdigest(identity_text(config, model_identity, row_bytes, attention_backend).encode())
     return f"{name}@vllm-tier#{digest}" + (salt_suffix(salt) if salt else "")
 
 

@@ -25,6 +25,9 @@ class TierSettings:
     # KV cache dtype, config overrides): `tiercache vllm-tier MODEL [flags]` prints it (identity.model_identity).
     model_identity: str = ""
     salt: str = ""  # a namespace of its own (e.g. per deployment), beside the tenant the token names
+    # vLLM's --attention-backend where one is named (backends may lay K/V out differently in the same page size);
+    # unnamed, vLLM picks by the platform and device, which the namespace names.
+    attention_backend: str = ""
     # The scheduler never waits on the server: a lookup answers from what the tier knows, else RETRY while a
     # background thread asks; a key the server has not answered for after this long is a MISS.
     lookup_deadline_s: float = 0.5

@@ -76,7 +76,7 @@ class TierCacheTier(SecondaryTierManager):
             with self._namespace_lock:
                 if self._namespace is None:
                     self._namespace = namespace(self._config, self.settings.model_identity, self.block_size_bytes,
-                                                self.settings.salt)
+                                                self.settings.salt, self.settings.attention_backend)
                     log.info("%s: namespace %s", TIER_CLASS, self._namespace)
         return self._namespace
 
