@@ -101,12 +101,20 @@ def merge_reports(paths: list[str], same=SAME_SLICE, build=reports.build) -> dic
     """Reports of runs made separately (other sessions, a helper beside you), as one: their runs numbered on as
     further rounds. They must share the slice and every parameter that changes the figures (`same`; `build` makes
     the report: chat_rounds.py passes its own)."""
+    from benchmarks.serving.provenance import same_code
+
     loaded = [json.loads(Path(p).read_text()) for p in paths]
     first = loaded[0]
     for path, other in zip(paths[1:], loaded[1:]):
         differ = [k for k in same if (first["params"].get(k) or None) != (other["params"].get(k) or None)]
         if differ:
             raise SystemExit(f"{path}: not the same slice as {paths[0]} ({', '.join(differ)} differ)")
+    versions = [run.get("provenance") or {"commit": report["meta"].get("commit"), "dirty": "not recorded"}
+                for report in loaded for run in report["runs"]]
+    if not same_code(versions):
+        found = sorted({f"{v.get('commit')}{'+' + v['dirty'] if v.get('dirty') else ''}" for v in versions})
+        raise SystemExit(f"these reports' runs come from different code ({', '.join(found)}): a set is one code "
+                         f"version; report them apart")
     runs, offset = [], 0
     for report in loaded:
         runs += [{**run, "round": run["round"] + offset, "from": report["meta"]} for run in report["runs"]]

@@ -75,11 +75,17 @@ def compare_rounds(runs: list[dict], users: int, rounds: int) -> list[dict]:
         row = {"arm": arm, "baseline": base, "from_round": first, "repeats": len(repeats), "rounds": {}}
         for round_ in range(first, rounds):
             row["rounds"][round_] = {
-                label: stats.paired_ratio([_in_round(arm_runs[r], users, round_) for r in repeats],
-                                          [_in_round(base_runs[r], users, round_) for r in repeats], p)
+                label: descriptive(stats.paired_ratio([_in_round(arm_runs[r], users, round_) for r in repeats],
+                                                      [_in_round(base_runs[r], users, round_) for r in repeats], p))
                 for label, p in ROUND_FIGURES}
         rows.append(row)
     return rows
+
+
+def descriptive(cell: dict) -> dict:
+    """A chat round's cell (one round of each user: 16 requests a cell) describes, it does not decide: its interval
+    is kept, its verdict word is not (verdicts come from the comparisons over whole runs)."""
+    return {**cell, "verdict": "descriptive"}
 
 
 def restart_round(rounds: int) -> int:
@@ -142,7 +148,8 @@ def table(report: dict) -> str:
                            ("own", "own_hits"), ("connector", "connector_hits")):
             digits = 1 if key.startswith("ttft") else 0
             lines.append(f"    {label:<16}" + "".join(f"{serving._num(per_round[r][key], digits):>16}" for r in rounds))
-    lines += ["", "ratios per round (arm / baseline, TTFT; 95% interval over repeats and users):"]
+    lines += ["", "ratios per round (arm / baseline, TTFT; median of the repeats' paired ratios and its 95% interval; "
+                  "descriptive, no verdict: a cell is one round of each user):"]
     for row in report["round_comparisons"]:
         after = " (the rounds after the restart)" if row["from_round"] else ""
         lines.append(f"  {row['arm']} / {row['baseline']}{after}:")

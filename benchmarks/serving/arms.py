@@ -19,8 +19,8 @@ from benchmarks.serving.engines import EngineFailed, EngineSettings, VllmServer
 from benchmarks.serving.measure import measure, merge
 
 MiB = 1 << 20
-ARMS = ("alone", "alone-equal", "offload", "tiercache", "restart", "alone-restart", "two", "two-conv", "two-alone",
-        "two-alone-conv", "noreuse")
+ARMS = ("alone", "alone-equal", "alone-equal-again", "offload", "tiercache", "restart", "alone-restart", "two",
+        "two-conv", "two-alone", "two-alone-conv", "noreuse")
 NOREUSE_ARMS = ("noreuse-alone", "noreuse-alone-equal", "noreuse-tiercache", "noreuse-offload")
 
 
@@ -161,6 +161,8 @@ def run_arm(bench: Bench, name: str) -> dict:
     runners = {
         "alone": lambda: one_engine(bench, name, requests, bench.engine(), with_cache=False),
         "alone-equal": lambda: one_engine(bench, name, requests, equal, with_cache=False),
+        # The baseline run twice in each round: the set's A/A pair (report.AA).
+        "alone-equal-again": lambda: one_engine(bench, name, requests, equal, with_cache=False),
         "tiercache": lambda: one_engine(bench, name, requests, bench.engine(), with_cache=True),
         "offload": lambda: arm_offload(bench, name, requests),
         "restart": lambda: restarted(bench, name, requests, bench.engine(), with_cache=True),
@@ -189,20 +191,33 @@ def work_and_model(args, prefix: str) -> tuple[Path, str, int, str]:
     return work, args.model_dir, args.block_size, args.model_dir
 
 
-def interleaved(arms: list[str], repeats: int, run_one, build, json_path: str | None) -> dict:
-    """Every arm `repeats` times in rounds (A B C A B C ...), each run kept; the report rebuilt and written after every
-    run, so an interrupted benchmark keeps what it measured. `run_one(name) -> result`, `build(runs) -> report`."""
+def interleaved(arms: list[str], repeats: int, run_one, build, json_path: str | None, seed: int | None = None) -> dict:
+    """Every arm `repeats` times in rounds, each round in its own random order (recorded: a run's `position`), each run
+    kept with its provenance (the code it ran and the machine's load: benchmarks/serving/provenance.py); the report
+    rebuilt and written after every run, so an interrupted benchmark keeps what it measured. `run_one(name) ->
+    result`, `build(runs) -> report`. The code may not change while a set runs: a run whose code differs from the
+    first's stops the set."""
+    import random
     import time
 
-    runs = []
+    from benchmarks.serving.provenance import LoadSampler, code
+
+    order = random.Random(seed)
+    runs, first_code = [], code()
     for round_ in range(repeats):
-        for name in arms:
+        for position, name in enumerate(order.sample(arms, len(arms))):
             started = time.monotonic()
-            result = run_one(name)
+            with LoadSampler() as load:
+                result = run_one(name)
             result["arm_s"] = round(time.monotonic() - started, 1)
-            runs.append({"arm": name, "round": round_, "result": result})
+            version = code()
+            runs.append({"arm": name, "round": round_, "position": position, "result": result,
+                         "provenance": {**version, "load": load.summary()}})
             if json_path:
                 Path(json_path).write_text(json.dumps(build(runs), indent=1))
+            if version != first_code:
+                raise SystemExit(f"the code changed while the set ran ({first_code} -> {version}): the runs so far "
+                                 f"are in {json_path or 'no file'}; start a new set")
     return build(runs)
 
 

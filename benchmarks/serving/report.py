@@ -8,6 +8,8 @@ from __future__ import annotations
 from benchmarks.serving import stats
 from benchmarks.serving.outputs import compare_outputs
 
+AA = "A/A: the baseline against itself (the set's noise)"
+VOID = "void: the set's A/A pair is not level"
 # (arm, baseline, phase, the question the comparison answers)
 COMPARISONS = (
     ("tiercache", "alone-equal", "all", "one engine on a CPU host: tiercache's host bytes as vLLM's own KV cache"),
@@ -18,6 +20,12 @@ COMPARISONS = (
     ("two-conv", "two-alone-conv", "all", "two instances, session affinity: the same, routed by conversation"),
     ("noreuse-tiercache", "noreuse-alone", "all", "the cost of the cache when nothing is reused"),
     ("noreuse-tiercache", "noreuse-alone-equal", "all", "the same, against vLLM given the memory"),
+    # A/A pairs: the same setup twice in each round (before its restart, `restart` runs tiercache's setup and
+    # `alone-restart` alone-equal's; `alone-equal-again` is alone-equal run twice). A set whose A/A pair is not level
+    # on a figure is void on that figure (`apply_aa`).
+    ("restart", "tiercache", "before", AA),
+    ("alone-restart", "alone-equal", "before", AA),
+    ("alone-equal-again", "alone-equal", "all", AA),
 )
 FIGURES = (("TTFT p50", "ttft_s", 50), ("TTFT p90", "ttft_s", 90), ("E2E p50", "e2e_s", 50))
 
@@ -25,7 +33,8 @@ FIGURES = (("TTFT p50", "ttft_s", 50), ("TTFT p90", "ttft_s", 90), ("E2E p50", "
 def build(params: dict, runs: list[dict], meta: dict) -> dict:
     saturated = bool(params.get("saturated"))
     return {"params": params, "meta": meta, "runs": runs, "arms": summarize(runs),
-            "comparisons": compare(runs, saturated=saturated), "outputs": compare_outputs(runs, saturated=saturated)}
+            "comparisons": compare(runs, saturated=saturated, margin=params.get("equivalence_margin")),
+            "outputs": compare_outputs(runs, saturated=saturated)}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -65,23 +74,44 @@ def _phase(result: dict, phase: str) -> dict:
     return {**result["phases"][phase], "requests": result["phases"][phase]["requests"]}
 
 
-def compare(runs: list[dict], saturated: bool = False) -> list[dict]:
+def compare(runs: list[dict], saturated: bool = False, margin: float | None = None) -> list[dict]:
     """Every comparison both of whose arms ran; a saturated replay's also by requests per second (an open-loop
-    replay's is the offered rate, the same in every arm)."""
+    replay's is the offered rate, the same in every arm). `margin`: the equivalence margin the run plan fixed before
+    the run (stats.verdict), else none: "level" is then the most that can be said of a difference not resolved."""
     rows = []
     for arm, base, phase, question in COMPARISONS:
         arm_runs, base_runs = _rounds(runs, arm), _rounds(runs, base)
         rounds = sorted(set(arm_runs) & set(base_runs))
-        if not rounds:
+        if not rounds or (phase == "before" and "restart_at" not in arm_runs[rounds[0]]):
             continue
         row = {"arm": arm, "baseline": base, "phase": phase, "question": question, "rounds": len(rounds)}
         for label, field, p in FIGURES:
-            row[label] = stats.paired_ratio([_per_request(arm_runs[r], field, phase) for r in rounds],
-                                            [_per_request(base_runs[r], field, phase) for r in rounds], p)
+            # A phase is cut where the arm restarted (its twin in an A/A pair restarts nowhere).
+            cuts = {r: arm_runs[r].get("restart_at") for r in rounds}
+            row[label] = stats.paired_ratio([_per_request(arm_runs[r], field, phase, cuts[r]) for r in rounds],
+                                            [_per_request(base_runs[r], field, phase, cuts[r]) for r in rounds], p,
+                                            margin)
         if saturated and phase == "all":
             row["throughput"] = stats.per_run_ratio([arm_runs[r]["throughput_rps"] for r in rounds],
-                                                    [base_runs[r]["throughput_rps"] for r in rounds])
+                                                    [base_runs[r]["throughput_rps"] for r in rounds], margin)
         rows.append(row)
+    return apply_aa(rows)
+
+
+def apply_aa(rows: list[dict]) -> list[dict]:
+    """The one rule: on a figure where any of the set's A/A pairs is not level, every other comparison's verdict is
+    void (its numbers stay); a set without an A/A pair says so in each verdict."""
+    pairs = [row for row in rows if row["question"] == AA]
+    for row in rows:
+        if row["question"] == AA:
+            continue
+        for label in [label for label, _, _ in FIGURES] + (["throughput"] if "throughput" in row else []):
+            cell = row[label]
+            noise = [pair[label]["verdict"] for pair in pairs if label in pair]
+            if not noise:
+                cell["verdict"] = f"{cell['verdict']} (no A/A pair)"
+            elif any(word not in ("level", "equivalent") for word in noise):
+                cell["verdict"], cell["verdict_before_aa"] = VOID, cell["verdict"]
     return rows
 
 
@@ -89,12 +119,12 @@ def _rounds(runs: list[dict], arm: str) -> dict[int, dict]:
     return {run["round"]: run["result"] for run in runs if run["arm"] == arm and "outcomes" in run["result"]}
 
 
-def _per_request(result: dict, field: str, phase: str) -> dict[int, float]:
+def _per_request(result: dict, field: str, phase: str, restart_at: int | None) -> dict[int, float]:
     chosen = stats.per_request(result["outcomes"], field)
     if phase == "after":
-        return {i: t for i, t in chosen.items() if i >= result["restart_at"]}
+        return {i: t for i, t in chosen.items() if i >= restart_at}
     if phase == "before":
-        return {i: t for i, t in chosen.items() if i < result["restart_at"]}
+        return {i: t for i, t in chosen.items() if i < restart_at}
     return chosen
 
 
@@ -125,8 +155,11 @@ def table(report: dict) -> str:
         lines.append(_row(name, arm, saturated))
         for phase, figures in arm.get("phases", {}).items():
             lines.append(_row(f"  {phase} restart", figures, saturated))
-    lines += ["", "ratios (arm / baseline, median of runs; 95% interval over rounds and requests"
-              + ("; req/s over rounds only, above 1 is more served" if saturated else "") + "):"]
+    margin = report["params"].get("equivalence_margin")
+    lines += ["", "ratios (arm / baseline: the median over rounds of the per-round paired ratio, its 95% interval "
+              "(stats.py); a verdict counts only where the set's A/A pair is level; equivalence margin: "
+              + (f"x{margin}" if margin else "none fixed before the run, so no 'equivalent'")
+              + ("; req/s: above 1 is more served" if saturated else "") + "):"]
     for row in report["comparisons"]:
         cells = "  ".join(f"{label} {_ratio(row[label])}" for label, _, _ in FIGURES)
         if "throughput" in row:

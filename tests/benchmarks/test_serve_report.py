@@ -79,10 +79,39 @@ def test_a_saturated_report_compares_requests_per_second_and_an_open_loop_one_do
         run["result"]["throughput_rps"] = 1.2 if run["arm"] == "tiercache" else 1.0
     rows = {(r["arm"], r["baseline"]): r for r in reports.build({**PARAMS, "saturated": True}, runs, {})["comparisons"]}
     served = rows[("tiercache", "alone-equal")]["throughput"]
-    assert served["verdict"] == "ahead" and served["ratio"] == pytest.approx(1.2)
+    # No A/A pair measures requests per second here (the restart arms' pairs are per request): said in the verdict.
+    assert served["verdict"] == "ahead (no A/A pair)" and served["ratio"] == pytest.approx(1.2)
     assert "throughput" not in next(r for r in reports.compare(runs) if r["arm"] == "tiercache")  # the offered rate
     report = reports.build({**PARAMS, "saturated": True}, runs, {})
-    assert "req/s 1.20 [1.20, 1.20] ahead" in reports.table(report)
+    assert "req/s 1.20 [1.20, 1.20] ahead (no A/A pair)" in reports.table(report)
+
+
+def test_a_set_whose_a_a_pair_is_not_level_is_void_and_says_so():
+    """The same setup twice (restart before its restart, and tiercache) differing in every round: the set's noise is
+    larger than its intervals say, so no verdict of the set stands; its numbers stay."""
+    runs = _runs()
+    for run in runs:
+        if run["arm"] == "restart":
+            run["result"] = _restart(0.6 * 1.5, 0.5, 40 + run["round"])
+    rows = {(r["arm"], r["baseline"], r["phase"]): r for r in reports.build(PARAMS, runs, {})["comparisons"]}
+    assert rows[("restart", "tiercache", "before")]["TTFT p50"]["verdict"] == "behind"
+    cell = rows[("tiercache", "alone-equal", "all")]["TTFT p50"]
+    assert cell["verdict"] == reports.VOID and cell["verdict_before_aa"] == "ahead" and cell["ratio"] < 0.8
+    level = {(r["arm"], r["baseline"], r["phase"]): r for r in reports.build(PARAMS, _runs(), {})["comparisons"]}
+    assert level[("restart", "tiercache", "before")]["TTFT p50"]["verdict"] == "level"
+    assert level[("tiercache", "alone-equal", "all")]["TTFT p50"]["verdict"] == "ahead"
+
+
+def test_equivalent_needs_a_margin_fixed_before_the_run():
+    runs = _runs()
+    for run in runs:  # alone-equal and alone the same, up to noise
+        if run["arm"] == "alone":
+            run["result"] = _result(0.9, 10 + run["round"])
+    plain = {(r["arm"], r["baseline"]): r for r in reports.build(PARAMS, runs, {})["comparisons"]}
+    assert plain[("alone-equal", "alone")]["TTFT p50"]["verdict"] == "level"
+    margined = {(r["arm"], r["baseline"]): r
+                for r in reports.build({**PARAMS, "equivalence_margin": 1.1}, runs, {})["comparisons"]}
+    assert margined[("alone-equal", "alone")]["TTFT p50"]["verdict"] == "equivalent"
 
 
 def test_outputs_are_compared_and_mismatches_classified():
@@ -107,15 +136,25 @@ def test_reports_made_apart_merge_as_further_rounds(tmp_path, monkeypatch):
     paths = []
     for i in range(2):
         path = tmp_path / f"r{i}.json"
-        path.write_text(json.dumps(reports.build(PARAMS, _runs(2), {"commit": f"c{i}"})))
+        path.write_text(json.dumps(reports.build(PARAMS, _runs(2), {"commit": "c0", "session": i})))
         paths.append(str(path))
     merged = serve_trace.merge_reports(paths)
     assert sorted({run["round"] for run in merged["runs"]}) == [0, 1, 2, 3]
     assert merged["arms"]["tiercache"]["runs"] == 4
     other = tmp_path / "other.json"
-    other.write_text(json.dumps(reports.build({**PARAMS, "host_mib": 1024}, _runs(1), {})))
+    other.write_text(json.dumps(reports.build({**PARAMS, "host_mib": 1024}, _runs(1), {"commit": "c0"})))
     with pytest.raises(SystemExit, match="host_mib"):
         serve_trace.merge_reports([paths[0], str(other)])
+    # Runs of other code are not one set, whether the report says it (meta) or each run does (provenance).
+    newer = tmp_path / "newer.json"
+    newer.write_text(json.dumps(reports.build(PARAMS, _runs(1), {"commit": "c1"})))
+    with pytest.raises(SystemExit, match="different code"):
+        serve_trace.merge_reports([paths[0], str(newer)])
+    dirty = [{**run, "provenance": {"commit": "c0", "dirty": "0123abcd"}} for run in _runs(1)]
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(reports.build(PARAMS, dirty, {"commit": "c0"})))
+    with pytest.raises(SystemExit, match="c0\\+0123abcd"):
+        serve_trace.merge_reports([paths[0], str(edited)])
     out = tmp_path / "merged.json"
     monkeypatch.setattr(sys, "argv", ["serve_trace.py", "--merge", *paths, "--json", str(out)])
     serve_trace.main()

@@ -4,6 +4,7 @@ ahead or behind, noise is called level, and drift between rounds widens the inte
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from benchmarks.serving import stats
 
@@ -53,3 +54,24 @@ def test_a_per_run_figure_where_more_is_better_is_ahead_only_when_every_round_ag
     split = stats.per_run_ratio([1.10, 0.90, 1.05], [1.00, 1.00, 1.00])  # the rounds disagree
     assert split["verdict"] == "level" and split["low"] < 1 < split["high"]
     assert stats.per_run_ratio([None, 1.1], [1.0, None])["verdict"] == "no data"
+
+
+def test_the_point_is_the_median_of_the_per_round_paired_ratios():
+    """Not a ratio of medians taken over rounds apart: in round 1 both arms are slow (the machine was busy), and
+    only pairing within the round says the arm is 0.8x of its baseline every time."""
+    arm = [{0: 0.8, 1: 0.8}, {0: 8.0, 1: 8.0}, {0: 0.4, 1: 0.4}]
+    base = [{0: 1.0, 1: 1.0}, {0: 10.0, 1: 10.0}, {0: 0.5, 1: 0.5}]
+    cell = stats.paired_ratio(arm, base, 50)
+    assert cell["ratio"] == pytest.approx(0.8) and cell["per_round"] == [0.8, 0.8, 0.8]
+    assert cell["low"] == pytest.approx(0.8) and cell["high"] == pytest.approx(0.8) and cell["verdict"] == "ahead"
+
+
+def test_one_round_has_no_interval_and_no_verdict():
+    cell = stats.paired_ratio(_rounds(0.5, 1, seed=11), _rounds(1.0, 1, seed=12), 50)
+    assert cell["low"] is None and cell["verdict"] == "one round: no interval" and cell["ratio"] < 0.6
+
+
+def test_equivalent_only_inside_a_margin_and_never_without_one():
+    assert stats.verdict(0.97, 1.04) == "level"
+    assert stats.verdict(0.97, 1.04, margin=1.05) == "equivalent"
+    assert stats.verdict(0.93, 1.04, margin=1.05) == "level"  # the interval leaves the margin: no claim either way

@@ -1,0 +1,107 @@
+"""What code and what machine each run of an arm came from, recorded in the run (a set's figures may only pool runs of
+one code version, and "the machine was quiet" is read from the data, not from prose):
+- the commit, and a digest of any uncommitted change to tracked files plus the names of untracked ones (`code`);
+- the load while the arm ran: the 1-minute load average sampled every few seconds, and the processes outside this
+  benchmark's own tree that used the most CPU over the run (`LoadSampler`).
+`--merge` refuses reports whose runs came from different code (benchmarks/serve_trace.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE_S = 2.0
+BUSIEST = 5
+
+
+def code() -> dict:
+    """{"commit": the checkout's HEAD, "dirty": None, or a digest of what differs from it}."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout
+
+    commit = git("rev-parse", "HEAD").strip() or "unknown"
+    changed = git("diff", "HEAD", "--binary") + git("ls-files", "--others", "--exclude-standard")
+    return {"commit": commit, "dirty": hashlib.sha256(changed.encode()).hexdigest()[:16] if changed else None}
+
+
+def same_code(versions: list[dict]) -> bool:
+    return len({(v.get("commit"), v.get("dirty")) for v in versions}) <= 1
+
+
+class LoadSampler:
+    """Samples the machine's load while a run goes on: `with LoadSampler() as load: ...; load.summary()`."""
+
+    def __init__(self, interval_s: float = SAMPLE_S) -> None:
+        self.interval_s = interval_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="load-sampler", daemon=True)
+        self._started_ticks: dict[int, tuple[str, int]] = {}
+
+    def __enter__(self) -> "LoadSampler":
+        self._started_ticks = _cpu_ticks()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._ended_ticks = _cpu_ticks()
+
+    def _sample(self) -> None:
+        while True:
+            self.samples.append(os.getloadavg()[0])
+            if self._stop.wait(self.interval_s):
+                return
+
+    def summary(self) -> dict:
+        ours = _own_tree()
+        used = []
+        for pid, (name, ticks) in self._ended_ticks.items():
+            before = self._started_ticks.get(pid, (name, 0))[1]
+            if pid not in ours and ticks > before:
+                used.append({"pid": pid, "name": name, "cpu_s": round((ticks - before) / os.sysconf("SC_CLK_TCK"), 1)})
+        used.sort(key=lambda p: -p["cpu_s"])
+        samples = sorted(self.samples)
+        return {"loadavg_1m": {"min": samples[0], "median": samples[len(samples) // 2], "max": samples[-1],
+                               "samples": len(samples)} if samples else None,
+                "cores": os.cpu_count(), "busiest_others": used[:BUSIEST]}
+
+
+def _cpu_ticks() -> dict[int, tuple[str, int]]:
+    """pid -> (name, user + system clock ticks so far) of every process readable in /proc."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text[text.rindex(")") + 2:].split()
+        found[int(entry)] = (name, int(fields[11]) + int(fields[12]))
+    return found
+
+
+def _own_tree() -> set[int]:
+    """This process and its descendants (the engines, servers and clients a run starts are the run's own work)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                text = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(text[text.rindex(")") + 2:].split()[1])
+    tree, grew = {os.getpid()}, True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return tree

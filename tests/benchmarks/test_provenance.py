@@ -1,0 +1,38 @@
+"""Each run of a set records the code it ran and the machine's load, arms run in a recorded random order per round,
+and a set stops when the code under it changes (benchmarks/serving/provenance.py, arms.interleaved)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.serving import arms, provenance
+
+
+def test_every_run_records_its_code_its_load_and_its_place_in_a_random_round(tmp_path):
+    names = ["a", "b", "c", "d"]
+    report = arms.interleaved(names, 6, lambda name: {"ok": name}, lambda runs: {"runs": runs},
+                              str(tmp_path / "set.json"), seed=3)
+    runs = report["runs"]
+    assert len(runs) == 24
+    orders = []
+    for round_ in range(6):
+        ordered = sorted((r for r in runs if r["round"] == round_), key=lambda r: r["position"])
+        assert sorted(r["arm"] for r in ordered) == names
+        orders.append(tuple(r["arm"] for r in ordered))
+    assert len(set(orders)) > 1  # not the same order every round
+    record = runs[0]["provenance"]
+    assert record["commit"] == provenance.code()["commit"] and len(record["commit"]) == 40
+    assert record["load"]["loadavg_1m"]["samples"] >= 1 and record["load"]["cores"] >= 1
+    assert all(p["pid"] not in provenance._own_tree() for p in record["load"]["busiest_others"])
+
+
+def test_a_set_stops_when_the_code_under_it_changes(monkeypatch, tmp_path):
+    versions = iter([{"commit": "x", "dirty": None}, {"commit": "x", "dirty": None}, {"commit": "x", "dirty": "d1"}])
+    monkeypatch.setattr(provenance, "code", lambda: next(versions))
+    with pytest.raises(SystemExit, match="code changed"):
+        arms.interleaved(["a", "b"], 2, lambda name: {}, lambda runs: {"runs": runs}, str(tmp_path / "set.json"))
+
+
+def test_uncommitted_changes_are_a_version_of_their_own():
+    assert provenance.same_code([{"commit": "x", "dirty": None}, {"commit": "x", "dirty": None}])
+    assert not provenance.same_code([{"commit": "x", "dirty": None}, {"commit": "x", "dirty": "d1"}])
