@@ -106,9 +106,22 @@ def table(sets: int = 2000) -> list[dict]:
 
 
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="the serving statistics' false verdicts and power, by simulation on "
+                                                 "the stored runs' A/A rounds")
+    parser.add_argument("--sets", type=int, default=2000, help="synthetic sets per cell (default 2000)")
+    parser.add_argument("--json", help="write the table here too")
+    args = parser.parse_args()
+    rows = table(args.sets)
+    if args.json:
+        from benchmarks.serving.provenance import code
+
+        Path(args.json).write_text(json.dumps({"sets": args.sets, "block": BLOCK, "effect": EFFECT, "stored": STORED,
+                                               "code": code(), "rows": rows}, indent=1))
     print(f"{'pool':<7}{'figure':<10}{'stored':>7}{'rounds':>7}{'false verdicts':>16}{'power at 1.25x':>16}"
           f"{'sd of a round':>15}")
-    for row in table():
+    for row in rows:
         print(f"{row['pool']:<7}{row['figure']:<10}{row['stored_rounds']:>7}{row['rounds']:>7}"
               f"{row['false_verdicts']:>16.1%}{row['power']:>16.1%}{row['pool_sd']:>15.3f}")
 
