@@ -112,8 +112,15 @@ def main() -> None:
                                                  "the stored runs' A/A rounds")
     parser.add_argument("--sets", type=int, default=2000, help="synthetic sets per cell (default 2000)")
     parser.add_argument("--json", help="write the table here too")
+    parser.add_argument("--plot", help="draw it here (PNG)")
+    parser.add_argument("--plot-from", help="draw a table written by --json, and simulate nothing")
     args = parser.parse_args()
+    if args.plot_from:
+        plot(json.loads(Path(args.plot_from).read_text())["rows"], args.plot)
+        return
     rows = table(args.sets)
+    if args.plot:
+        plot(rows, args.plot)
     if args.json:
         from benchmarks.serving.provenance import code
 
@@ -124,6 +131,32 @@ def main() -> None:
     for row in rows:
         print(f"{row['pool']:<7}{row['figure']:<10}{row['stored_rounds']:>7}{row['rounds']:>7}"
               f"{row['false_verdicts']:>16.1%}{row['power']:>16.1%}{row['pool_sd']:>15.3f}")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (false_ax, power_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, style in (("all", "-"), ("quiet", "--")):
+        for label, _, _ in FIGURES:
+            mine = [r for r in rows if r["pool"] == name and r["figure"] == label]
+            rounds = [r["rounds"] for r in mine]
+            false_ax.plot(rounds, [r["false_verdicts"] for r in mine], style, marker="o", label=f"{label}, {name}")
+            power_ax.plot(rounds, [r["power"] for r in mine], style, marker="o", label=f"{label}, {name}")
+    false_ax.axhspan(0.035, 0.065, color="0.9", label="5% +/- 1.5")
+    false_ax.set(xlabel="rounds in a set", ylabel="share of sets", title="identical arms called ahead or behind")
+    power_ax.axhline(0.8, color="0.6", lw=1)
+    power_ax.set(xlabel="rounds in a set", ylabel="share of sets", title=f"a true {EFFECT}x slowdown called behind")
+    for ax in (false_ax, power_ax):
+        ax.set_xticks([3, 5, 8])
+        ax.legend(fontsize=6)
+    fig.suptitle("benchmarks/serving/stats.py on the stored runs' A/A rounds (moving-block bootstrap, "
+                 f"blocks of {BLOCK} requests)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
