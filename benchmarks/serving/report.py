@@ -195,6 +195,8 @@ def _num(value, digits: int = 1) -> str:
 def _ratio(cell: dict) -> str:
     if cell["ratio"] is None:
         return "no data"
+    if cell.get("low") is None:  # one round: no interval
+        return f"{cell['ratio']:.2f} ({cell['verdict']})"
     return f"{cell['ratio']:.2f} [{cell['low']:.2f}, {cell['high']:.2f}] {cell['verdict']}"
 
 

@@ -294,3 +294,8 @@ def test_a_restart_s_second_phase_is_placed_after_the_first_s_last_answer(last_e
     merged = merge(first, second)
     ends = [o["sent_s"] + o["e2e_s"] for o in merged["outcomes"] if o["index"] < 2]
     assert merged["outcomes"][2]["sent_s"] >= max(ends)
+
+
+def test_a_set_of_one_round_prints_its_ratios_without_an_interval():
+    text = reports.table(reports.build(PARAMS, _runs(1), {}))
+    assert "(one round: no interval" in text
