@@ -41,8 +41,9 @@ class ServerProcess:
         self.env = env if env is not None else {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process: subprocess.Popen | None = None
         # The server's output goes to a file, not a pipe: a pipe nobody reads fills up (64 KiB) and then blocks the
-        # server in its next log line.
-        self._output = tempfile.TemporaryFile("w+", prefix="tiercache-serve-", suffix=".log")
+        # server in its next log line. Opened for appending: the server shares the file's offset, which reading it
+        # here moves back to the start, and a line it wrote then would overwrite the first ones.
+        self._output = tempfile.TemporaryFile("a+", prefix="tiercache-serve-", suffix=".log")
 
     @property
     def url(self) -> str:

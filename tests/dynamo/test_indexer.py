@@ -47,7 +47,7 @@ class DynamoRouter:
         self.llmd = LlmdRouter(endpoints, n)  # beside it: which tier each block is in, as the stream says
         self._both = False
         self.port = free_port()
-        self.log = tempfile.TemporaryFile("w+", prefix="dynamo-indexer-", suffix=".log")
+        self.log = tempfile.TemporaryFile("a+", prefix="dynamo-indexer-", suffix=".log")  # see tiercache.process
         self.process = subprocess.Popen([sys.executable, "-m", "dynamo.indexer", "--port", str(self.port),
                                          "--threads", "1"], stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60

@@ -179,7 +179,7 @@ sys.exit(cli.main(sys.argv[1:]))
 def test_sigterm_while_the_host_tier_is_committed_stops_the_server(tmp_path, shared):
     config = tmp_path / "tiercache.yaml"
     config.write_text(f"host:\n  shared_memory: {str(shared).lower()}\n")
-    with tempfile.TemporaryFile("w+") as output:
+    with tempfile.TemporaryFile("a+") as output:  # appended to: reading it here moves the offset the server shares
         process = subprocess.Popen([sys.executable, "-c", _SLOW_SERVE, "serve", "--port", "0", "--config", str(config),
                                     "--host-mem", "64MiB", "--disk-size", "0"],
                                    stdout=output, stderr=subprocess.STDOUT, text=True, env=python_env())
