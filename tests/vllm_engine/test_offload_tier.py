@@ -58,8 +58,9 @@ def test_the_first_engine_computes_as_vllm_alone_and_offloads_to_both_tiers(run)
     for name in PROMPTS:
         tokens = long_prompt(n, name) if name != "chat" else prompt(PROMPTS[name], n + 40)
         max_tokens = 3 * n - len(tokens) + 1 if name == "chat" else 16  # the chat's turn 1 ends at 3N (below)
-        assert_same_computation(made.first.one(tokens, max_tokens=max_tokens),
-                                made.alone_cold(tokens, max_tokens=max_tokens), f"{name}: first engine")
+        offloaded = made.first.one(tokens, max_tokens=max_tokens)
+        if name in ("restore", "chat"):  # offloading changes nothing the engine computes (once is enough)
+            assert_same_computation(offloaded, made.alone_cold(tokens, max_tokens=max_tokens), f"{name}: first engine")
     tier = made.first.offload_stats()["tiers"]
     assert [t["type"] for t in tier] == ["TierCacheTier", "fs"]
     assert tier[0]["stored_chunks"] > 0 and tier[0]["store_failures"] == 0
