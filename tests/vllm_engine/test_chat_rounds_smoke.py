@@ -30,7 +30,9 @@ def test_three_arms_two_users_three_rounds(tmp_path):
     params = report["params"]
     spec = loop.ChatSpec(**{name: params[name] for name in ("users", "rounds", "system_tokens", "context_tokens",
                                                             "question_tokens", "answer_tokens", "vocab")})
-    assert [(run["arm"], run["round"]) for run in report["runs"]] == [("alone", 0), ("tiercache", 0), ("restart", 0)]
+    assert sorted((run["arm"], run["round"]) for run in report["runs"]) == [("alone", 0), ("restart", 0),
+                                                                             ("tiercache", 0)]
+    assert sorted(run["position"] for run in report["runs"]) == [0, 1, 2]  # the round's order, recorded
     for run in report["runs"]:
         name, arm = run["arm"], run["result"]
         assert arm["requests"] == 6 and arm["errors"] == 0, (name, arm.get("error_kinds"))
@@ -48,7 +50,8 @@ def test_three_arms_two_users_three_rounds(tmp_path):
         assert arm["prompt_tokens"] == sum(r["prompt_tokens"] for r in arm["chat"])
     assert report["arms"]["tiercache"]["hits"]["tiercache_failed_loads"] == 0
     restart = report["arms"]["restart"]
-    assert set(restart["phases"]) == {"before", "after"} and report["runs"][2]["result"]["restart_at"] == 2
+    restarted = next(run["result"] for run in report["runs"] if run["arm"] == "restart")
+    assert set(restart["phases"]) == {"before", "after"} and restarted["restart_at"] == 2
     # After the restart the engine's own cache is empty: round 1's hits came through tiercache.
     assert restart["phases"]["after"]["hits"]["tiercache_delivered"] > 0
     outputs = report["outputs"]["arms"]

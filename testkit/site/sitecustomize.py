@@ -1,0 +1,121 @@
+"""What the test kit changes in every Python process that has this folder on PYTHONPATH (vLLM's engine processes
+included), each only when its variable asks for it:
+
+`TIERCACHE_TEST_CPU` (avx2, avx512, avx512_bf16 or amx: tiercache.prefix.cpu_features LEVELS): a CPU of another kind
+stood in for vLLM's CPU build. vLLM decides by asking torch (`torch.cpu._is_avx512_supported`,
+`_is_avx512_bf16_supported`, `_is_amx_tile_supported`, read in vllm/platforms/cpu.py, the CPU attention backend and
+the GDN ops): those answer for the level named, so vLLM takes that CPU's branches: its state dtype, N, attention
+kernel and kernel library (`vllm._C_AVX2` for avx2). torch's and oneDNN's own kernels are held to the same level
+(ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA), set before torch loads. A level can only be stood in below the machine's
+own: a kernel the CPU lacks would not run.
+
+`TIERCACHE_FIX_COPY_ON_WRITE=1`: vLLM 0.32's copy of a partially hit hybrid block fixed (testkit.copy_on_write) as soon
+as vLLM's model runner module loads, in a served engine (`python -m vllm.entrypoints.openai.api_server`, whose
+processes the lab cannot patch otherwise). Each process that applies it says so on stderr (the lab's reports check the
+engine logs for that line).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import os
+import sys
+
+LEVEL = os.environ.get("TIERCACHE_TEST_CPU", "")
+_LEVELS = ("avx2", "avx512", "avx512_bf16", "amx")
+# The level from which torch's checks answer yes (below it: no; at or above it: what the CPU says, which must be yes
+# for the level's own features: a level above the machine's is refused), and the kernels torch and oneDNN are held to.
+_ANSWERS = {"_is_avx512_supported": 1, "_is_avx512_vnni_supported": 2, "_is_avx512_bf16_supported": 2,
+            "_is_amx_tile_supported": 3, "_is_amx_fp16_supported": 3}
+_REQUIRED = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported")
+_ATEN = {"avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512", "amx": "avx512"}
+_ONEDNN = {"avx2": "AVX2", "avx512": "AVX512_CORE", "avx512_bf16": "AVX512_CORE_BF16", "amx": "AVX512_CORE_AMX"}
+
+
+def _stand_in(cpu_module) -> None:
+    rank = _LEVELS.index(LEVEL)
+    lacking = [name for name, needed in _ANSWERS.items() if name in _REQUIRED and rank >= needed
+               and not getattr(cpu_module, name)()]
+    if lacking:
+        raise SystemExit(f"TIERCACHE_TEST_CPU={LEVEL}: this CPU has no {', '.join(lacking)}; a CPU can only be stood "
+                         f"in below the machine's own (its kernels would not run)")
+    for name, needed in _ANSWERS.items():
+        if hasattr(cpu_module, name) and rank < needed:
+            setattr(cpu_module, name, lambda: False)
+
+
+class _TorchCpuFinder(importlib.abc.MetaPathFinder):
+    """Patches torch.cpu right after its own code ran (so a process that never imports torch pays nothing)."""
+
+    def __init__(self) -> None:
+        self._busy = False
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch.cpu" or self._busy:
+            return None
+        self._busy = True
+        try:
+            import importlib.util
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._busy = False
+        if spec is None or spec.loader is None:
+            return None
+        original = spec.loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            _stand_in(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+FIXED_LINE = "testkit: vLLM's copy_kv_cache_blocks_inplace fixed (testkit.copy_on_write)"
+
+
+class _ModelRunnerFinder(importlib.abc.MetaPathFinder):
+    """Applies testkit.copy_on_write right after vLLM's model runner module ran (it imports the helper the fix
+    replaces, and binds it by name)."""
+
+    def __init__(self) -> None:
+        self._busy = False
+
+    def find_spec(self, name, path, target=None):
+        if name != "vllm.v1.worker.gpu_model_runner" or self._busy:
+            return None
+        self._busy = True
+        try:
+            import importlib.util
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._busy = False
+        if spec is None or spec.loader is None:
+            return None
+        original = spec.loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            sys.modules[name] = module  # the fix imports it by name
+            from testkit.copy_on_write import fix_hybrid_copy_on_write
+
+            fix_hybrid_copy_on_write()
+            print(FIXED_LINE, file=sys.stderr, flush=True)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get("TIERCACHE_FIX_COPY_ON_WRITE") == "1":
+    from pathlib import Path
+
+    sys.path.append(str(Path(__file__).resolve().parents[2]))  # the folder that holds testkit, after the installed
+    sys.meta_path.insert(0, _ModelRunnerFinder())
+
+if LEVEL:
+    if LEVEL not in _LEVELS:
+        raise SystemExit(f"TIERCACHE_TEST_CPU={LEVEL!r}: one of {', '.join(_LEVELS)}")
+    # set, not defaulted: an engine stood in lower than the suite inherits the suite's values
+    os.environ["ATEN_CPU_CAPABILITY"] = _ATEN[LEVEL]
+    os.environ["ONEDNN_MAX_CPU_ISA"] = _ONEDNN[LEVEL]
+    sys.meta_path.insert(0, _TorchCpuFinder())
