@@ -30,6 +30,9 @@ class Outcome:
     cached_tokens: int | None = None  # prompt tokens the engine did not compute (its own hit plus what it loaded)
     conversation: int | None = None  # the trace conversation it is a turn of (outputs.py: where its prefix came from)
     sent_s: float | None = None  # when it was sent, from the replay's start (outputs.py: which requests shared steps)
+    # The log probability the engine gave each generated token: tokens alone can agree where a restore was wrong
+    # (greedy picks the same token from different logits), so outputs are compared by these too.
+    logprobs: list[float] = field(default_factory=list)
 
 
 Route = Callable[[int, TraceRequest], int]  # (position in the replay, request) -> index of the server
@@ -87,7 +90,8 @@ async def complete(session, server: str, model: str, request: TraceRequest) -> O
     import aiohttp
 
     body = {"model": model, "prompt": list(request.prompt), "max_tokens": request.max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True},
+            "logprobs": 1, "return_tokens_as_token_ids": True}
     sent = time.perf_counter()
     outcome = Outcome(request.index, server, ok=False,
                       conversation=trace.conversation(request.hash_ids) if request.hash_ids else None)
@@ -102,6 +106,8 @@ async def complete(session, server: str, model: str, request: TraceRequest) -> O
                     continue
                 message = json.loads(event[5:])
                 ids = [t for c in message.get("choices") or () for t in c.get("token_ids") or ()]
+                outcome.logprobs += [float(x) for c in message.get("choices") or ()
+                                     for x in (c.get("logprobs") or {}).get("token_logprobs") or ()]
                 if ids and not outcome.output_tokens:
                     outcome.ttft_s = time.perf_counter() - sent
                 outcome.output_tokens += len(ids)

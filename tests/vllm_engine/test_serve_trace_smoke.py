@@ -48,6 +48,8 @@ def test_three_arms_on_a_few_requests(tmp_path):
         # Every request streamed the tokens it asked for (the trace's output length, at most 4 here), and the ids.
         assert [o["output_tokens"] for o in arm["outcomes"]] == [r.max_tokens for r in expected]
         assert [len(o["token_ids"]) for o in arm["outcomes"]] == [r.max_tokens for r in expected]
+        assert [len(o["logprobs"]) for o in arm["outcomes"]] == [r.max_tokens for r in expected]  # one per token
+        assert all(lp <= 0 for o in arm["outcomes"] for lp in o["logprobs"])
         assert all(o["cached_tokens"] is not None for o in arm["outcomes"])
     # Every request of the trace's first seconds shares its first block: vLLM's own cache serves those hits.
     assert report["arms"]["alone"]["hits"]["vllm_prefix_cache"] > 0
