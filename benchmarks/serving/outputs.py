@@ -1,5 +1,6 @@
-"""Identical outputs across arms: greedy decoding, every request's generated token ids compared with the reference
-arm's (vLLM alone) in the same round. Where two arms compute a request the same way they must agree; a request whose
+"""Identical outputs across arms: greedy decoding, every request's generated token ids and their log probabilities
+(`answer`; runs stored before the replay asked for logprobs compare by tokens) compared with the reference arm's
+(vLLM alone) in the same round. Where two arms compute a request the same way they must agree; a request whose
 prompt was cut at another position (a different hit length: the engine computes the rest in other steps, and a
 recurrent state summed in other chunks may round differently in bf16) may legitimately differ. Each mismatch is
 reported with the request, the first differing position and both hit lengths, and classified by that cause.
@@ -88,7 +89,7 @@ def _unstable(references: dict[int, dict]) -> set[int]:
     for result in references.values():
         for outcome in result["outcomes"]:
             if outcome["ok"]:
-                answers.setdefault(outcome["index"], set()).add(tuple(outcome["token_ids"]))
+                answers.setdefault(outcome["index"], set()).add(answer(outcome))
     return {index for index, seen in answers.items() if len(seen) > 1}
 
 
@@ -101,7 +102,7 @@ def _engine_answers(runs: list[dict]) -> dict[tuple, list[tuple[tuple, tuple]]]:
         for outcome in run["result"].get("outcomes", ()):
             if outcome["ok"]:
                 key = (run["arm"].startswith("noreuse-"), outcome["index"], outcome.get("cached_tokens"))
-                answers.setdefault(key, []).append(((run["arm"], run["round"]), tuple(outcome["token_ids"])))
+                answers.setdefault(key, []).append(((run["arm"], run["round"]), answer(outcome)))
     return answers
 
 
@@ -109,7 +110,7 @@ def _engine_cause(engine: dict, run: dict, outcome: dict) -> str | None:
     """Whether the engine without tiercache, in runs other than this one, gave this answer or more than one."""
     key = (run["arm"].startswith("noreuse-"), outcome["index"], outcome.get("cached_tokens"))
     others = [answer for source, answer in engine.get(key, ()) if source != (run["arm"], run["round"])]
-    if tuple(outcome["token_ids"]) in others:
+    if answer(outcome) in others:
         return ANSWERED_SO
     return ENGINE_VARIES if len(set(others)) > 1 else None
 
@@ -124,11 +125,11 @@ def _compare(base: list[dict], outcomes: list[dict], round_: int, tally: dict, u
         if other is None or not outcome["ok"]:
             continue
         tally["compared"] += 1
-        if outcome["token_ids"] == other["token_ids"]:
+        mine, theirs = answer(outcome), answer(other)
+        if mine == theirs:
             tally["identical"] += 1
             continue
-        position = next((i for i, (a, b) in enumerate(zip(outcome["token_ids"], other["token_ids"])) if a != b),
-                        min(len(outcome["token_ids"]), len(other["token_ids"])))
+        position = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
         same_hit = outcome.get("cached_tokens") == other.get("cached_tokens")
         earlier = _earlier_turn_hit_differs(outcome, outcomes, hit_differs)
         beside = _beside_a_different_hit(outcome, outcomes, hit_differs) \
@@ -139,6 +140,15 @@ def _compare(base: list[dict], outcomes: list[dict], round_: int, tally: dict, u
         tally["mismatches"].append({"round": round_, "request": outcome["index"], "first_difference": position,
                                     "hit_tokens": outcome.get("cached_tokens"),
                                     "reference_hit_tokens": other.get("cached_tokens"), "cause": cause})
+
+
+def answer(outcome: dict) -> tuple:
+    """What a request answered, position by position: (token, its log probability). Runs that asked for no logprobs
+    (those stored before the replay asked for them) compare by tokens alone. The same tokens with other logprobs are
+    another answer: greedy decoding picks the same token from slightly wrong logits, so tokens alone can agree after
+    a wrong restore."""
+    logprobs = outcome.get("logprobs") or [None] * len(outcome["token_ids"])
+    return tuple(zip(outcome["token_ids"], logprobs))
 
 
 def _earlier_turn_hit_differs(outcome: dict, outcomes: list[dict], hit_differs: set[int]) -> bool:

@@ -299,3 +299,17 @@ def test_a_restart_s_second_phase_is_placed_after_the_first_s_last_answer(last_e
 def test_a_set_of_one_round_prints_its_ratios_without_an_interval():
     text = reports.table(reports.build(PARAMS, _runs(1), {}))
     assert "(one round: no interval" in text
+
+
+def test_the_same_tokens_with_other_logprobs_are_another_answer():
+    """Greedy decoding picks the same token from slightly wrong logits: a restore that moved the logprobs must show."""
+    runs = _runs(1)
+    for run in runs:
+        for outcome in run["result"]["outcomes"]:
+            outcome["logprobs"] = [-0.5] * len(outcome["token_ids"])
+    tiercache = next(run for run in runs if run["arm"] == "tiercache")
+    tiercache["result"]["outcomes"][7]["logprobs"][2] = -0.5001  # same tokens, same hit length
+    tally = reports.build(PARAMS, runs, {})["outputs"]["arms"]["tiercache"]
+    assert (tally["compared"], tally["identical"]) == (REQUESTS, REQUESTS - 1)
+    (mismatch,) = tally["mismatches"]
+    assert mismatch["request"] == 7 and mismatch["first_difference"] == 2 and mismatch["cause"] == UNEXPLAINED
