@@ -44,14 +44,16 @@ def _stand_in(cpu_module) -> None:
             setattr(cpu_module, name, lambda: False)
 
 
-class _TorchCpuFinder(importlib.abc.MetaPathFinder):
-    """Patches torch.cpu right after its own code ran (so a process that never imports torch pays nothing)."""
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls `then(module)` right after module `name`'s own code ran (a process that never imports it pays nothing)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, then) -> None:
+        self._name = name
+        self._then = then
         self._busy = False
 
     def find_spec(self, name, path, target=None):
-        if name != "torch.cpu" or self._busy:
+        if name != self._name or self._busy:
             return None
         self._busy = True
         try:
@@ -65,7 +67,7 @@ class _TorchCpuFinder(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             original(module)
-            _stand_in(module)
+            self._then(module)
 
         spec.loader.exec_module = exec_module
         return spec
@@ -74,43 +76,19 @@ class _TorchCpuFinder(importlib.abc.MetaPathFinder):
 FIXED_LINE = "testkit: vLLM's copy_kv_cache_blocks_inplace fixed (testkit.copy_on_write)"
 
 
-class _ModelRunnerFinder(importlib.abc.MetaPathFinder):
-    """Applies testkit.copy_on_write right after vLLM's model runner module ran (it imports the helper the fix
-    replaces, and binds it by name)."""
+def _fix_copy_on_write(runner_module) -> None:
+    """vLLM's model runner module has run (it imports the helper the fix replaces, and binds it by name)."""
+    from testkit.copy_on_write import fix_hybrid_copy_on_write
 
-    def __init__(self) -> None:
-        self._busy = False
-
-    def find_spec(self, name, path, target=None):
-        if name != "vllm.v1.worker.gpu_model_runner" or self._busy:
-            return None
-        self._busy = True
-        try:
-            import importlib.util
-            spec = importlib.util.find_spec(name)
-        finally:
-            self._busy = False
-        if spec is None or spec.loader is None:
-            return None
-        original = spec.loader.exec_module
-
-        def exec_module(module):
-            original(module)
-            sys.modules[name] = module  # the fix imports it by name
-            from testkit.copy_on_write import fix_hybrid_copy_on_write
-
-            fix_hybrid_copy_on_write()
-            print(FIXED_LINE, file=sys.stderr, flush=True)
-
-        spec.loader.exec_module = exec_module
-        return spec
+    fix_hybrid_copy_on_write()
+    print(FIXED_LINE, file=sys.stderr, flush=True)
 
 
 if os.environ.get("TIERCACHE_FIX_COPY_ON_WRITE") == "1":
     from pathlib import Path
 
     sys.path.append(str(Path(__file__).resolve().parents[2]))  # the folder that holds testkit, after the installed
-    sys.meta_path.insert(0, _ModelRunnerFinder())
+    sys.meta_path.insert(0, _AfterImport("vllm.v1.worker.gpu_model_runner", _fix_copy_on_write))
 
 if LEVEL:
     if LEVEL not in _LEVELS:
@@ -118,4 +96,4 @@ if LEVEL:
     # set, not defaulted: an engine stood in lower than the suite inherits the suite's values
     os.environ["ATEN_CPU_CAPABILITY"] = _ATEN[LEVEL]
     os.environ["ONEDNN_MAX_CPU_ISA"] = _ONEDNN[LEVEL]
-    sys.meta_path.insert(0, _TorchCpuFinder())
+    sys.meta_path.insert(0, _AfterImport("torch.cpu", _stand_in))
