@@ -25,7 +25,7 @@ DEFAULT_VLLM_VERSION = "0.33.0"  # what check-vllm words its lines for when no v
 DEFAULT_MATCH_UNIT = 16
 
 
-class _VllmFlags(argparse.ArgumentParser):
+class VllmFlags(argparse.ArgumentParser):
     """vLLM's flags that decide what the connector refuses and what N is; others are reported as not checked. An
     error is one line (main prints `tiercache check-vllm: error: ...`)."""
 
@@ -129,8 +129,8 @@ def check(args: argparse.Namespace) -> int:
     directory, config = _model_config(args.model)
     flags, unread = _parse_vllm_flags(args.vllm_args)
     version, where = _vllm_version(args.vllm_version)
-    transfer = _json_flag("--kv-transfer-config", flags.kv_transfer_config)
-    speculative = _json_flag("--speculative-config", flags.speculative_config)
+    transfer = json_flag("--kv-transfer-config", flags.kv_transfer_config)
+    speculative = json_flag("--speculative-config", flags.speculative_config)
     if transfer.get("kv_connector") != CONNECTOR:
         raise InvalidArgument(f"--kv-transfer-config names no {CONNECTOR} (kv_connector): check-vllm checks an "
                               f"engine started with it")
@@ -218,7 +218,7 @@ def _block_checks(config: dict, model: str, flags: argparse.Namespace, args: arg
 
 def _parse_vllm_flags(tokens: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """vLLM's flags as vLLM reads them (underscores or dashes); the ones with no bearing here, for the report."""
-    parser = _VllmFlags(prog="vllm serve", add_help=False, allow_abbrev=False)
+    parser = VllmFlags(prog="vllm serve", add_help=False, allow_abbrev=False)
     _add_cache_flags(parser)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     parser.add_argument("--disable-hybrid-kv-cache-manager", action=argparse.BooleanOptionalAction)
@@ -230,10 +230,14 @@ def _parse_vllm_flags(tokens: list[str]) -> tuple[argparse.Namespace, list[str]]
     # caching alone decides the Mamba cache mode in vLLM 0.32 and 0.33 (preflight.mamba_mode_refusal).
     for name in ("--prefix-caching-hash-algo", "--mamba-cache-mode"):
         parser.add_argument(name)
-    normalized = [t.split("=", 1)[0].replace("_", "-") + t[len(t.split("=", 1)[0]):] if t.startswith("--") else t
-                  for t in tokens]
-    flags, rest = parser.parse_known_args(normalized)
+    flags, rest = parser.parse_known_args(normalized_flags(tokens))
     return flags, [t for t in rest if t.startswith("-")]
+
+
+def normalized_flags(tokens: list[str]) -> list[str]:
+    """vLLM's flags as vLLM reads them: `--a_b` and `--a-b` (with or without `=value`) are one flag."""
+    return [t.split("=", 1)[0].replace("_", "-") + t[len(t.split("=", 1)[0]):] if t.startswith("--") else t
+            for t in tokens]
 
 
 def _sizing(config: dict, model: str, flags: argparse.Namespace, platform_flags: argparse.Namespace):
@@ -316,7 +320,7 @@ def _model_config(model: str) -> tuple[Path, dict]:
         raise InvalidArgument(f"cannot read {directory / 'config.json'}: {exc}") from None
 
 
-def _json_flag(flag: str, text: str | None) -> dict:
+def json_flag(flag: str, text: str | None) -> dict:
     if text is None:
         return {}
     try:

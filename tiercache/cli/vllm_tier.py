@@ -17,12 +17,8 @@ import argparse
 import json
 from typing import Callable
 
+from tiercache.cli.vllm import VllmFlags, json_flag, normalized_flags
 from tiercache.errors import InvalidArgument
-
-
-class _VllmFlags(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        raise InvalidArgument(f"vLLM flags: {message}")
 
 
 def add_command(commands: argparse._SubParsersAction, command: Callable[..., argparse.ArgumentParser]) -> None:
@@ -55,7 +51,7 @@ def tier_entry(model: str, vllm_args: list[str], url: str | None = None, salt: s
     directory = model_directory(model, flags.revision)
     if directory is None or not (directory / "config.json").is_file():
         raise InvalidArgument(f"no config.json for {model!r}: pass the model's directory (nothing is downloaded)")
-    overrides = _overrides(flags.hf_overrides)
+    overrides = json_flag("--hf-overrides", flags.hf_overrides) or None
     entry = {"type": TIER_CLASS, "module_path": MODULE_PATH, "url": ConnectionSettings.from_env(url=url).url,
              "model_identity": model_identity(weights_identity(directory), flags.quantization, flags.kv_cache_dtype,
                                               overrides)}
@@ -67,25 +63,12 @@ def tier_entry(model: str, vllm_args: list[str], url: str | None = None, salt: s
 
 
 def _parse(tokens: list[str]) -> argparse.Namespace:
-    parser = _VllmFlags(prog="vllm serve", add_help=False, allow_abbrev=False)
+    parser = VllmFlags(prog="vllm serve", add_help=False, allow_abbrev=False)
     parser.add_argument("--revision")
     parser.add_argument("--quantization", "-q")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--hf-overrides")
     parser.add_argument("--attention-backend")
-    normalized = [t.split("=", 1)[0].replace("_", "-") + t[len(t.split("=", 1)[0]):] if t.startswith("--") else t
-                  for t in tokens]
-    flags, _ = parser.parse_known_args(normalized)
+    flags, _ = parser.parse_known_args(normalized_flags(tokens))
     return flags
 
-
-def _overrides(text: str | None):
-    if not text:
-        return None
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise InvalidArgument(f"--hf-overrides is not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise InvalidArgument("--hf-overrides must be a JSON object")
-    return value
