@@ -41,17 +41,18 @@ class LoadSampler:
         self.samples: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="load-sampler", daemon=True)
-        self._started_ticks: dict[int, tuple[str, int]] = {}
+        self._started: dict[int, tuple[str, int, int]] = {}
+        self._ended: dict[int, tuple[str, int, int]] = {}
 
     def __enter__(self) -> "LoadSampler":
-        self._started_ticks = _cpu_ticks()
+        self._started = _processes()
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self._ended_ticks = _cpu_ticks()
+        self._ended = _processes()
 
     def _sample(self) -> None:
         while True:
@@ -60,10 +61,10 @@ class LoadSampler:
                 return
 
     def summary(self) -> dict:
-        ours = _own_tree()
+        ours = _own_tree(self._ended)
         used = []
-        for pid, (name, ticks) in self._ended_ticks.items():
-            before = self._started_ticks.get(pid, (name, 0))[1]
+        for pid, (name, _, ticks) in self._ended.items():
+            before = self._started.get(pid, (name, 0, 0))[2]
             if pid not in ours and ticks > before:
                 used.append({"pid": pid, "name": name, "cpu_s": round((ticks - before) / os.sysconf("SC_CLK_TCK"), 1)})
         used.sort(key=lambda p: -p["cpu_s"])
@@ -73,8 +74,8 @@ class LoadSampler:
                 "cores": os.cpu_count(), "busiest_others": used[:BUSIEST]}
 
 
-def _cpu_ticks() -> dict[int, tuple[str, int]]:
-    """pid -> (name, user + system clock ticks so far) of every process readable in /proc."""
+def _processes() -> dict[int, tuple[str, int, int]]:
+    """pid -> (name, parent pid, user + system clock ticks so far) of every process readable in /proc."""
     found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -83,22 +84,14 @@ def _cpu_ticks() -> dict[int, tuple[str, int]]:
             text = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        name = text[text.index("(") + 1:text.rindex(")")]
-        fields = text[text.rindex(")") + 2:].split()
-        found[int(entry)] = (name, int(fields[11]) + int(fields[12]))
+        name, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        found[int(entry)] = (name, int(fields[1]), int(fields[11]) + int(fields[12]))
     return found
 
 
-def _own_tree() -> set[int]:
+def _own_tree(processes: dict[int, tuple[str, int, int]] | None = None) -> set[int]:
     """This process and its descendants (the engines, servers and clients a run starts are the run's own work)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                text = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(text[text.rindex(")") + 2:].split()[1])
+    parents = {pid: parent for pid, (_, parent, _) in (processes or _processes()).items()}
     tree, grew = {os.getpid()}, True
     while grew:
         more = {pid for pid, parent in parents.items() if parent in tree} - tree
