@@ -70,7 +70,8 @@ from benchmarks.serving.arms import Bench, interleaved, one_engine, restarted, w
 ARMS = ("alone", "alone-equal", "alone-equal-again", "tiercache", "restart", "alone-restart")
 SPEC_FLAGS = tuple(field.name for field in dataclasses.fields(ChatSpec))
 # The parameters that make two runs comparable (--merge refuses reports that differ in any of them).
-SAME_RUN = SPEC_FLAGS + ("kv_cache_mib", "host_mib", "max_num_batched_tokens", "N", "connector_config")
+SAME_RUN = SPEC_FLAGS + ("kv_cache_mib", "host_mib", "max_num_batched_tokens", "N", "connector_config",
+                         "equivalence_margin")
 
 
 def run_arm(bench: Bench, spec: ChatSpec, name: str) -> dict:

@@ -57,7 +57,7 @@ DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake-conversation.jsonl
 # The parameters that make two runs comparable (--merge refuses reports that differ in any of them).
 SAME_SLICE = ("trace_name", "start", "max_requests", "conversations", "time_scale", "max_input_tokens",
               "max_output_tokens", "kv_cache_mib", "host_mib", "max_num_batched_tokens", "N", "vocab",
-              "connector_config", "saturated", "sequential")
+              "connector_config", "saturated", "sequential", "equivalence_margin")
 
 
 def run(args: argparse.Namespace) -> dict:

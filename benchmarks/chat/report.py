@@ -23,7 +23,8 @@ ROUND_FIGURES = (("TTFT p50", 50), ("TTFT p90", 90))
 def build(params: dict, runs: list[dict], meta: dict) -> dict:
     users = params["users"]
     return {"params": params, "meta": meta, "runs": runs, "arms": serving.summarize(runs),
-            "comparisons": serving.compare(runs), "rounds": rounds_per_arm(runs, users),
+            "comparisons": serving.compare(runs, margin=params.get("equivalence_margin")),
+            "rounds": rounds_per_arm(runs, users),
             "round_comparisons": compare_rounds(runs, users, params["rounds"]), "outputs": compare_chat(runs, users)}
 
 

@@ -136,6 +136,16 @@ def add_output_flags(parser, plot_help: str) -> None:
     parser.add_argument("--merge", nargs="+", metavar="REPORT", help="merge these reports into --json, run nothing")
     parser.add_argument("--work-dir", help="where engine logs (and the tiny model) go (default: a temp dir)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    parser.add_argument("--equivalence-margin", type=_margin, metavar="RATIO",
+                        help="fixed before the run: a ratio whose whole interval lies within [1/RATIO, RATIO] is "
+                             "called equivalent (e.g. 1.10: within 10%% either way); without it, none is")
+
+
+def _margin(text: str) -> float:
+    value = float(text)
+    if not value > 1.0:
+        raise ValueError(f"an equivalence margin is a ratio above 1, got {text}")
+    return value
 
 
 # -- text ----------------------------------------------------------------------------------------------------------

@@ -313,3 +313,13 @@ def test_the_same_tokens_with_other_logprobs_are_another_answer():
     assert (tally["compared"], tally["identical"]) == (REQUESTS, REQUESTS - 1)
     (mismatch,) = tally["mismatches"]
     assert mismatch["request"] == 7 and mismatch["first_difference"] == 2 and mismatch["cause"] == UNEXPLAINED
+
+
+def test_the_margin_is_a_flag_fixed_before_the_run_and_a_ratio_above_1():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    reports.add_output_flags(parser, "plot")
+    assert parser.parse_args(["--equivalence-margin", "1.1"]).equivalence_margin == 1.1
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--equivalence-margin", "0.9"])

@@ -8,7 +8,7 @@ from functools import cached_property
 from pathlib import Path
 
 from tests.vllm_engine.conftest import Engines, prompt
-from tests.vllm_engine.harness import Completion, EngineProcess
+from tests.vllm_engine.harness import Completion, EngineProcess, assert_same_bytes, assert_same_computation
 
 EXTERNAL = "external_unspecified"  # the source vLLM counts a tier's hits under when the tier names no medium
 POOL_BYTES = 64 << 20  # vLLM's CPU pool (cpu_bytes_to_use): a few prompts' chunks, every engine the same
@@ -87,3 +87,13 @@ def counted(engine: EngineProcess, tokens: list[int], **options) -> tuple[Comple
 
 def _by_source(stats: dict) -> dict[str, float]:
     return dict(stats["counters"].get("vllm:prompt_tokens_cached_by_source", {}))
+
+
+def assert_restored(engine: EngineProcess, tokens: list[int], own: Completion, source: str, what: str) -> Completion:
+    """One request that must resume exactly where `own` (vLLM's own hit, already asserted at its position) did, every
+    token of the hit counted by vLLM under `source`, and compute from the same bytes what `own` computed."""
+    got, hits = counted(engine, tokens)
+    assert got.cached == own.cached and hits == {source: own.cached}, f"{what}: hit {got.cached}, vLLM counted {hits}"
+    assert_same_bytes(got, own, what)
+    assert_same_computation(got, own, what)
+    return got

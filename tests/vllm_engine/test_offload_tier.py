@@ -25,7 +25,7 @@ from tests.helpers import ServerProcess
 from tests.vllm_engine.conftest import Engines, prompt, start_cache_server
 from tests.vllm_engine.harness import assert_same_bytes, assert_same_computation
 from testkit.vllm_models import FOUR_LAYER
-from tests.vllm_engine.offload_runs import EXTERNAL, OffloadEngines, counted
+from tests.vllm_engine.offload_runs import EXTERNAL, OffloadEngines, assert_restored, counted
 from tiercache.cli.vllm_tier import tier_entry
 
 PROMPTS = {name: 500 + i for i, name in enumerate(["restore", "restart", "tail", "chat", "vanish", "swap", "flip"])}
@@ -70,11 +70,7 @@ def test_a_second_engine_restores_what_the_first_offloaded_exactly(run):
     made, _ = run
     n = made.n
     tokens = long_prompt(n, "restore")
-    got, hits = counted(made.replica, tokens)
-    assert got.cached == 3 * n and hits == {EXTERNAL: 3 * n}, f"hit {got.cached}, vLLM counted {hits}"
-    own = made.alone_hit_at(tokens, 3 * n)
-    assert_same_bytes(got, own, "second engine")
-    assert_same_computation(got, own, "second engine")
+    assert_restored(made.replica, tokens, made.alone_hit_at(tokens, 3 * n), EXTERNAL, "second engine")
 
 
 def test_vllms_own_fs_tier_resumes_at_the_same_position(run):
@@ -90,11 +86,7 @@ def test_a_restarted_engine_restores_what_the_first_offloaded_and_nothing_is_lef
     made.first.close()
     assert made.first.pool_file is not None and not made.first.pool_file_left
     tokens = long_prompt(n, "restart")
-    got, hits = counted(made.restarted, tokens)
-    assert got.cached == 3 * n and hits == {EXTERNAL: 3 * n}, f"hit {got.cached}, vLLM counted {hits}"
-    own = made.alone_hit_at(tokens, 3 * n)
-    assert_same_bytes(got, own, "restarted engine")
-    assert_same_computation(got, own, "restarted engine")
+    assert_restored(made.restarted, tokens, made.alone_hit_at(tokens, 3 * n), EXTERNAL, "restarted engine")
 
 
 def test_a_repeated_prompt_resumes_at_vllms_partial_tail_from_its_cpu_pool(run):
@@ -106,12 +98,8 @@ def test_a_repeated_prompt_resumes_at_vllms_partial_tail_from_its_cpu_pool(run):
     tokens = long_prompt(n, "tail")
     made.restarted.one(tokens)
     made.restarted.reset_prefix_cache()
-    got, hits = counted(made.restarted, tokens)
     tail = (len(tokens) - 1) // 16 * 16
-    assert got.cached == tail and hits == {"host": tail}, f"hit {got.cached}, vLLM counted {hits}"
-    own = made.alone_hit_at(tokens, tail)
-    assert_same_bytes(got, own, "partial tail")
-    assert_same_computation(got, own, "partial tail")
+    assert_restored(made.restarted, tokens, made.alone_hit_at(tokens, tail), "host", "partial tail")
 
 
 def test_a_chat_resumes_at_the_last_whole_chunk_of_the_reply_with_offload_prompt_only_false(run):
@@ -125,10 +113,7 @@ def test_a_chat_resumes_at_the_last_whole_chunk_of_the_reply_with_offload_prompt
     turn_two = system + reply + prompt(PROMPTS["chat"] + 1, n + 20)
     own = made.alone.one(turn_two)
     assert own.cached == 3 * n, f"vLLM's own hit for turn 2 is {own.cached}"
-    got, hits = counted(made.restarted, turn_two)
-    assert got.cached == 3 * n and hits == {EXTERNAL: 3 * n}, f"hit {got.cached}, vLLM counted {hits}"
-    assert_same_bytes(got, own, "turn 2")
-    assert_same_computation(got, own, "turn 2")
+    assert_restored(made.restarted, turn_two, own, EXTERNAL, "turn 2")
 
 
 def test_an_object_that_vanished_after_the_lookup_is_recomputed_and_not_offered_again(run):

@@ -9,9 +9,8 @@ import json
 import pytest
 
 from tests.vllm_engine.conftest import Engines, prompt, start_cache_server
-from tests.vllm_engine.harness import assert_same_bytes, assert_same_computation
 from testkit.vllm_models import DENSE
-from tests.vllm_engine.offload_runs import EXTERNAL, OffloadEngines, counted
+from tests.vllm_engine.offload_runs import EXTERNAL, OffloadEngines, assert_restored, counted
 from tiercache.cli.vllm_tier import tier_entry
 
 ROPE = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
@@ -40,11 +39,7 @@ def test_a_restarted_engine_restores_what_the_first_offloaded_exactly(run):
     assert own.cached == 3 * n and hits == {"host": 3 * n}, f"vLLM's own hit {own.cached}, counted {hits}"
     made.first.close()
     assert not made.first.pool_file_left
-    got, hits = counted(made.restarted, tokens)
-    assert got.cached == 3 * n and hits == {EXTERNAL: 3 * n}, f"hit {got.cached}, vLLM counted {hits}"
-    assert_same_bytes(got, own, "restarted engine")
-    assert_same_computation(got, own, "restarted engine")
-    made.restored = got
+    made.restored = assert_restored(made.restarted, tokens, own, EXTERNAL, "restarted engine")
 
 
 def test_the_same_checkpoint_with_a_rope_scaling_override_shares_nothing(run):

@@ -129,7 +129,7 @@ def engine_identity(vllm_config, groups, weights_id: str | None = None, kv_cache
     layers = "|".join(",".join(names) for names in groups.layer_names)
     return ";".join([engine_model_identity(vllm_config, weights_id), f"dtype={model.dtype}",
                      f"vllm={vllm.__version__}",
-                     f"device={current_platform.device_type}:{_device_name(current_platform)}",
+                     f"device={current_platform.device_type}:{device_name(current_platform)}",
                      f"attention={attention}", f"layers={layers}",
                      *filter(None, [page_layout(vllm_config, kv_cache_config, groups)])])
 
@@ -197,7 +197,7 @@ def cpu_capabilities() -> str:
         return f"host:{socket.gethostname()}"
 
 
-def _device_name(platform) -> str:
+def device_name(platform) -> str:
     try:
         return platform.get_device_name(0) if platform.device_type != "cpu" else "cpu"
     except Exception:

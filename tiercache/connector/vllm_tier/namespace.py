@@ -75,11 +75,8 @@ def _seed_is_random(kv_cache_utils) -> bool:
 def _platform() -> str:
     from vllm.platforms import current_platform
 
-    if current_platform.device_type != "cpu":
-        try:
-            return f"{current_platform.device_type}:{current_platform.get_device_name(0)}"
-        except Exception:  # noqa: BLE001 - a platform that cannot name its device: its type alone
-            return current_platform.device_type
-    from tiercache.connector.vllm.identity import cpu_capabilities
+    from tiercache.connector.vllm.identity import cpu_capabilities, device_name
 
-    return f"cpu:{cpu_capabilities()}"
+    if current_platform.device_type == "cpu":
+        return f"cpu:{cpu_capabilities()}"
+    return f"{current_platform.device_type}:{device_name(current_platform)}"

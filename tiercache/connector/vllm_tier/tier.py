@@ -50,13 +50,14 @@ class TierCacheTier(SecondaryTierManager):
         settings = self.settings
         breaker = BreakerPolicy.probing_at_most(settings.offline_backoff_s)
         # Born off the cores a CPU engine computes on (their threads, and gRPC's, inherit that).
-        self._client, self._verdicts, self._transfers = born_off_compute_cores(lambda: self._start(breaker))
+        self._client, self._lookup_client, self._verdicts, self._transfers = born_off_compute_cores(
+            lambda: self._start(breaker))
         check_fits(self._client, self.block_size_bytes, f"{TIER_CLASS}: a chunk of {self._config.model.name} "
                                                         f"({self._config.cache.blocks_per_chunk} blocks, every rank)")
         log.info("%s (%s) on %s: chunks of %d bytes, %d I/O threads", TIER_CLASS, tier_type, settings.connection.url,
                  self.block_size_bytes, settings.io_threads)
 
-    def _start(self, breaker: BreakerPolicy) -> tuple[Client, Verdicts, Transfers]:
+    def _start(self, breaker: BreakerPolicy) -> tuple[Client, Client, Verdicts, Transfers]:
         settings = self.settings
         client = Client(settings.connection, timeout_s=settings.timeout_s, retry=RetryPolicy(attempts=2),
                         breaker=breaker)
@@ -64,10 +65,9 @@ class TierCacheTier(SecondaryTierManager):
         lookups = Client(settings.connection, timeout_s=settings.lookup_deadline_s, retry=RetryPolicy(attempts=1),
                          breaker=breaker)
         verdicts = Verdicts(lambda keys: lookups.exists(self.namespace, keys), settings.lookup_deadline_s)
-        self._lookup_client = lookups
         transfers = Transfers(client, lambda: self.namespace, self._slot, self.block_size_bytes, settings.io_threads,
                               settings.max_pending_store_bytes, verdicts.known_present)
-        return client, verdicts, transfers
+        return client, lookups, verdicts, transfers
 
     @property
     def namespace(self) -> str:
