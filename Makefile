@@ -5,6 +5,11 @@ PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 # Flags for `tiercache serve`: make serve ARGS="--port 6000 --host-mem 2GiB"
 ARGS ?=
+# The vLLM engine suite's pytest-xdist workers, each taking whole modules (a module's engines start once): an engine
+# spends most of its start importing vLLM on one core, which leaves the other idle. One (the default, what CI runs)
+# until two have passed the whole suite on both CPU kinds: TEST_WORKERS=2 took 26 minutes instead of 35 here.
+TEST_WORKERS ?= 1
+ENGINE_WORKERS = $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: install install-vllm install-vllm-cpu install-sglang proto serve lint test test-slow test-vllm test-vllm-engine \
 	test-sglang install-sglang-engine test-sglang-engine install-dynamo test-dynamo test-wheel test-gpu test-all bench bench-serve bench-gpu \
@@ -46,7 +51,7 @@ install-vllm-cpu: install
 # (testkit/cpu_stand_in: vLLM's capability checks answer for it; torch and oneDNN are held to it).
 test-vllm-engine: install-vllm-cpu
 	$(if $(TEST_CPU),TIERCACHE_TEST_CPU=$(TEST_CPU) PYTHONPATH=$(CURDIR)/testkit/site) \
-		VLLM_TARGET_DEVICE=cpu .venv-vllm-cpu/bin/python -m pytest -q -p no:cacheprovider tests/vllm_engine
+		VLLM_TARGET_DEVICE=cpu .venv-vllm-cpu/bin/python -m pytest -q -p no:cacheprovider $(ENGINE_WORKERS) tests/vllm_engine
 
 # The wheel and sdist built from the checkout's files (tracked and not ignored: no generated stubs), the wheel
 # installed, not editable, into a fresh venv (its declared dependencies only: `tiercache serve` and a client) and

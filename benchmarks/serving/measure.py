@@ -87,7 +87,7 @@ def merge(first: dict, second: dict) -> dict:
 
 def first_phase_end(first: dict) -> float:
     """Seconds from the first phase's start to its last answer: its wall time, which the report rounds to 10 ms, or
-    its latest answer's end where rounding put that later (tests/vllm_engine/test_serve_trace_smoke.py checks that
+    its latest answer's end where rounding put that later (tests/vllm_engine/test_lab_smokes.py checks that
     the second phase is sent after it)."""
     ends = [o["sent_s"] + o["e2e_s"] for o in first["outcomes"] if o.get("sent_s") is not None]
     return max([first["wall_s"], *ends])

@@ -1,6 +1,6 @@
 """The chat benchmark's pure parts (benchmarks/chat): prompts that extend the last one with its reply and a new
 question, per-round figures, and mismatches placed at (user, round). (The benchmark itself runs on vLLM:
-tests/vllm_engine/test_chat_rounds_smoke.py.)"""
+tests/vllm_engine/test_lab_smokes.py.)"""
 
 from __future__ import annotations
 

@@ -87,10 +87,12 @@ def logs(directory: Path) -> str:
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 120)
-def test_the_try_it_page_runs_as_written_and_shows_the_hit_where_it_says(tmp_path):
-    directory, home, temp = tmp_path / "try", tmp_path / "home", tmp_path / "t"
+def test_the_try_it_page_runs_as_written_and_shows_the_hit_where_it_says(tmp_path, tmp_path_factory):
+    directory, home = tmp_path / "try", tmp_path / "home"
     home.mkdir()
-    temp.mkdir()  # vLLM's own temporary files and IPC sockets (a short name: a socket's path has ~107 bytes)
+    # vLLM's own temporary files and IPC sockets: a short name in the session's temp dir (a socket's path holds ~107
+    # bytes; the test's own folder, under a parallel worker's folder, leaves too few for vLLM's uuid names)
+    temp = tmp_path_factory.mktemp("t")
     tc_port, vllm_port = free_port(), free_port()
     env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "TMPDIR": str(temp),
            "PYTHONUNBUFFERED": "1"}
