@@ -6,8 +6,8 @@ PYTEST := $(PY) -m pytest
 # Flags for `tiercache serve`: make serve ARGS="--port 6000 --host-mem 2GiB"
 ARGS ?=
 # The vLLM engine suite's pytest-xdist workers, each taking whole modules (a module's engines start once): an engine
-# spends most of its start importing vLLM on one core, which leaves the other idle. TEST_WORKERS=2 took 26 minutes
-# instead of 35 here, but its tests' cache servers (1 GiB host tiers each) ran 24 GiB out of memory: one is the default
+# spends most of its start importing vLLM on one core, which leaves the other idle. TEST_WORKERS=2 is faster,
+# but its tests' cache servers (1 GiB host tiers each) ran 24 GiB out of memory: one is the default
 # and what CI runs.
 TEST_WORKERS ?= 1
 ENGINE_WORKERS = $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
