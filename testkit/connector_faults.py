@@ -13,13 +13,20 @@ The faults, and where each one is planted:
   lowest bit of the middle byte of the first Mamba layer's state bytes;
 - `hit_one_longer`: the hit is reported to vLLM's scheduler one token longer than what is loaded
   (Planner.matched_tokens, vLLM's get_num_new_matched_tokens).
+
+`HashedFaults` plants `swapped_blocks` or `previous_state` in a served engine (testkit/site: TIERCACHE_PLANT_FAULT), in
+the requests whose prompt's digest falls in one in K, and writes each load it went into to a file: the lab's exact
+replay (benchmarks/serving/exact.py) must report exactly those requests as wrong, and their dependants.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 KINDS = ("swapped_blocks", "previous_state", "flipped_state_bit", "hit_one_longer")
+SERVED_KINDS = ("swapped_blocks", "previous_state")  # those HashedFaults plants in the load plan
+PLANTED_LINE = "testkit: faults planted in tiercache's connector (testkit.connector_faults)"  # a served engine's log
 
 
 class PlantedFaults:
@@ -111,3 +118,102 @@ def _flip_state_bit(views, job) -> None:
     state = next(t for t in job.transfers if t.ref.kind is ObjectKind.STATE)
     states = views.states[0][0]  # the first Mamba group's first layer: [blocks, state bytes]
     states[state.blocks[0], states.shape[1] // 2] ^= 1
+
+
+def prompt_digest(tokens) -> str:
+    """A prompt's name in the planted log (the lab computes the same from the prompts it sent)."""
+    return hashlib.sha256(",".join(map(str, tokens)).encode()).hexdigest()[:16]
+
+
+class HashedFaults:
+    """`kind` (SERVED_KINDS) in the loads of every request whose prompt digest falls in one in `one_in`, for a served
+    engine, where no test names the prompts and the workers run in a process of their own: the fault goes into the
+    load plan on the scheduler's side. `swapped_blocks`: the blocks of the load's first and last kv chunk trade places
+    (each chunk's pages are written into the other's block); `previous_state`: the deepest state tiercache holds below
+    the hit's is loaded instead. A load it cannot go into (one chunk; no earlier state) goes in as it is. Each load a
+    fault went into is logged: the prompt's digest, the fault, the first prompt position it made wrong, the name the
+    client gave the request (NAMED; two requests may send the same prompt) and vLLM's id for it."""
+
+    def __init__(self, kind: str, one_in: int, log_path: str) -> None:
+        if kind not in SERVED_KINDS:
+            raise ValueError(f"a served engine takes {SERVED_KINDS}, not {kind!r}")
+        self.kind, self.one_in, self.log_path = kind, max(1, one_in), log_path
+
+    def chosen(self, request) -> str | None:
+        digest = prompt_digest(request.prompt_token_ids or ())
+        return None if int(digest, 16) % self.one_in else digest
+
+    def install(self) -> None:
+        from tiercache.connector.vllm.plan import Planner
+
+        faults, allocated = self, Planner.allocated
+
+        def planted_allocated(planner, request, block_ids, num_external_tokens):
+            allocated(planner, request, block_ids, num_external_tokens)
+            digest = faults.chosen(request) if num_external_tokens > 0 else None
+            if digest is not None:
+                faults._plant(planner, request, digest)
+
+        Planner.allocated = planted_allocated
+
+    def _plant(self, planner, request, digest: str) -> None:
+        job = planner._loads[-1]
+        planted = _blocks_swapped(job) if self.kind == "swapped_blocks" else _earlier_state(planner, job)
+        if planted is None:
+            return
+        job, first_wrong = planted
+        planner._loads[-1] = job
+        with open(self.log_path, "a") as log:
+            log.write(f"{digest}\t{self.kind}\t{first_wrong}\t{_named(request)}\t{job.req_id}\n")
+
+
+NAMED = "tiercache_request"  # the client's name for a request, in its vllm_xargs (the lab sends its trace index)
+
+
+def _named(request) -> str:
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+    return str(extra.get(NAMED, "?"))
+
+
+def _blocks_swapped(job):
+    """The load with its first and last kv chunk's blocks traded (every attention group), and the first chunk's start;
+    None for a load of fewer than two chunks."""
+    from tiercache.prefix.objects import ObjectKind
+
+    kv = [i for i, t in enumerate(job.transfers) if t.ref.kind is ObjectKind.KV]
+    groups = {job.transfers[i].ref.group for i in kv}
+    transfers = list(job.transfers)
+    first_wrong = None
+    for group in groups:
+        chunks = [i for i in kv if transfers[i].ref.group == group]
+        if len(chunks) < 2:
+            return None
+        first, last = min(chunks, key=lambda i: transfers[i].ref.position), \
+            max(chunks, key=lambda i: transfers[i].ref.position)
+        a, b = transfers[first], transfers[last]
+        transfers[first], transfers[last] = (dataclasses.replace(a, blocks=b.blocks),
+                                             dataclasses.replace(b, blocks=a.blocks))
+        first_wrong = min(a.ref.start, first_wrong if first_wrong is not None else a.ref.start)
+    if first_wrong is None:
+        return None
+    return dataclasses.replace(job, transfers=tuple(transfers)), first_wrong
+
+
+def _earlier_state(planner, job):
+    """The load with the deepest state tiercache holds below the hit's in place of the hit's, and the hit's position
+    (what is computed from there on is wrong); None when tiercache holds none of every group the load has."""
+    from tiercache.prefix.objects import ObjectKind, object_ref
+
+    tracked = planner._requests[job.req_id]
+    spec, hashes = tracked.cache.spec, tracked.lookup.hashes
+    states = [t.ref for t in job.transfers if t.ref.kind is ObjectKind.STATE]
+    if not states:
+        return None
+    unit = spec.match_unit or 1
+    candidates = list(range((states[0].position - 1) // unit * unit, 0, -unit))
+    keys = [object_ref(spec, hashes, ObjectKind.STATE, p, ref.group).key for p in candidates for ref in states]
+    found = tracked.cache.client.exists(tracked.cache.namespace, keys) if keys else []
+    for i, position in enumerate(candidates):
+        if all(found[i * len(states):(i + 1) * len(states)]):
+            return _with_state_from(planner, job, position), states[0].position
+    return None

@@ -3,6 +3,8 @@ hit as a yardstick, and served benchmark engines need it to be right (docs/vllm.
 
 from __future__ import annotations
 
+FIXED_LINE = "testkit: vLLM's copy_kv_cache_blocks_inplace fixed (testkit.copy_on_write)"  # what a fixed process logs
+
 
 def fix_hybrid_copy_on_write() -> None:
     """vLLM 0.32's copy_kv_cache_blocks_inplace copies each backing view once, keyed by its data pointer. In a hybrid

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 from benchmarks.serving.engines import EngineFailed, EngineSettings, VllmServer
+from benchmarks.serving.exact import fault_settings
 from benchmarks.serving.measure import measure, merge
 
 MiB = 1 << 20
@@ -49,6 +50,10 @@ class Bench:
         return {"url": cache.url, "model_name": "serve-trace", "lookup_timeout_s": 2.0,
                 **json.loads(self.args.connector_config)}
 
+    def with_cache(self, settings: EngineSettings, cache, arm: str) -> EngineSettings:
+        """The settings with TierCacheConnector on `cache`, and the faults --plant-fault plants in it (exact.py)."""
+        return dataclasses.replace(settings, connector=self.connector(cache), **fault_settings(self, arm))
+
     def cache_server(self):
         """tiercache's server on the cores the engines do not compute on (inherited from this process at its start),
         as docs/vllm.md advises for CPU inference."""
@@ -76,7 +81,7 @@ def one_engine(bench: Bench, name: str, requests, settings: EngineSettings, with
     cache = bench.cache_server() if with_cache else None
     try:
         if cache is not None:
-            settings = dataclasses.replace(settings, connector=bench.connector(cache))
+            settings = bench.with_cache(settings, cache, name)
         engine = bench.start(name, settings)
         try:
             return measure(bench, name, [engine], requests, cache, drive=drive)
@@ -112,7 +117,7 @@ def restarted(bench: Bench, name: str, requests, settings: EngineSettings, with_
     half = len(requests) // 2 if parts is None else len(parts[0][0])
     parts = parts or ((requests[:half], None), (shifted(requests[half:]), None))
     if cache is not None:
-        settings = dataclasses.replace(settings, connector=bench.connector(cache))
+        settings = bench.with_cache(settings, cache, name)
     try:
         phases = {}
         for phase, (part, drive) in zip(("before", "after"), parts):
@@ -141,7 +146,7 @@ def two_engines(bench: Bench, name: str, requests, with_cache: bool, route: str)
         for i, cpus in enumerate(halves(os.cpu_count() or 2)):
             settings = bench.engine(cpus=cpus)
             if cache is not None:
-                settings = dataclasses.replace(settings, connector=bench.connector(cache))
+                settings = bench.with_cache(settings, cache, name)
             else:
                 settings = dataclasses.replace(settings, kv_cache_bytes=(bench.args.kv_cache_mib
                                                                          + bench.args.host_mib // 2) * MiB)
@@ -172,7 +177,13 @@ def run_arm(bench: Bench, name: str) -> dict:
         "two-alone": lambda: two_engines(bench, name, requests, False, "round-robin"),
         "two-alone-conv": lambda: two_engines(bench, name, requests, False, "conversation"),
     }
-    return runners[base]()
+    result = runners[base]()
+    if getattr(bench.args, "sequential", False) and getattr(bench.args, "exact_check", True) \
+            and "outcomes" in result and not name.startswith("noreuse-"):
+        from benchmarks.serving.exact import check_run
+
+        result["exact"] = check_run(bench, name, result)
+    return result
 
 
 def work_and_model(args, prefix: str) -> tuple[Path, str, int, str]:

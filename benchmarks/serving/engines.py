@@ -12,6 +12,7 @@ come from vLLM rather than from tiercache. A server whose log does not say the f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -22,10 +23,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from testkit.copy_on_write import FIXED_LINE as COPY_ON_WRITE_FIXED
 from tiercache.process import free_port
 
 TESTKIT_SITE = Path(__file__).resolve().parents[2] / "testkit" / "site"
-COPY_ON_WRITE_FIXED = "testkit: vLLM's copy_kv_cache_blocks_inplace fixed (testkit.copy_on_write)"
 
 TIERCACHE_CONNECTOR = {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.connector.vllm",
                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
@@ -50,6 +51,10 @@ class EngineSettings:
     connector: dict | None = None  # kv_connector_extra_config for TierCacheConnector, or None
     offload_bytes: int = 0  # vLLM's own OffloadingConnector (native CPU backend) with this many host bytes
     cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND (None: vLLM's auto)
+    # What the test kit changes in the engine's processes beyond the copy-on-write fix (testkit/site: the exact
+    # replay's hit caps, planted faults), with the line each one's log must show.
+    testkit: dict[str, str] = dataclasses.field(default_factory=dict)
+    testkit_lines: tuple[str, ...] = ()
 
     def arguments(self) -> list[str]:
         """The flags docs/vllm.md recommends for a hybrid model, the KV cache sized as given."""
@@ -85,7 +90,8 @@ class VllmServer:
 
     def start(self, timeout_s: float = 300.0) -> "VllmServer":
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1", "TIERCACHE_FIX_COPY_ON_WRITE": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTKIT_SITE), os.environ.get("PYTHONPATH")]))}
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTKIT_SITE), os.environ.get("PYTHONPATH")])),
+               **self.settings.testkit}
         if self.settings.cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.settings.cpus
         self._log = open(self.log_path, "a")
@@ -104,10 +110,12 @@ class VllmServer:
                 self.stop()
                 raise EngineFailed(f"vLLM did not answer /health in {timeout_s:.0f} s:\n{self.log_tail()}")
             time.sleep(0.5)
-        if COPY_ON_WRITE_FIXED not in Path(self.log_path).read_text(errors="replace"):
-            self.stop()
-            raise EngineFailed(f"vLLM started without testkit's copy-on-write fix (no {COPY_ON_WRITE_FIXED!r} in "
-                               f"{self.log_path})")
+        written = Path(self.log_path).read_text(errors="replace")
+        for line in (COPY_ON_WRITE_FIXED, *self.settings.testkit_lines):
+            if line not in written:
+                self.stop()
+                raise EngineFailed(f"vLLM started without what the test kit was asked for (no {line!r} in "
+                                   f"{self.log_path})")
         return self
 
     def _healthy(self) -> bool:

@@ -16,7 +16,7 @@ import re
 import sys
 import time
 
-from benchmarks.serving import trace
+from benchmarks.serving import exact, trace
 from benchmarks.serving.engines import EngineFailed, VllmServer, prometheus_sum, scrape
 from benchmarks.serving.replay import ROUTES, Outcome, replay, summary
 
@@ -40,7 +40,8 @@ def measure(bench, name: str, engines: list[VllmServer], requests, cache=None, r
     before = [engine.counters() for engine in engines]
     cache_before = tiercache_counters(cache)
     sequential = getattr(bench.args, "sequential", False)
-    send = drive or functools.partial(replay, requests, route=ROUTES[route], sequential=sequential)
+    named = exact.named if getattr(bench.args, "plant_fault", None) else (lambda request: None)
+    send = drive or functools.partial(replay, requests, route=ROUTES[route], sequential=sequential, extra=named)
     outcomes, wall = asyncio.run(send([e.url for e in engines], bench.model_dir,
                                       on_done=progress(name, len(requests), bench.args.progress)))
     if cache is not None:

@@ -25,7 +25,9 @@ docs/runs/serve_trace-saturated-2026-11-27-6d63f4c) vLLM alone given more memory
 hit length differently from vLLM alone, the same 5 in all three rounds, with no tiercache involved. A same-hit
 mismatch on a request that overlapped, in either run, a request whose hit differs is classified as that; it needs
 each request's send time (`sent_s`; a saturated replay sends all at 0), so a report without it names no such cause.
-The sequential replay, where no steps are shared, is the output check that leaves none of these causes open.
+The sequential replay, where no steps are shared, is the run mode for output claims, and its check is another: each
+request against a reference vLLM resuming at exactly the run's own hit (exact.py), where no cause is left to name.
+This module describes the open-loop runs' outputs; it gives no verdict on tiercache's bytes.
 
 Last, the arms without tiercache (vLLM alone with either memory, restarted, two of them) answer the same slice many
 times over, and a request whose step split follows the batch shows it there: a same-hit mismatch whose very answer one

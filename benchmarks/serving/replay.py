@@ -52,14 +52,17 @@ ROUTES = {"round-robin": round_robin, "conversation": by_conversation}
 
 async def replay(requests: Sequence[TraceRequest], servers: Sequence[str], model: str,
                  on_done: Callable[[Outcome], None] = lambda outcome: None, timeout_s: float = 600.0,
-                 route: Route = round_robin, sequential: bool = False) -> tuple[list[Outcome], float]:
+                 route: Route = round_robin, sequential: bool = False,
+                 extra: Callable[[TraceRequest], dict | None] = lambda request: None) -> tuple[list[Outcome], float]:
     """Send every request at its arrival time (offset from now) to the server `route` picks (round robin unless
     told); the outcomes in request order and the wall time from the first send to the last answer.
 
     `sequential`: one request at a time, each sent when the one before it is answered, arrival times ignored. No
     latency of such a replay is one a user sees; it exists for the output check (benchmarks/serving/outputs.py): an
     engine that computes one request per step splits a prefill only where the request's own hit ends, so two arms
-    with the same hit length must then generate the same tokens."""
+    with the same hit length must then generate the same tokens.
+
+    `extra(request)`: vLLM's extra arguments for that request (`vllm_xargs`; exact.py's hit caps), or None."""
     import aiohttp  # in the vLLM venv; imported here so the report and plot code runs in a venv without it
 
     # A connection per request: a kept-alive connection that the server closes as it idles (uvicorn: after 5 s) can
@@ -73,7 +76,8 @@ async def replay(requests: Sequence[TraceRequest], servers: Sequence[str], model
             if delay > 0:
                 await asyncio.sleep(delay)
             sent_s = time.perf_counter() - started
-            outcome = await complete(session, servers[route(position, request) % len(servers)], model, request)
+            outcome = await complete(session, servers[route(position, request) % len(servers)], model, request,
+                                     extra(request))
             outcome.sent_s = round(sent_s, 4)
             on_done(outcome)
             return outcome
@@ -85,13 +89,15 @@ async def replay(requests: Sequence[TraceRequest], servers: Sequence[str], model
         return list(outcomes), time.perf_counter() - started
 
 
-async def complete(session, server: str, model: str, request: TraceRequest) -> Outcome:
+async def complete(session, server: str, model: str, request: TraceRequest, xargs: dict | None = None) -> Outcome:
     """One streamed completion on an aiohttp session; the time to its first token and to its end."""
     import aiohttp
 
     body = {"model": model, "prompt": list(request.prompt), "max_tokens": request.max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True},
             "logprobs": 1, "return_tokens_as_token_ids": True}
+    if xargs:
+        body["vllm_xargs"] = xargs
     sent = time.perf_counter()
     outcome = Outcome(request.index, server, ok=False,
                       conversation=trace.conversation(request.hash_ids) if request.hash_ids else None)

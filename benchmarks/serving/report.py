@@ -5,7 +5,7 @@ compared (benchmarks/serving/outputs.py), and a plot whose title and legend come
 
 from __future__ import annotations
 
-from benchmarks.serving import stats
+from benchmarks.serving import exact, stats
 from benchmarks.serving.outputs import compare_outputs
 
 AA = "A/A: the baseline against itself (the set's noise)"
@@ -34,7 +34,7 @@ def build(params: dict, runs: list[dict], meta: dict) -> dict:
     saturated = bool(params.get("saturated"))
     return {"params": params, "meta": meta, "runs": runs, "arms": summarize(runs),
             "comparisons": compare(runs, saturated=saturated, margin=params.get("equivalence_margin")),
-            "outputs": compare_outputs(runs, saturated=saturated)}
+            "outputs": compare_outputs(runs, saturated=saturated), "exact": exact.by_arm(runs)}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -185,7 +185,7 @@ def table(report: dict) -> str:
     for name, tally in report["outputs"].get("arms", {}).items():
         causes = ", ".join(f"{n} {cause}" for cause, n in tally["causes"].items()) or "none differ"
         lines.append(f"  {name}: {tally['identical']} of {tally['compared']} identical ({causes})")
-    return "\n".join(lines)
+    return "\n".join(lines + exact.report_lines(report["runs"]))
 
 
 def _row(name: str, arm: dict, saturated: bool) -> str:

@@ -13,6 +13,13 @@ own: a kernel the CPU lacks would not run.
 as vLLM's model runner module loads, in a served engine (`python -m vllm.entrypoints.openai.api_server`, whose
 processes the lab cannot patch otherwise). Each process that applies it says so on stderr (the lab's reports check the
 engine logs for that line).
+
+`TIERCACHE_HIT_CAP=1`: a request may hold vLLM's own prefix hit to a length it names (testkit.hit_cap): the reference
+engine of the lab's exact replay. Said on stderr as well.
+
+`TIERCACHE_PLANT_FAULT=KIND` with `TIERCACHE_PLANT_ONE_IN=K` and `TIERCACHE_PLANTED_LOG=PATH`: the fault KIND
+(testkit.connector_faults) planted in tiercache's connector, in the loads of the requests whose prompt's digest falls
+in one in K; each load it went into is written to PATH (the lab's exact replay must flag exactly those).
 """
 
 from __future__ import annotations
@@ -73,22 +80,48 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-FIXED_LINE = "testkit: vLLM's copy_kv_cache_blocks_inplace fixed (testkit.copy_on_write)"
-
-
 def _fix_copy_on_write(runner_module) -> None:
     """vLLM's model runner module has run (it imports the helper the fix replaces, and binds it by name)."""
-    from testkit.copy_on_write import fix_hybrid_copy_on_write
+    from testkit.copy_on_write import FIXED_LINE, fix_hybrid_copy_on_write
 
     fix_hybrid_copy_on_write()
     print(FIXED_LINE, file=sys.stderr, flush=True)
 
 
-if os.environ.get("TIERCACHE_FIX_COPY_ON_WRITE") == "1":
+def _on_path() -> None:
+    """The folder that holds testkit on the path, after the installed packages."""
     from pathlib import Path
 
-    sys.path.append(str(Path(__file__).resolve().parents[2]))  # the folder that holds testkit, after the installed
+    folder = str(Path(__file__).resolve().parents[2])
+    if folder not in sys.path:
+        sys.path.append(folder)
+
+
+if os.environ.get("TIERCACHE_FIX_COPY_ON_WRITE") == "1":
+    _on_path()
     sys.meta_path.insert(0, _AfterImport("vllm.v1.worker.gpu_model_runner", _fix_copy_on_write))
+
+def _cap_hits(manager_module) -> None:
+    from testkit.hit_cap import CAPPED_LINE, cap_prefix_hits
+
+    cap_prefix_hits()
+    print(CAPPED_LINE, file=sys.stderr, flush=True)
+
+
+def _plant_faults(connector_module) -> None:
+    from testkit.connector_faults import PLANTED_LINE, HashedFaults
+
+    HashedFaults(os.environ["TIERCACHE_PLANT_FAULT"], int(os.environ.get("TIERCACHE_PLANT_ONE_IN", "1")),
+                 os.environ["TIERCACHE_PLANTED_LOG"]).install()
+    print(PLANTED_LINE, file=sys.stderr, flush=True)
+
+
+if os.environ.get("TIERCACHE_HIT_CAP") == "1":
+    _on_path()
+    sys.meta_path.insert(0, _AfterImport("vllm.v1.core.kv_cache_manager", _cap_hits))
+if os.environ.get("TIERCACHE_PLANT_FAULT"):
+    _on_path()
+    sys.meta_path.insert(0, _AfterImport("tiercache.connector.vllm.connector", _plant_faults))
 
 if LEVEL:
     if LEVEL not in _LEVELS:

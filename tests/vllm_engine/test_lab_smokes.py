@@ -1,7 +1,8 @@
 """The lab's two serving benchmarks still run end to end, each a smoke run with real OpenAI-compatible vLLM servers
 and a real tiercache server: benchmarks/serve_trace.py (three arms, a few requests of the real trace, streamed
 completions) and benchmarks/chat_rounds.py (2 users, 3 rounds, tiny prompts, three arms: a closed loop whose prompts
-carry the model's replies). Their figures go to the notes.
+carry the model's replies). Their figures go to the notes. And the sequential run's exact replay
+(benchmarks/serving/exact.py), on vLLM alone and on tiercache with faults planted in its loads.
 
 They share one module so that `make test-vllm-engine`'s workers (one module each at a time) never run both at once:
 each starts a vLLM server and cache servers of its own, and the two together beside the other worker's engines once
@@ -83,6 +84,35 @@ def test_serve_trace_three_arms_on_a_few_requests(tmp_path):
 
 def restart_run(report: dict) -> dict:
     return next(run["result"] for run in report["runs"] if run["arm"] == "restart")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # four engines started in a subprocess, on a loaded machine too: its own limit decides
+def test_exact_replay_finds_vllm_alone_exact_and_flags_exactly_the_planted_restores(tmp_path):
+    """The sequential run's exact replay (benchmarks/serving/exact.py) on 40 requests of the trace, vLLM's KV cache
+    small enough (4 MiB) that later turns come back through tiercache. vLLM alone (given the memory) against the
+    reference: every request identical, tokens and logprobs, at its own hit (the reference is exact). tiercache with
+    a state from an earlier position planted in half its requests' loads: each planted request wrong, every other
+    request identical or labelled as reusing a planted request's blocks; none wrong otherwise."""
+    report_path = tmp_path / "report.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "serve_trace.py"), "--sequential",
+               "--arms", "alone-equal,tiercache", "--trace", str(TRACE), "--max-requests", "40",
+               "--conversations", "1", "--max-input-tokens", "1024", "--max-output-tokens", "8", "--kv-cache-mib", "4",
+               "--host-mib", "256", "--plant-fault", "previous_state", "--plant-one-in", "2",
+               "--work-dir", str(tmp_path / "work"), "--json", str(report_path), "--no-progress"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    checks = {run["arm"]: run["result"]["exact"] for run in report["runs"]}
+    alone = checks["alone-equal"]
+    assert alone["compared"] == alone["identical"] == 40 and not alone["unchecked"] and not alone["planted"]
+    tiercache = checks["tiercache"]
+    assert not tiercache["unchecked"] and tiercache["compared"] == 40
+    assert tiercache["planted"], "no fault went into a load: nothing was shown"
+    assert [w["request"] for w in tiercache["planted_wrong"]] == tiercache["planted"]
+    assert tiercache["planted_missed"] == [] and tiercache["wrong"] == []
+    assert tiercache["identical"] == 40 - len(tiercache["planted"]) - len(tiercache["dependants_wrong"])
+    assert "exact replay" in result.stdout
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # engines started in a subprocess, on a loaded machine too: its own limit decides
