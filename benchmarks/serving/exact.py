@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from pathlib import Path
-
 import time
+from pathlib import Path
 
 from benchmarks.serving.outputs import answer
 from testkit.connector_faults import NAMED, PLANTED_LINE, prompt_digest
