@@ -24,8 +24,9 @@ counted apart. Faults planted in the run's connector (testkit.connector_faults.H
 into, and the first prompt position each made wrong) must come out as wrong answers: each planted request is
 labelled so, and a later request reusing a planted request's blocks beyond that position (it shares that prompt and
 resumed past it) as depending on it. Any other wrong answer is tiercache's (or the reference's) fault: `wrong`.
-Shown in tests/vllm_engine/test_lab_smokes.py (vLLM alone against the reference: nothing wrong; tiercache with and
-without planted faults) and, on stored answers, in tests/benchmarks/test_exact_check.py.
+Shown in tests/vllm_engine/test_lab_smokes.py (vLLM alone against the reference: nothing wrong; tiercache with faults
+in half its requests: exactly those wrong), on made-up answers in tests/benchmarks/test_exact_check.py, and on the
+documented slice in docs/runs/serve_trace-exact-2026-11-28-669b44c.
 """
 
 from __future__ import annotations
