@@ -12,7 +12,6 @@ come from vLLM rather than from tiercache. A server whose log does not say the f
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -20,7 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from testkit.copy_on_write import FIXED_LINE as COPY_ON_WRITE_FIXED
@@ -53,7 +52,7 @@ class EngineSettings:
     cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND (None: vLLM's auto)
     # What the test kit changes in the engine's processes beyond the copy-on-write fix (testkit/site: the exact
     # replay's hit caps, planted faults), with the line each one's log must show.
-    testkit: dict[str, str] = dataclasses.field(default_factory=dict)
+    testkit: dict[str, str] = field(default_factory=dict)
     testkit_lines: tuple[str, ...] = ()
 
     def arguments(self) -> list[str]:

@@ -36,7 +36,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from benchmarks.serving.outputs import answer
+from benchmarks.serving.outputs import answer, first_difference
 from testkit.connector_faults import NAMED, PLANTED_LINE, prompt_digest
 from testkit.hit_cap import CAP, CAPPED_LINE
 
@@ -76,9 +76,9 @@ def check_run(bench, name: str, result: dict) -> dict:
                       key=lambda o: o["index"])
     caps = {o["index"]: o["cached_tokens"] for o in outcomes}
     requests = [r for r in bench.requests if r.index in caps]
-    log = planted_log(bench, name)
-    planted = read_planted(log) if log.exists() else []
+    log, planted = planted_log(bench, name), []
     if log.exists():
+        planted = read_planted(log)
         log.rename(bench.work / f"{name}-planted-{time.time_ns()}.tsv")  # the next run's log starts empty
     engine = VllmServer(reference_settings(bench), bench.work / f"{name}-reference.log").start()
     try:
@@ -124,16 +124,15 @@ def judge(outcomes: list[dict], reference: list[dict], planted: list[dict], prom
         source = _depends_on(index, outcome["cached_tokens"], prompts, sources)
         if source is not None and index not in sources:
             sources[index] = sources[source]  # its own blocks from there on are wrong too
-        same = answer(outcome) == answer(other)
-        tally["identical"] += same
-        if same:
+        mine, ref = answer(outcome), answer(other)
+        if mine == ref:
+            tally["identical"] += 1
             if index in tally["planted"]:
                 tally["planted_missed"].append(index)
             continue
-        mine, ref = answer(outcome), answer(other)
-        first = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), min(len(mine), len(ref)))
-        entry = {"request": index, "hit_tokens": outcome["cached_tokens"], "first_difference": first,
-                 "answer": mine, "reference_answer": ref}  # both kept: a mismatch is looked into from the report
+        # Both answers kept: a mismatch is looked into from the report.
+        entry = {"request": index, "hit_tokens": outcome["cached_tokens"],
+                 "first_difference": first_difference(mine, ref), "answer": mine, "reference_answer": ref}
         if index in tally["planted"]:
             tally["planted_wrong"].append(entry)
         elif source is not None:
@@ -150,18 +149,9 @@ def _depends_on(index: int, hit: int, prompts: dict[int, list[int]], sources: di
         if source >= index:
             break
         first_wrong = sources[source]
-        if min(_common(prompts[source], prompts[index]), hit) > first_wrong:
+        if min(first_difference(prompts[source], prompts[index]), hit) > first_wrong:
             return source
     return None
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def summary_line(name: str, tally: dict) -> str:

@@ -131,7 +131,7 @@ def _compare(base: list[dict], outcomes: list[dict], round_: int, tally: dict, u
         if mine == theirs:
             tally["identical"] += 1
             continue
-        position = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+        position = first_difference(mine, theirs)
         same_hit = outcome.get("cached_tokens") == other.get("cached_tokens")
         earlier = _earlier_turn_hit_differs(outcome, outcomes, hit_differs)
         beside = _beside_a_different_hit(outcome, outcomes, hit_differs) \
@@ -151,6 +151,11 @@ def answer(outcome: dict) -> tuple:
     a wrong restore."""
     logprobs = outcome.get("logprobs") or [None] * len(outcome["token_ids"])
     return tuple(zip(outcome["token_ids"], logprobs))
+
+
+def first_difference(a, b) -> int:
+    """The first position where two sequences differ (the shorter one's length where one is the other's start)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _earlier_turn_hit_differs(outcome: dict, outcomes: list[dict], hit_differs: set[int]) -> bool:
