@@ -13,6 +13,10 @@ token, round by round, in these arms (fresh servers each; memory and cores as be
                   server kept); the users go on with their conversations
   alone-restart   the same restart with equal memory and no tiercache: the baseline for the rounds after it
   alone-equal-again  alone-equal run again in each round: the set's A/A pair (benchmarks/serving/report.py)
+  offload...      vLLM's own CPU offloading with the host bytes as its pool, alone (offload, offload-again: its A/A
+                  pair), + vLLM's fs tier (offload-fs), + tiercache as its tier (offload-tiercache), and each of them
+                  restarted (-restart); benchmarks/serving/offloading.py
+  connector, connector-restart  tiercache's connector (the runs of tiercache and restart) in those sets
 
 Per arm (median of runs) and per round: TTFT p50/p90, hit tokens (the sum of the requests' cached_tokens) and where
 they came from (vLLM's own prefix cache, what tiercache delivered, failed loads: the counters
@@ -65,9 +69,14 @@ from benchmarks.chat import report as chat_report  # noqa: E402
 from benchmarks.chat.loop import ChatLoop, ChatSpec  # noqa: E402
 from benchmarks.serving.report import add_output_flags  # noqa: E402
 from benchmarks.serve_trace import merge_reports, meta, write_plot  # noqa: E402
-from benchmarks.serving.arms import Bench, interleaved, one_engine, restarted, work_and_model  # noqa: E402
+from benchmarks.serving.arms import (CONNECTOR, Bench, arm_offloading, interleaved, one_engine,  # noqa: E402
+                                     restarted, work_and_model)
+from benchmarks.serving.offloading import OFFLOAD_ARMS  # noqa: E402
 
-ARMS = ("alone", "alone-equal", "alone-equal-again", "tiercache", "restart", "alone-restart")
+# One engine a conversation comes back to: the offloading arms without two replicas.
+CHAT_OFFLOAD_ARMS = tuple(name for name in OFFLOAD_ARMS if not name.startswith("two-"))
+ARMS = ("alone", "alone-equal", "alone-equal-again", "tiercache", "restart", "alone-restart", "connector",
+        "connector-restart", *CHAT_OFFLOAD_ARMS)
 SPEC_FLAGS = tuple(field.name for field in dataclasses.fields(ChatSpec))
 # The parameters that make two runs comparable (--merge refuses reports that differ in any of them).
 SAME_RUN = SPEC_FLAGS + ("kv_cache_mib", "host_mib", "max_num_batched_tokens", "N", "connector_config",
@@ -79,15 +88,23 @@ def run_arm(bench: Bench, spec: ChatSpec, name: str) -> dict:
     loop = ChatLoop(spec)
     small = bench.engine()
     equal = dataclasses.replace(small, kv_cache_bytes=bench.equal_kv_bytes)
-    if name in ("restart", "alone-restart"):
+    runs = CONNECTOR.get(name, name)
+    if runs.endswith("restart"):
         half = chat_report.restart_round(spec.rounds)
         before, after = loop.phase(0, half), loop.phase(half, spec.rounds)
-        result = restarted(bench, name, None, small if name == "restart" else equal, name == "restart",
-                           parts=((before, before.drive), (after, after.drive)))
+        parts = ((before, before.drive), (after, after.drive))
+        if runs in CHAT_OFFLOAD_ARMS:
+            result = arm_offloading(bench, name, None, parts=parts)
+        else:
+            result = restarted(bench, name, None, small if runs == "restart" else equal, runs == "restart",
+                               parts=parts)
     else:
         whole = loop.phase(0, spec.rounds)
-        settings = equal if name in ("alone-equal", "alone-equal-again") else small  # -again: the A/A pair
-        result = one_engine(bench, name, whole, settings, name == "tiercache", drive=whole.drive)
+        if runs in CHAT_OFFLOAD_ARMS:
+            result = arm_offloading(bench, name, whole, drive=whole.drive)
+        else:
+            settings = equal if runs in ("alone-equal", "alone-equal-again") else small  # -again: the A/A pair
+            result = one_engine(bench, name, whole, settings, runs == "tiercache", drive=whole.drive)
     result["chat"] = loop.sent()
     return result
 
@@ -112,7 +129,8 @@ def run(args: argparse.Namespace) -> dict:
           f"{args.repeats} rounds of {', '.join(arms)}; logs in {work}", file=sys.stderr)
     started = meta(model_name)  # the commit the runs started from (HEAD may move while they run)
     return interleaved(arms, args.repeats, lambda name: run_arm(bench, spec, name),
-                       lambda runs: chat_report.build(params, runs, started), args.json)
+                       lambda runs: chat_report.build(params, runs, started), args.json,
+                       drop_caches=args.drop_page_cache)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -7,8 +7,11 @@ compare (each on the same slice, in the same run, with fresh servers):
   alone-equal     vLLM alone given tiercache's host bytes as KV cache too: what a CPU host could run instead (the fair
                   single-engine comparison there)
   alone-equal-again  alone-equal run again in each round: the set's A/A pair (a set whose pair is not level is void)
-  offload         vLLM's own OffloadingConnector with tiercache's host bytes (the fair comparison on a GPU host; the
-                  CPU build refuses it)
+  offload...      vLLM's own CPU offloading given tiercache's host bytes as its pool, its worker stood in on the CPU
+                  build: offload, + vLLM's fs tier (offload-fs), + tiercache as the secondary tier (offload-tiercache);
+                  `-restart`, `two-` and `-again` variants (benchmarks/serving/offloading.py lists them)
+  connector       tiercache's connector (the same runs as tiercache, restart, two) in the sets against offloading:
+                  connector, connector-restart, two-connector (its server given both replicas' pool bytes)
   tiercache       the small KV cache plus TierCacheConnector and a `tiercache serve` with the host tier
   restart         tiercache, vLLM stopped and started again half-way (a deploy); before and after reported apart
   alone-restart   vLLM alone (equal memory) restarted at the same request, nothing kept: the baseline for "after"
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> dict:
           f"{', '.join(arms)}; logs in {work}", file=sys.stderr)
     started = meta(model_name)  # the commit the runs started from (HEAD may move while they run)
     return interleaved(arms, args.repeats, lambda name: run_arm(bench, name),
-                       lambda runs: reports.build(params, runs, started), args.json)
+                       lambda runs: reports.build(params, runs, started), args.json, drop_caches=args.drop_page_cache)
 
 
 def meta(model_name: str) -> dict:

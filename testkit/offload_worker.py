@@ -13,7 +13,8 @@ layout code and its copy plans. Only the four CUDA-only points are stood in:
 
 `install()` before the engine starts (in the engine's process). tests/vllm_engine/test_offload_tier.py runs vLLM's
 `TieringOffloadingSpec` with this; the copies are exact (memmove), so every byte the engine reads back is the byte it
-wrote, as with the CUDA kernel.
+wrote, as with the CUDA kernel. A served engine (the lab's offloading arms) gets it from testkit/site
+(`TIERCACHE_OFFLOAD_WORKER=1`), and its log then shows STOOD_IN_LINE.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
+STOOD_IN_LINE = "testkit: vLLM's CPU offloading worker stood in (testkit.offload_worker)"  # what such a process logs
 _installed: list[int] = []
 
 

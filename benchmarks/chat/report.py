@@ -16,7 +16,11 @@ from benchmarks.serving.outputs import DIFFERENT_HIT, UNEXPLAINED, compare_outpu
 FOLLOWS = "prompt differs: an earlier reply differed"
 # (arm, baseline, first round compared: None for all, "restart" for the rounds after the restart)
 ROUND_COMPARISONS = (("tiercache", "alone-equal", None), ("tiercache", "alone", None),
-                     ("restart", "alone-restart", "restart"))
+                     ("restart", "alone-restart", "restart"),
+                     # against vLLM's own offloading (benchmarks/serving/offloading.py)
+                     ("connector", "offload", None), ("offload-tiercache", "offload-fs", None),
+                     ("offload-tiercache-restart", "offload-fs-restart", "restart"),
+                     ("connector-restart", "offload-fs-restart", "restart"))
 ROUND_FIGURES = (("TTFT p50", 50), ("TTFT p90", 90))
 
 

@@ -18,11 +18,16 @@ from pathlib import Path
 from benchmarks.serving.engines import EngineFailed, EngineSettings, VllmServer
 from benchmarks.serving.exact import fault_settings
 from benchmarks.serving.measure import measure, merge
+from benchmarks.serving.offloading import OFFLOAD_ARMS
 
 MiB = 1 << 20
-ARMS = ("alone", "alone-equal", "alone-equal-again", "offload", "tiercache", "restart", "alone-restart", "two",
-        "two-conv", "two-alone", "two-alone-conv", "noreuse")
+ARMS = ("alone", "alone-equal", "alone-equal-again", "tiercache", "restart", "alone-restart", "two",
+        "two-conv", "two-alone", "two-alone-conv", "noreuse", "connector", "connector-restart", "two-connector",
+        *OFFLOAD_ARMS)
 NOREUSE_ARMS = ("noreuse-alone", "noreuse-alone-equal", "noreuse-tiercache", "noreuse-offload")
+# tiercache's connector, under the names the sets against vLLM's offloading give it: the same runs as `tiercache`,
+# `restart` and `two`, its server given as many host bytes as the offloading arms' pools (one per engine).
+CONNECTOR = {"connector": "tiercache", "connector-restart": "restart", "two-connector": "two"}
 
 
 @dataclasses.dataclass
@@ -54,13 +59,13 @@ class Bench:
         """The settings with TierCacheConnector on `cache`, and the faults --plant-fault plants in it (exact.py)."""
         return dataclasses.replace(settings, connector=self.connector(cache), **fault_settings(self, arm))
 
-    def cache_server(self):
-        """tiercache's server on the cores the engines do not compute on (inherited from this process at its start),
-        as docs/vllm.md advises for CPU inference."""
+    def cache_server(self, host_mib: int | None = None):
+        """tiercache's server (a host tier of --host-mib, or `host_mib`; no disk tier) on the cores the engines do not
+        compute on (inherited from this process at its start), as docs/vllm.md advises for CPU inference."""
         from tiercache.process import ServerProcess, free_port
 
         metrics = free_port()
-        server = ServerProcess("--host-mem", f"{self.args.host_mib}MiB", "--disk-size", "0",
+        server = ServerProcess("--host-mem", f"{host_mib or self.args.host_mib}MiB", "--disk-size", "0",
                                "--metrics-port", str(metrics))
         mine = os.sched_getaffinity(0)
         os.sched_setaffinity(0, spare_cpus(os.cpu_count() or 2))
@@ -77,11 +82,14 @@ class Bench:
 
 # -- one engine ----------------------------------------------------------------------------------------------------
 
-def one_engine(bench: Bench, name: str, requests, settings: EngineSettings, with_cache: bool, drive=None) -> dict:
+def one_engine(bench: Bench, name: str, requests, settings: EngineSettings, with_cache: bool, drive=None,
+               attach=None) -> dict:
+    """`attach(settings, cache) -> settings`: how the engine uses the cache server (default: tiercache's connector,
+    Bench.with_cache; the offloading arms make it a tier)."""
     cache = bench.cache_server() if with_cache else None
     try:
         if cache is not None:
-            settings = bench.with_cache(settings, cache, name)
+            settings = (attach or _connector(bench, name))(settings, cache)
         engine = bench.start(name, settings)
         try:
             return measure(bench, name, [engine], requests, cache, drive=drive)
@@ -92,32 +100,55 @@ def one_engine(bench: Bench, name: str, requests, settings: EngineSettings, with
             cache.terminate()
 
 
-def arm_offload(bench: Bench, name: str, requests) -> dict:
+def _connector(bench: Bench, name: str):
+    return lambda settings, cache: bench.with_cache(settings, cache, name)
+
+
+def arm_offloading(bench: Bench, name: str, requests, drive=None, parts=None) -> dict:
+    """An arm with vLLM's own offloading (benchmarks/serving/offloading.py says what each name runs); `drive` and
+    `parts` as one_engine's and restarted's (the chat's closed loop)."""
+    from benchmarks.serving.offloading import FsDirs, OffloadArm, fs_tier, offloading, tiercache_tier
+
+    arm, dirs = OffloadArm.parse(name.removeprefix("noreuse-")), FsDirs(bench.work, name)
+    pool = bench.args.host_mib * MiB
+
+    def settings(replica: int = 0, cpus: str | None = None) -> EngineSettings:
+        tiers = {"fs": lambda: [fs_tier(dirs(replica))], "fs-shared": lambda: [fs_tier(dirs("shared"))]}
+        base = bench.engine() if cpus is None else bench.engine(cpus=cpus)
+        return offloading(base, pool, tiers.get(arm.tier, list)())
+
+    def as_tier(settings: EngineSettings, cache) -> EngineSettings:
+        tier = tiercache_tier(bench.model_dir, cache.url)
+        return dataclasses.replace(settings, offload={**settings.offload, "secondary_tiers": [tier]})
+
+    with_cache = arm.tier == "tiercache"
     try:
-        engine = bench.start(name, bench.engine(offload_bytes=bench.args.host_mib * MiB))
+        if arm.replicas == 2:
+            return two_engines(bench, name, requests, with_cache, "round-robin", settings_for=settings, attach=as_tier)
+        if arm.restart:
+            return restarted(bench, name, requests, settings(), with_cache, parts=parts, attach=as_tier)
+        return one_engine(bench, name, requests, settings(), with_cache, drive=drive, attach=as_tier)
     except EngineFailed:
-        log = bench.work / f"{name}.log"
+        log = next(iter(sorted(bench.work.glob(f"{name}*.log"))), bench.work / f"{name}.log")
         return {"unavailable": first_error(log), "log": str(log)}
-    try:
-        return measure(bench, name, [engine], requests)
     finally:
-        engine.stop()
+        dirs.remove()
 
 
 # -- restarts ------------------------------------------------------------------------------------------------------
 
 def restarted(bench: Bench, name: str, requests, settings: EngineSettings, with_cache: bool,
-              parts=None) -> dict:
+              parts=None, attach=None) -> dict:
     """The first half on one vLLM, then vLLM is stopped (SIGTERM, as a deploy does) and a new one serves the second
     half, its own prefix cache empty. With tiercache, the cache server lives on; without, nothing is kept (the
     baseline for "after a restart"). Each phase is reported on its own: a figure over both is not "after".
     `parts`: the (requests, drive) of each phase, for a closed loop that goes on after the restart where it stopped
-    (chat_rounds.py; measure's `drive`); else the halves of `requests`, replayed."""
+    (chat_rounds.py; measure's `drive`); else the halves of `requests`, replayed. `attach` as one_engine's."""
     cache = bench.cache_server() if with_cache else None
     half = len(requests) // 2 if parts is None else len(parts[0][0])
     parts = parts or ((requests[:half], None), (shifted(requests[half:]), None))
     if cache is not None:
-        settings = bench.with_cache(settings, cache, name)
+        settings = (attach or _connector(bench, name))(settings, cache)
     try:
         phases = {}
         for phase, (part, drive) in zip(("before", "after"), parts):
@@ -137,19 +168,25 @@ def restarted(bench: Bench, name: str, requests, settings: EngineSettings, with_
 
 # -- two instances -------------------------------------------------------------------------------------------------
 
-def two_engines(bench: Bench, name: str, requests, with_cache: bool, route: str) -> dict:
+def two_engines(bench: Bench, name: str, requests, with_cache: bool, route: str, settings_for=None,
+                attach=None, host_mib: int | None = None) -> dict:
     """Two vLLM servers, each on half the cores. With tiercache: each keeps the small KV cache and both share one
-    cache server. Without: each gets half of tiercache's host bytes as KV cache (the same total memory)."""
-    cache = bench.cache_server() if with_cache else None
+    cache server. Without: each gets half of tiercache's host bytes as KV cache (the same total memory).
+    `settings_for(replica, cpus) -> settings`: each engine's own (the offloading arms'); `attach` as one_engine's;
+    `host_mib`: the server's host tier (default --host-mib)."""
+    cache = bench.cache_server(host_mib) if with_cache else None
     engines = []
     try:
         for i, cpus in enumerate(halves(os.cpu_count() or 2)):
-            settings = bench.engine(cpus=cpus)
-            if cache is not None:
-                settings = bench.with_cache(settings, cache, name)
+            if settings_for is not None:
+                settings = settings_for(i, cpus)
             else:
-                settings = dataclasses.replace(settings, kv_cache_bytes=(bench.args.kv_cache_mib
-                                                                         + bench.args.host_mib // 2) * MiB)
+                settings = bench.engine(cpus=cpus)
+                if cache is None:
+                    settings = dataclasses.replace(settings, kv_cache_bytes=(bench.args.kv_cache_mib
+                                                                             + bench.args.host_mib // 2) * MiB)
+            if cache is not None:
+                settings = (attach or _connector(bench, name))(settings, cache)
             engines.append(bench.start(f"{name}-{i}", settings))
         return measure(bench, name, engines, requests, cache, route=route)
     finally:
@@ -161,7 +198,7 @@ def two_engines(bench: Bench, name: str, requests, with_cache: bool, route: str)
 
 def run_arm(bench: Bench, name: str) -> dict:
     requests = bench.fresh if name.startswith("noreuse-") else bench.requests
-    base = name.removeprefix("noreuse-")
+    base = CONNECTOR.get(name, name.removeprefix("noreuse-"))
     equal = dataclasses.replace(bench.engine(), kv_cache_bytes=bench.equal_kv_bytes)
     runners = {
         "alone": lambda: one_engine(bench, name, requests, bench.engine(), with_cache=False),
@@ -169,15 +206,15 @@ def run_arm(bench: Bench, name: str) -> dict:
         # The baseline run twice in each round: the set's A/A pair (report.AA).
         "alone-equal-again": lambda: one_engine(bench, name, requests, equal, with_cache=False),
         "tiercache": lambda: one_engine(bench, name, requests, bench.engine(), with_cache=True),
-        "offload": lambda: arm_offload(bench, name, requests),
         "restart": lambda: restarted(bench, name, requests, bench.engine(), with_cache=True),
         "alone-restart": lambda: restarted(bench, name, requests, equal, with_cache=False),
-        "two": lambda: two_engines(bench, name, requests, True, "round-robin"),
+        "two": lambda: two_engines(bench, name, requests, True, "round-robin",
+                                   host_mib=2 * bench.args.host_mib if name == "two-connector" else None),
         "two-conv": lambda: two_engines(bench, name, requests, True, "conversation"),
         "two-alone": lambda: two_engines(bench, name, requests, False, "round-robin"),
         "two-alone-conv": lambda: two_engines(bench, name, requests, False, "conversation"),
     }
-    result = runners[base]()
+    result = arm_offloading(bench, name, requests) if base in OFFLOAD_ARMS else runners[base]()
     if getattr(bench.args, "sequential", False) and getattr(bench.args, "exact_check", True) \
             and "outcomes" in result and not name.startswith("noreuse-"):
         from benchmarks.serving.exact import check_run
@@ -202,28 +239,31 @@ def work_and_model(args, prefix: str) -> tuple[Path, str, int, str]:
     return work, args.model_dir, args.block_size, args.model_dir
 
 
-def interleaved(arms: list[str], repeats: int, run_one, build, json_path: str | None, seed: int | None = None) -> dict:
+def interleaved(arms: list[str], repeats: int, run_one, build, json_path: str | None, seed: int | None = None,
+                drop_caches: bool = False) -> dict:
     """Every arm `repeats` times in rounds, each round in its own random order (recorded: a run's `position`), each run
     kept with its provenance (the code it ran and the machine's load: benchmarks/serving/provenance.py); the report
     rebuilt and written after every run, so an interrupted benchmark keeps what it measured. `run_one(name) ->
     result`, `build(runs) -> report`. The code may not change while a set runs: a run whose code differs from the
-    first's stops the set."""
+    first's stops the set. `drop_caches`: the page cache dropped before every run (provenance.drop_page_cache; a
+    system-wide step, so only when asked), recorded either way."""
     import random
     import time
 
-    from benchmarks.serving.provenance import LoadSampler, code
+    from benchmarks.serving.provenance import LoadSampler, code, drop_page_cache
 
     order = random.Random(seed)
     runs, first_code = [], code()
     for round_ in range(repeats):
         for position, name in enumerate(order.sample(arms, len(arms))):
+            page_cache = drop_page_cache() if drop_caches else {"dropped": False, "why": "not asked"}
             started = time.monotonic()
             with LoadSampler() as load:
                 result = run_one(name)
             result["arm_s"] = round(time.monotonic() - started, 1)
             version = code()
             runs.append({"arm": name, "round": round_, "position": position, "result": result,
-                         "provenance": {**version, "load": load.summary()}})
+                         "provenance": {**version, "load": load.summary(), "page_cache": page_cache}})
             if json_path:
                 Path(json_path).write_text(json.dumps(build(runs), indent=1))
             if version != first_code:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,7 +49,10 @@ class EngineSettings:
     max_model_len: int
     max_num_batched_tokens: int = 512
     connector: dict | None = None  # kv_connector_extra_config for TierCacheConnector, or None
-    offload_bytes: int = 0  # vLLM's own OffloadingConnector (native CPU backend) with this many host bytes
+    # vLLM's own OffloadingConnector: its TieringOffloadingSpec settings (cpu_bytes_to_use, secondary_tiers...), or
+    # None (benchmarks/serving/offloading.py); `offload_id` names its pool, /dev/shm/vllm_offload_<id>.mmap
+    offload: dict | None = None
+    offload_id: str = ""
     cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND (None: vLLM's auto)
     # What the test kit changes in the engine's processes beyond the copy-on-write fix (testkit/site: the exact
     # replay's hit caps, planted faults), with the line each one's log must show.
@@ -66,8 +70,10 @@ class EngineSettings:
         if self.connector is not None:
             args += ["--kv-transfer-config", json.dumps({**TIERCACHE_CONNECTOR,
                                                          "kv_connector_extra_config": self.connector})]
-        if self.offload_bytes:
-            args += ["--kv-offloading-backend", "native", "--kv-offloading-size", f"{self.offload_bytes / 2**30:.3f}"]
+        if self.offload is not None:
+            args += ["--kv-transfer-config", json.dumps({
+                "kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": self.offload_id,
+                "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", **self.offload}})]
         return args
 
 
@@ -129,9 +135,15 @@ class VllmServer:
             text = answer.read().decode()
         return {name: prometheus_sum(text, metric) for name, metric in VLLM_COUNTERS.items()}
 
+    def offload_counters(self) -> dict[str, dict[str, float]]:
+        """vLLM's offloading figures by label (benchmarks/serving/offloading.py: OFFLOAD_METRICS)."""
+        from benchmarks.serving.offloading import offload_figures
+
+        return offload_figures(scrape(self.url + "/metrics"))
+
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM to the whole process group (graceful: vLLM shuts its engine and the connector down), SIGKILL
-        after `timeout_s`."""
+        after `timeout_s`; an offloading pool a killed engine left in /dev/shm is removed."""
         if self.process is None or self.process.poll() is not None:
             return
         os.killpg(self.process.pid, signal.SIGTERM)
@@ -141,10 +153,24 @@ class VllmServer:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
         self._log.close()
+        if self.settings.offload is not None:
+            Path(f"/dev/shm/vllm_offload_{self.settings.offload_id}.mmap").unlink(missing_ok=True)
 
     def log_tail(self, lines: int = 30) -> str:
         self._log.flush()
         return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+
+
+def prometheus_by_label(text: str, metric: str, label: str) -> dict[str, float]:
+    """A metric's samples summed per value of one label (Prometheus text format)."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(metric + "{"):
+            labels, value = line[len(metric) + 1:].rsplit("} ", 1)
+            match = re.search(rf'(?:^|,){label}="([^"]*)"', labels)
+            key = match.group(1) if match else ""
+            found[key] = found.get(key, 0.0) + float(value)
+    return found
 
 
 def prometheus_sum(text: str, metric: str) -> float:

@@ -18,6 +18,7 @@ import time
 
 from benchmarks.serving import exact, trace
 from benchmarks.serving.engines import EngineFailed, VllmServer, prometheus_sum, scrape
+from benchmarks.serving.offloading import figures_change, summed
 from benchmarks.serving.replay import ROUTES, Outcome, replay, summary
 
 PUT_METHODS = re.compile(r'method="(Put|Commit|DataPut)"')  # the calls that store a chunk, however it travels
@@ -35,9 +36,13 @@ def measure(bench, name: str, engines: list[VllmServer], requests, cache=None, r
     and, once it has run, iterates over the requests it sent."""
     for engine in engines:
         warm_up(engine, bench)
+    offloads = engines[0].settings.offload is not None  # vLLM's offloading (offloading.py), tiercache a tier if any
     if cache is not None:
         settle(cache, tiercache_counters(cache))  # the warm-up's saves and reports land before the counters are read
+    if offloads:
+        settle_offloading(engines)
     before = [engine.counters() for engine in engines]
+    offload_before = [engine.offload_counters() for engine in engines] if offloads else []
     cache_before = tiercache_counters(cache)
     sequential = getattr(bench.args, "sequential", False)
     named = exact.named if getattr(bench.args, "plant_fault", None) else (lambda request: None)
@@ -46,6 +51,8 @@ def measure(bench, name: str, engines: list[VllmServer], requests, cache=None, r
                                       on_done=progress(name, len(requests), bench.args.progress)))
     if cache is not None:
         settle(cache, cache_before)
+    if offloads:
+        settle_offloading(engines)
     after = [engine.counters() for engine in engines]
     counted = {key: sum(a[key] - b[key] for a, b in zip(after, before)) for key in before[0]}
     cache_after = tiercache_counters(cache)
@@ -57,10 +64,13 @@ def measure(bench, name: str, engines: list[VllmServer], requests, cache=None, r
     result["prompt_tokens"] = sum(len(r.prompt) for r in requests)
     own = int(counted["local_hit_tokens"])
     promised = int(counted["external_hit_tokens"])
-    # With tiercache, what it delivered; with another connector (offload), vLLM's count is all there is.
-    result["hit_tokens"] = own + (served["delivered"] if cache is not None else promised)
+    # With tiercache's connector, what it delivered; with vLLM's offloading (tiercache a tier of it or not), vLLM's
+    # count is all there is, by source in `offload` (a tier's failed loads there too).
+    result["hit_tokens"] = own + (served["delivered"] if cache is not None and not offloads else promised)
     result["hits"] = {"vllm_prefix_cache": own, "connector_promised": promised, **(
         {f"tiercache_{key}": n for key, n in served.items()} if cache is not None else {})}
+    if offloads:
+        result["offload"] = figures_change(offload_before, [engine.offload_counters() for engine in engines])
     result["preemptions"] = int(counted["preemptions"])
     result["outcomes"] = [dataclasses.asdict(o) for o in outcomes]
     errors = sorted({o.error for o in outcomes if not o.ok})
@@ -79,6 +89,8 @@ def merge(first: dict, second: dict) -> dict:
     for key in ("prompt_tokens", "hit_tokens", "preemptions"):
         merged[key] = first[key] + second[key]
     merged["hits"] = {k: first["hits"][k] + second["hits"][k] for k in first["hits"]}
+    if "offload" in first:
+        merged["offload"] = summed(first["offload"], second["offload"])
     offset = first_phase_end(first)
     # The second phase started after the first's last answer. Not rounded: a rounded send time could fall before it.
     later = [{**o, "sent_s": None if o.get("sent_s") is None else o["sent_s"] + offset} for o in second["outcomes"]]
@@ -134,6 +146,19 @@ def settle(cache, before: dict, quiet_s: float = 2.0, timeout_s: float = 30.0) -
         seen = (now["puts"], now["loads"], now["failed_loads"], now["saves_dropped"])
         if seen != last:
             last, since = seen, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.2)
+
+
+def settle_offloading(engines: list[VllmServer], quiet_s: float = 2.0, timeout_s: float = 60.0) -> None:
+    """Wait until the engines' offloading has stopped writing to its secondary tiers (their written bytes unchanged
+    for `quiet_s`), so a restart finds what the engine stored and the figures read next are complete."""
+    last, since, deadline = None, time.monotonic(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = [sum(e.offload_counters()["tier_write_bytes"].values()) for e in engines]
+        if now != last:
+            last, since = now, time.monotonic()
         elif time.monotonic() - since >= quiet_s:
             return
         time.sleep(0.2)

@@ -2,7 +2,9 @@
 one code version, and "the machine was quiet" is read from the data, not from prose):
 - the commit, and a digest of any uncommitted change to tracked files plus the names of untracked ones (`code`);
 - the load while the arm ran: the 1-minute load average sampled every few seconds, and the processes outside this
-  benchmark's own tree that used the most CPU over the run (`LoadSampler`).
+  benchmark's own tree that used the most CPU over the run (`LoadSampler`);
+- whether the page cache was dropped before it (`drop_page_cache`: a disk tier read back from the page cache is a
+  memory tier, and what an earlier run left there would differ by arm order).
 `--merge` refuses reports whose runs came from different code (benchmarks/serve_trace.py).
 """
 
@@ -25,8 +27,28 @@ def code() -> dict:
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout
 
     commit = git("rev-parse", "HEAD").strip() or "unknown"
-    changed = git("diff", "HEAD", "--binary") + git("ls-files", "--others", "--exclude-standard")
-    return {"commit": commit, "dirty": hashlib.sha256(changed.encode()).hexdigest()[:16] if changed else None}
+    diff = git("diff", "HEAD", "--binary")
+    untracked = git("ls-files", "--others", "--exclude-standard").splitlines()
+    if not diff and not untracked:
+        return {"commit": commit, "dirty": None}
+    digest = hashlib.sha256(diff.encode())
+    for name in untracked:  # by content too: an untracked module edited while a set runs is a change of code
+        digest.update(name.encode() + b"\0")
+        try:
+            digest.update((ROOT / name).read_bytes())
+        except OSError:  # removed since git listed it
+            pass
+    return {"commit": commit, "dirty": digest.hexdigest()[:16]}
+
+
+def drop_page_cache() -> dict:
+    """Write back and drop the page cache (as root: /proc/sys/vm/drop_caches); says whether it was, and if not why."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    except OSError as exc:
+        return {"dropped": False, "why": exc.strerror or str(exc)}
+    return {"dropped": True}
 
 
 def same_code(versions: list[dict]) -> bool:

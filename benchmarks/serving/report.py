@@ -5,7 +5,7 @@ compared (benchmarks/serving/outputs.py), and a plot whose title and legend come
 
 from __future__ import annotations
 
-from benchmarks.serving import exact, stats
+from benchmarks.serving import exact, offloading, stats
 from benchmarks.serving.outputs import compare_outputs
 
 AA = "A/A: the baseline against itself (the set's noise)"
@@ -20,12 +20,30 @@ COMPARISONS = (
     ("two-conv", "two-alone-conv", "all", "two instances, session affinity: the same, routed by conversation"),
     ("noreuse-tiercache", "noreuse-alone", "all", "the cost of the cache when nothing is reused"),
     ("noreuse-tiercache", "noreuse-alone-equal", "all", "the same, against vLLM given the memory"),
+    # Against vLLM's own offloading (benchmarks/serving/offloading.py), every engine with the same pool.
+    ("offload-fs", "offload", "all", "one engine, nothing restarted: vLLM's fs tier added to its CPU offloading"),
+    ("offload-tiercache", "offload", "all", "one engine, nothing restarted: tiercache added as the secondary tier"),
+    ("offload-tiercache", "offload-fs", "all", "one engine, nothing restarted: tiercache's tier or vLLM's fs tier"),
+    ("connector", "offload", "all", "one engine: tiercache's connector or vLLM's offloading, the same host bytes"),
+    ("offload-fs-restart", "offload-restart", "after", "after a restart: what vLLM's fs tier kept"),
+    ("offload-tiercache-restart", "offload-restart", "after", "after a restart: what tiercache's tier kept"),
+    ("offload-tiercache-restart", "offload-fs-restart", "after", "after a restart: tiercache's tier or vLLM's fs"),
+    ("connector-restart", "offload-fs-restart", "after", "after a restart: tiercache's connector or offloading + fs"),
+    ("two-offload-fs", "two-offload", "all", "two replicas, round robin: an fs tier per replica"),
+    ("two-offload-fs-shared", "two-offload", "all", "two replicas, round robin: one fs directory shared"),
+    ("two-offload-tiercache", "two-offload", "all", "two replicas, round robin: one tiercache shared as their tier"),
+    ("two-offload-tiercache", "two-offload-fs-shared", "all", "two replicas: tiercache shared or one fs directory"),
+    ("two-connector", "two-offload-fs-shared", "all", "two replicas: tiercache's connector or offloading + shared fs"),
     # A/A pairs: the same setup twice in each round (before its restart, `restart` runs tiercache's setup and
     # `alone-restart` alone-equal's; `alone-equal-again` is alone-equal run twice). A set whose A/A pair is not level
     # on a figure is void on that figure (`apply_aa`).
     ("restart", "tiercache", "before", AA),
     ("alone-restart", "alone-equal", "before", AA),
     ("alone-equal-again", "alone-equal", "all", AA),
+    ("offload-again", "offload", "all", AA),
+    ("offload-restart-again", "offload-restart", "all", AA),
+    ("offload-restart", "offload", "before", AA),
+    ("two-offload-again", "two-offload", "all", AA),
 )
 FIGURES = (("TTFT p50", "ttft_s", 50), ("TTFT p90", "ttft_s", 90), ("E2E p50", "e2e_s", 50))
 
@@ -34,7 +52,8 @@ def build(params: dict, runs: list[dict], meta: dict) -> dict:
     saturated = bool(params.get("saturated"))
     return {"params": params, "meta": meta, "runs": runs, "arms": summarize(runs),
             "comparisons": compare(runs, saturated=saturated, margin=params.get("equivalence_margin")),
-            "outputs": compare_outputs(runs, saturated=saturated), "exact": exact.by_arm(runs)}
+            "outputs": compare_outputs(runs, saturated=saturated), "exact": exact.by_arm(runs),
+            "offload": offloading.summary(runs)}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -136,6 +155,9 @@ def add_output_flags(parser, plot_help: str) -> None:
     parser.add_argument("--merge", nargs="+", metavar="REPORT", help="merge these reports into --json, run nothing")
     parser.add_argument("--work-dir", help="where engine logs (and the tiny model) go (default: a temp dir)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    parser.add_argument("--drop-page-cache", action="store_true",
+                        help="write back and drop the machine's page cache before every run (as root; recorded in "
+                             "each run's provenance): a disk tier then starts every run from the disk")
     parser.add_argument("--equivalence-margin", type=_margin, metavar="RATIO",
                         help="fixed before the run: a ratio whose whole interval lies within [1/RATIO, RATIO] is "
                              "called equivalent (e.g. 1.10: within 10%% either way); without it, none is")
@@ -185,7 +207,7 @@ def table(report: dict) -> str:
     for name, tally in report["outputs"].get("arms", {}).items():
         causes = ", ".join(f"{n} {cause}" for cause, n in tally["causes"].items()) or "none differ"
         lines.append(f"  {name}: {tally['identical']} of {tally['compared']} identical ({causes})")
-    return "\n".join(lines + exact.report_lines(report["runs"]))
+    return "\n".join(lines + offloading.report_lines(report.get("offload", {})) + exact.report_lines(report["runs"]))
 
 
 def _row(name: str, arm: dict, saturated: bool) -> str:

@@ -20,6 +20,9 @@ engine of the lab's exact replay. Said on stderr as well.
 `TIERCACHE_PLANT_FAULT=KIND` with `TIERCACHE_PLANT_ONE_IN=K` and `TIERCACHE_PLANTED_LOG=PATH`: the fault KIND
 (testkit.connector_faults) planted in tiercache's connector, in the loads of the requests whose prompt's digest falls
 in one in K; each load it went into is written to PATH (the lab's exact replay must flag exactly those).
+
+`TIERCACHE_OFFLOAD_WORKER=1`: vLLM's CPU offloading worker stood in on its CPU build (testkit.offload_worker), once
+vLLM's CPU offloading spec has loaded: the lab's arms with vLLM's own offloading. Said on stderr as well.
 """
 
 from __future__ import annotations
@@ -116,12 +119,22 @@ def _plant_faults(connector_module) -> None:
     print(PLANTED_LINE, file=sys.stderr, flush=True)
 
 
+def _stand_in_offload_worker(spec_module) -> None:
+    from testkit.offload_worker import STOOD_IN_LINE, install
+
+    install()
+    print(STOOD_IN_LINE, file=sys.stderr, flush=True)
+
+
 if os.environ.get("TIERCACHE_HIT_CAP") == "1":
     _on_path()
     sys.meta_path.insert(0, _AfterImport("vllm.v1.core.kv_cache_manager", _cap_hits))
 if os.environ.get("TIERCACHE_PLANT_FAULT"):
     _on_path()
     sys.meta_path.insert(0, _AfterImport("tiercache.connector.vllm.connector", _plant_faults))
+if os.environ.get("TIERCACHE_OFFLOAD_WORKER") == "1":
+    _on_path()
+    sys.meta_path.insert(0, _AfterImport("vllm.v1.kv_offload.cpu.spec", _stand_in_offload_worker))
 
 if LEVEL:
     if LEVEL not in _LEVELS:

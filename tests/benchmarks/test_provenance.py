@@ -36,3 +36,27 @@ def test_a_set_stops_when_the_code_under_it_changes(monkeypatch, tmp_path):
 def test_uncommitted_changes_are_a_version_of_their_own():
     assert provenance.same_code([{"commit": "x", "dirty": None}, {"commit": "x", "dirty": None}])
     assert not provenance.same_code([{"commit": "x", "dirty": None}, {"commit": "x", "dirty": "d1"}])
+
+
+def test_the_code_digest_changes_with_an_untracked_files_content(tmp_path, monkeypatch):
+    import subprocess
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "tracked.py").write_text("a = 1\n")
+    git("add", "tracked.py")
+    git("commit", "-q", "-m", "one")
+    monkeypatch.setattr(provenance, "ROOT", tmp_path)
+    assert provenance.code()["dirty"] is None
+    (tmp_path / "new.py").write_text("b = 1\n")
+    first = provenance.code()["dirty"]
+    (tmp_path / "new.py").write_text("b = 2\n")
+    assert first is not None and provenance.code()["dirty"] not in (None, first)
+
+
+def test_a_run_says_whether_the_page_cache_was_dropped_before_it(tmp_path):
+    report = arms.interleaved(["a"], 1, lambda name: {"ok": name}, lambda runs: {"runs": runs}, None)
+    assert report["runs"][0]["provenance"]["page_cache"] == {"dropped": False, "why": "not asked"}

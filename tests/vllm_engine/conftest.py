@@ -38,7 +38,7 @@ def models_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("models")
 
 
-def start_cache_server(tmp_path_factory, name: str = "disk", host: str = "1GiB", disk: str = "2GiB"):
+def start_cache_server(tmp_path_factory, name: str = "disk", host: str = "256MiB", disk: str = "1GiB"):
     """A tiercache server with a host tier and a disk tier in the session's temp dir."""
     return ServerProcess("--host-mem", host, "--disk-dir", str(tmp_path_factory.mktemp(name)),
                          "--disk-size", disk).start()

@@ -82,6 +82,34 @@ def test_serve_trace_three_arms_on_a_few_requests(tmp_path):
     assert "alone" in result.stdout and "tiercache / alone:" in result.stdout  # the table and its ratios
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # four engines started in a subprocess, on a loaded machine too: its own limit decides
+def test_serve_trace_offloading_arms_resume_after_a_restart_from_vllms_fs_tier_and_from_tiercache(tmp_path):
+    """The arms with vLLM's own offloading (benchmarks/serving/offloading.py), its worker stood in: a restart half-way
+    with vLLM's fs tier, and with tiercache as the secondary tier. After the restart the new engine's pool is empty:
+    what vLLM counted as cached from the disk (fs) or from an external tier (tiercache) came from the tier."""
+    report_path = tmp_path / "report.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "serve_trace.py"),
+               "--arms", "offload-fs-restart,offload-tiercache-restart", "--trace", str(TRACE),
+               "--max-requests", "6", "--conversations", "1", "--time-scale", "0.02", "--max-input-tokens", "1024",
+               "--max-output-tokens", "4", "--host-mib", "128", "--work-dir", str(tmp_path / "work"),
+               "--json", str(report_path), "--no-progress"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    for run in report["runs"]:
+        assert run["result"]["errors"] == 0, (run["arm"], run["result"].get("error_kinds"))
+    offload = report["offload"]
+    assert set(offload) == {"offload-fs-restart", "offload-tiercache-restart"}
+    assert offload["offload-fs-restart"]["after"]["hit_tokens_by_source"].get("disk", 0) > 0
+    assert offload["offload-tiercache-restart"]["after"]["hit_tokens_by_source"].get("external_unspecified", 0) > 0
+    for arm in offload.values():
+        assert arm["all"]["failed_jobs"] == 0
+        assert all(rate > 0 for rate in arm["all"]["tier_write_gb_s"].values()) and arm["all"]["tier_write_gb_s"]
+    assert not list((tmp_path / "work").glob("fs-*")), "an fs tier's directory outlived its run"
+    assert "vLLM's offloading" in result.stdout
+
+
 def restart_run(report: dict) -> dict:
     return next(run["result"] for run in report["runs"] if run["arm"] == "restart")
 
