@@ -101,6 +101,7 @@ def arm_tier(arm: str, chunk_bytes: int, rows: int, args):
     """The arm's tier on a fresh fs directory or a fresh server; what is known of it goes into `facts`."""
     facts: dict = {}
     if arm.startswith("fs"):
+        os.makedirs(args.work_dir, exist_ok=True)
         root = tempfile.mkdtemp(prefix="tier-bandwidth-fs-", dir=args.work_dir)
         try:
             with vllm_tier(chunk_bytes, rows, {"type": "fs", "root_dir": root}) as (tier, view):
