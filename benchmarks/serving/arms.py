@@ -12,10 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from pathlib import Path
 
-from benchmarks.serving.engines import EngineFailed, EngineSettings, VllmServer
+from benchmarks.serving.engines import EngineSettings, VllmServer
 from benchmarks.serving.exact import fault_settings
 from benchmarks.serving.measure import measure, merge
 from benchmarks.serving.offloading import OFFLOAD_ARMS
@@ -128,9 +127,6 @@ def arm_offloading(bench: Bench, name: str, requests, drive=None, parts=None) ->
         if arm.restart:
             return restarted(bench, name, requests, settings(), with_cache, parts=parts, attach=as_tier)
         return one_engine(bench, name, requests, settings(), with_cache, drive=drive, attach=as_tier)
-    except EngineFailed:
-        log = next(iter(sorted(bench.work.glob(f"{name}*.log"))), bench.work / f"{name}.log")
-        return {"unavailable": first_error(log), "log": str(log)}
     finally:
         dirs.remove()
 
@@ -308,15 +304,3 @@ def shifted(requests) -> list:
     """The requests with their arrival times starting at 0 (the second half of a slice, replayed after a restart)."""
     origin = requests[0].arrival_s if requests else 0.0
     return [dataclasses.replace(r, arrival_s=r.arrival_s - origin) for r in requests]
-
-
-def first_error(log_path: Path) -> str:
-    """The line that says why an engine did not start: vLLM prints a traceback per process and a summary that
-    points back at them, so the first raised exception's message is the root cause."""
-    lines = log_path.read_text(errors="replace").splitlines()
-    for pattern in (r"\bException: (.+)$", r"\w+Error: (.+)$"):
-        for line in lines:
-            match = re.search(pattern, line)
-            if match:
-                return match.group(0).strip()
-    return lines[-1] if lines else "unknown"

@@ -6,7 +6,8 @@ carry the model's replies). Their figures go to the notes. And the sequential ru
 
 They share one module so that `make test-vllm-engine`'s workers (one module each at a time) never run both at once:
 each starts a vLLM server and cache servers of its own, and the two together beside the other worker's engines once
-used all of this 24 GiB machine's memory."""
+used all of this 24 GiB machine's memory. Their cache servers' host tiers are 256 MiB (committed at start; these
+slices need a few MiB), not the lab's documented 2 GiB."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def test_serve_trace_three_arms_on_a_few_requests(tmp_path):
     command = [sys.executable, str(ROOT / "benchmarks" / "serve_trace.py"), "--arms", "alone,tiercache,restart",
                "--trace", str(TRACE),
                "--max-requests", "6", "--conversations", "1", "--time-scale", "0.02", "--max-input-tokens", "1024",
-               "--max-output-tokens", "4", "--work-dir", str(tmp_path / "work"), "--json", str(report_path),
+               "--max-output-tokens", "4", "--host-mib", "256", "--work-dir", str(tmp_path / "work"),
+               "--json", str(report_path),
                "--plot", str(plot_path), "--no-progress"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -149,6 +151,7 @@ def test_chat_rounds_three_arms_two_users_three_rounds(tmp_path):
     command = [sys.executable, str(ROOT / "benchmarks" / "chat_rounds.py"), "--arms", "alone,tiercache,restart",
                "--users", "2", "--rounds", "3", "--system-tokens", "256", "--context-tokens", "300",
                "--question-tokens", "32", "--answer-tokens", "8", "--gap-s", "0.2", "--stagger-s", "0.1",
+               "--host-mib", "256",
                "--work-dir", str(tmp_path / "work"), "--json", str(report_path), "--plot", str(plot_path),
                "--no-progress"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
