@@ -21,21 +21,18 @@ token, round by round, in these arms (fresh servers each; memory and cores as be
 Per arm (median of runs) and per round: TTFT p50/p90, hit tokens (the sum of the requests' cached_tokens) and where
 they came from (vLLM's own prefix cache, what tiercache delivered, failed loads: the counters
 benchmarks/serving/measure.py reads; per round, vLLM's counters as charged to each reply, benchmarks/chat/loop.py).
-Ratios tiercache / alone-equal, tiercache / alone, restart / alone-restart (the rounds after the restart) per round and
-overall with 95% bootstrap intervals over repeats and requests; ahead / behind only where the interval excludes 1,
-else level. Every reply is compared with vLLM alone's at the same (user, round); a reply that differs changes that
-user's later prompts, so the first differing (user, round) of each run is reported and later mismatches whose prompt
-already differed are counted apart (benchmarks/chat/report.py).
+Ratios (benchmarks/chat/report.py: tiercache / alone-equal, tiercache / alone, restart / alone-restart after the
+restart, and the offloading arms' pairs) per round and overall, with the serving benchmark's statistics and A/A rule
+(benchmarks/serving/stats.py, report.py). Every reply is compared with vLLM alone's at the same (user, round); a
+reply that differs changes that user's later prompts, so the first differing (user, round) of each run is reported
+and later mismatches whose prompt already differed are counted apart (description only: the chat has no exact
+replay).
 
 The sizes: the users' conversations must not fit in the small cache, or `alone` does not stand for an engine that
-lost them. vLLM's CPU KV cache of 64 MiB holds 35,430 tokens of the tiny model; with 8 users of ~2.6-2.9K tokens
-(the earlier defaults) everything fit and `alone` hit each whole previous prompt, as `alone-equal` did. With the
-defaults now (16 users, a 3,072-token context each: ~4.1-4.4K tokens per conversation, ~68K in all) it does not:
-in a probe (--arms alone --rounds 3, one run, 2026-11-27, made before the published runs to fix these sizes)
-`alone` hit 16,384 tokens in rounds 1 and 2, the shared system prompt's 1,024 per request and nothing of any
-user's own conversation. The gap: --gap-s 4, so that every other user's next round is served between two of a
-user's rounds: conversations come back round robin, LRU's worst case (vLLM evicts only when other requests need
-blocks; no gap evicts a working set that fits).
+lost them. The defaults (16 users, a 3,072-token context each) are sized so that they do not; the probe that fixed
+them is docs/runs/chat_rounds-sizing-probe-2026-11-27. The gap (--gap-s 4) lets every other user's next round be
+served between two of a user's rounds: conversations come back round robin, LRU's worst case (vLLM evicts only when
+other requests need blocks; no gap evicts a working set that fits).
 
 Turn-end hits depend on the connector saving a request's end, the step that computed its last token included.
 vLLM turns async scheduling on by default on GPUs (its CPU platform, this benchmark, turns it off): the step after
@@ -72,6 +69,7 @@ from benchmarks.serve_trace import merge_reports, meta, write_plot  # noqa: E402
 from benchmarks.serving.arms import (CONNECTOR, Bench, arm_offloading, interleaved, one_engine,  # noqa: E402
                                      restarted, work_and_model)
 from benchmarks.serving.offloading import OFFLOAD_ARMS  # noqa: E402
+from benchmarks.serving.stored import read_report  # noqa: E402
 
 # One engine a conversation comes back to: the offloading arms without two replicas.
 CHAT_OFFLOAD_ARMS = tuple(name for name in OFFLOAD_ARMS if not name.startswith("two-"))
@@ -171,7 +169,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.plot_from:
-        chat_report.plot(json.loads(Path(args.plot_from).read_text()), args.plot or "chat_rounds.png")
+        chat_report.plot(read_report(args.plot_from), args.plot or "chat_rounds.png")
         return
     if args.merge:
         report = merge_reports(args.merge, same=SAME_RUN, build=chat_report.build)

@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.serving import report as reports  # noqa: E402
 from benchmarks.serving import trace  # noqa: E402
+from benchmarks.serving.stored import read_report  # noqa: E402
 from benchmarks.serving.arms import (ARMS, NOREUSE_ARMS, Bench, arms_to_run, interleaved, run_arm,  # noqa: E402
                                      work_and_model)
 
@@ -113,7 +114,7 @@ def merge_reports(paths: list[str], same=SAME_SLICE, build=reports.build) -> dic
     the report: chat_rounds.py passes its own)."""
     from benchmarks.serving.provenance import same_code
 
-    loaded = [json.loads(Path(p).read_text()) for p in paths]
+    loaded = [read_report(p) for p in paths]
     first = loaded[0]
     for path, other in zip(paths[1:], loaded[1:]):
         differ = [k for k in same if (first["params"].get(k) or None) != (other["params"].get(k) or None)]
@@ -218,7 +219,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.plot_from:
-        reports.plot(json.loads(Path(args.plot_from).read_text()), args.plot or "serve_trace.png")
+        reports.plot(read_report(args.plot_from), args.plot or "serve_trace.png")
         return
     report = merge_reports(args.merge) if args.merge else run(args)
     if args.json:

@@ -28,6 +28,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.serving import stats  # noqa: E402
+from benchmarks.serving.stored import read_report  # noqa: E402
 
 RUNS = Path(__file__).resolve().parents[2] / "docs" / "runs"
 # (run folder, what its README says of the machine)
@@ -44,7 +45,7 @@ def aa_rounds() -> list[dict]:
     (two arrays in request order) and the percentile the figure takes."""
     found = []
     for folder, machine in STORED:
-        runs = json.loads((RUNS / folder / "serve_trace.json").read_text())["runs"]
+        runs = read_report(RUNS / folder / "serve_trace.json.gz")["runs"]
         results = {(r["arm"], r["round"]): r["result"] for r in runs if "outcomes" in r["result"]}
         for arm, twin in PAIRS:
             for round_ in sorted({r for _, r in results}):
@@ -116,7 +117,7 @@ def main() -> None:
     parser.add_argument("--plot-from", help="draw a table written by --json, and simulate nothing")
     args = parser.parse_args()
     if args.plot_from:
-        plot(json.loads(Path(args.plot_from).read_text())["rows"], args.plot)
+        plot(read_report(args.plot_from)["rows"], args.plot)
         return
     rows = table(args.sets)
     if args.plot:

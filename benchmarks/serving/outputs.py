@@ -1,39 +1,20 @@
-"""Identical outputs across arms: greedy decoding, every request's generated token ids and their log probabilities
-(`answer`; runs stored before the replay asked for logprobs compare by tokens) compared with the reference arm's
-(vLLM alone) in the same round. Where two arms compute a request the same way they must agree; a request whose
-prompt was cut at another position (a different hit length: the engine computes the rest in other steps, and a
-recurrent state summed in other chunks may round differently in bf16) may legitimately differ. Each mismatch is
-reported with the request, the first differing position and both hit lengths, and classified by that cause.
+"""The open-loop runs' outputs described: greedy decoding, every request's generated token ids and log probabilities
+(`answer`; runs stored before the replay asked for logprobs compare by tokens) against the reference arm's (vLLM
+alone) in the same round, each mismatch reported with the request, the first differing position, both hit lengths,
+and the likely cause. It gives no verdict on tiercache's bytes: that is the sequential replay's exact check
+(exact.py), where a request's own hit is all that decides how its prompt is split into steps.
 
-With equal hit lengths the computation can still be split differently: in an open-loop replay a long prompt's
-prefill spans several steps of --max-num-batched-tokens, and where each step cuts it depends on which other requests
-share the step (their arrival, to the millisecond). vLLM alone itself then answers such a request differently from
-one run to the next. A same-hit mismatch on a request whose reference runs (vLLM alone's, every round) disagree among
-themselves is classified as that.
-
-A stored prefix carries its history too. A later turn of a conversation resumes from the state an earlier turn
-left, and that state's low bits depend on the steps the earlier turn was computed in, which start at the earlier
-turn's hit. So a same-hit mismatch where an earlier turn of the same conversation hit at another length than in the
-reference run (its outputs may still agree) resumes from other bytes, legitimately: the sequential replay
-(serve_trace.py --sequential) showed exactly this in the two-engine arm, the same requests in both its rounds. Only a
-same-hit mismatch with neither cause is reported as unexplained.
-
-And a request shares its steps with the others in flight: when one of them hit at another length in this arm than
-in the reference, it needs other prefill tokens, the step budget is cut elsewhere, and the request's own prefill is
-split at other positions. vLLM alone shows it against itself: in the saturated replay (every request sent at once,
-docs/runs/serve_trace-saturated-2026-11-27-6d63f4c) vLLM alone given more memory answered 5 requests with the same
-hit length differently from vLLM alone, the same 5 in all three rounds, with no tiercache involved. A same-hit
-mismatch on a request that overlapped, in either run, a request whose hit differs is classified as that; it needs
-each request's send time (`sent_s`; a saturated replay sends all at 0), so a report without it names no such cause.
-The sequential replay, where no steps are shared, is the run mode for output claims, and its check is another: each
-request against a reference vLLM resuming at exactly the run's own hit (exact.py), where no cause is left to name.
-This module describes the open-loop runs' outputs; it gives no verdict on tiercache's bytes.
-
-Last, the arms without tiercache (vLLM alone with either memory, restarted, two of them) answer the same slice many
-times over, and a request whose step split follows the batch shows it there: a same-hit mismatch whose very answer one
-of those runs also gave at that hit length, or a request those runs answered in more than one way at that hit length,
-is put down to the engine. (In the published open-loop rounds every request left unexplained before was one such:
-docs/runs/serve_trace-round4-2026-11-27-189fba5.)
+The causes, each a way two runs legitimately compute a request differently (a recurrent state summed in other
+chunks may round differently in bf16):
+- another hit length: the engine computes the rest of the prompt in other steps;
+- the reference against itself: in an open-loop replay a long prefill spans several steps of
+  --max-num-batched-tokens, cut where other arrivals fall, so vLLM alone's own runs of the request disagree;
+- an earlier turn of the same conversation hit at another length: the later turn resumes from a state whose low
+  bits came from other steps (the two-engine arm of serve_trace-sequential-2026-11-27-764bdfe shows it);
+- a request in flight beside it hit at another length, so the shared step budget cut this prefill elsewhere (needs
+  each request's send time, `sent_s`; serve_trace-saturated-2026-11-27-6d63f4c shows vLLM alone against itself);
+- the engine: the arms without tiercache gave that very answer, or several answers, at that hit length.
+A same-hit mismatch with none of these is reported as unexplained.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ the report prints now, with what the set lacks (an A/A pair) or pools (code vers
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 from pathlib import Path
@@ -18,31 +17,27 @@ if __package__ in (None, ""):
 
 from benchmarks.chat import report as chat_report  # noqa: E402
 from benchmarks.serving import report as serving_report  # noqa: E402
+from benchmarks.serving.stored import read_report  # noqa: E402
 
 RUNS = Path(__file__).resolve().parents[2] / "docs" / "runs"
 # (the set as the docs name it, its stored report, which report builds it)
 SETS = (
-    ("equal memory, 2 rounds", "serve_trace-equal-memory-2026-11-26-b3c8415/report.json", "serving"),
-    ("seven arms, loaded, 3 rounds", "serve_trace-2026-11-27-6d215e3/serve_trace.json", "serving"),
-    ("seven arms, quiet, 2 rounds", "serve_trace-quiet-2026-11-27-e893eaf/serve_trace.json", "serving"),
-    ("quiet + round 3", "serve_trace-round3-2026-11-27-f1c1a03/merged-with-quiet.json", "serving"),
+    ("equal memory, 2 rounds", "serve_trace-equal-memory-2026-11-26-b3c8415/report.json.gz", "serving"),
+    ("seven arms, loaded, 3 rounds", "serve_trace-2026-11-27-6d215e3/serve_trace.json.gz", "serving"),
+    ("seven arms, quiet, 2 rounds", "serve_trace-quiet-2026-11-27-e893eaf/serve_trace.json.gz", "serving"),
+    ("quiet + round 3", "serve_trace-round3-2026-11-27-f1c1a03/merged-with-quiet.json.gz", "serving"),
     ("three quiet rounds", "serve_trace-round4-2026-11-27-189fba5/quiet-three-rounds.json.gz", "serving"),
     ("four open-loop rounds", "serve_trace-round4-2026-11-27-189fba5/four-rounds.json.gz", "serving"),
-    ("session affinity, 3 rounds", "serve_trace-affinity-2026-11-27-e22cd4d/three-rounds.json", "serving"),
-    ("nothing reused, 2 rounds", "serve_trace-noreuse-2026-11-27-e22cd4d/two-rounds.json", "serving"),
-    ("saturated", "serve_trace-saturated-2026-11-27-6d63f4c/saturated.json", "serving"),
-    ("chat, 3 repeats", "chat_rounds-2026-11-27-d226055/chat_rounds.json", "chat"),
+    ("session affinity, 3 rounds", "serve_trace-affinity-2026-11-27-e22cd4d/three-rounds.json.gz", "serving"),
+    ("nothing reused, 2 rounds", "serve_trace-noreuse-2026-11-27-e22cd4d/two-rounds.json.gz", "serving"),
+    ("saturated", "serve_trace-saturated-2026-11-27-6d63f4c/saturated.json.gz", "serving"),
+    ("chat, 3 repeats", "chat_rounds-2026-11-27-d226055/chat_rounds.json.gz", "chat"),
 )
 FIGURES = [label for label, _, _ in serving_report.FIGURES] + ["throughput"]
 
 
-def load(path: Path) -> dict:
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    return json.loads(raw)
-
-
 def rederive(name: str, relative: str, kind: str) -> dict:
-    stored = load(RUNS / relative)
+    stored = read_report(RUNS / relative)
     build = chat_report.build if kind == "chat" else serving_report.build
     now = build(stored["params"], stored["runs"], stored.get("meta", {}))
     then = {(c["arm"], c["baseline"], c["phase"]): c for c in stored.get("comparisons", [])}

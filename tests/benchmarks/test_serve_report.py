@@ -3,6 +3,7 @@ medians of runs, restart phases apart, ratios with their words, outputs compared
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 
@@ -134,9 +135,10 @@ def test_reports_made_apart_merge_as_further_rounds(tmp_path, monkeypatch):
     from benchmarks import serve_trace
 
     paths = []
-    for i in range(2):
-        path = tmp_path / f"r{i}.json"
-        path.write_text(json.dumps(reports.build(PARAMS, _runs(2), {"commit": "c0", "session": i})))
+    for i in range(2):  # the second stored as published (docs/runs): gzipped
+        text = json.dumps(reports.build(PARAMS, _runs(2), {"commit": "c0", "session": i}))
+        path = tmp_path / ("r0.json" if i == 0 else "r1.json.gz")
+        path.write_bytes(text.encode() if i == 0 else gzip.compress(text.encode()))
         paths.append(str(path))
     merged = serve_trace.merge_reports(paths)
     assert sorted({run["round"] for run in merged["runs"]}) == [0, 1, 2, 3]
