@@ -20,7 +20,8 @@ import time
 import numpy as np
 import xxhash
 
-from benchmarks.serving.engines import VLLM_COUNTERS, prometheus_sum
+from benchmarks.serving.engines import VLLM_COUNTERS
+from benchmarks.serving.prometheus import prometheus_sum
 from benchmarks.serving.replay import Outcome, complete
 from benchmarks.serving.trace import FIRST_TOKEN, TraceRequest
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from benchmarks.fleet.router import Router
 from benchmarks.serving import trace
-from benchmarks.serving.engines import EngineFailed, EngineSettings, VllmServer, prometheus_sum, scrape
+from benchmarks.serving.engines import EngineFailed, EngineSettings, VllmServer
+from benchmarks.serving.prometheus import prometheus_sum, scrape
 from benchmarks.serving.replay import complete, replay
 
 MiB = 1 << 20

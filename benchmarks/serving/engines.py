@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.serving.prometheus import prometheus_sum
 from testkit.copy_on_write import FIXED_LINE as COPY_ON_WRITE_FIXED
 from tiercache.process import free_port
 
@@ -135,12 +135,6 @@ class VllmServer:
             text = answer.read().decode()
         return {name: prometheus_sum(text, metric) for name, metric in VLLM_COUNTERS.items()}
 
-    def offload_counters(self) -> dict[str, dict[str, float]]:
-        """vLLM's offloading figures by label (benchmarks/serving/offloading.py: OFFLOAD_METRICS)."""
-        from benchmarks.serving.offloading import offload_figures
-
-        return offload_figures(scrape(self.url + "/metrics"))
-
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM to the whole process group (graceful: vLLM shuts its engine and the connector down), SIGKILL
         after `timeout_s`; an offloading pool a killed engine left in /dev/shm is removed."""
@@ -159,29 +153,3 @@ class VllmServer:
     def log_tail(self, lines: int = 30) -> str:
         self._log.flush()
         return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
-
-
-def prometheus_by_label(text: str, metric: str, label: str) -> dict[str, float]:
-    """A metric's samples summed per value of one label (Prometheus text format)."""
-    found: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(metric + "{"):
-            labels, value = line[len(metric) + 1:].rsplit("} ", 1)
-            match = re.search(rf'(?:^|,){label}="([^"]*)"', labels)
-            key = match.group(1) if match else ""
-            found[key] = found.get(key, 0.0) + float(value)
-    return found
-
-
-def prometheus_sum(text: str, metric: str) -> float:
-    """The sum of a metric's samples over every label set in Prometheus text format (0 when absent)."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(metric) and line[len(metric):len(metric) + 1] in ("{", " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as answer:
-        return answer.read().decode()

@@ -17,8 +17,9 @@ import sys
 import time
 
 from benchmarks.serving import exact, trace
-from benchmarks.serving.engines import EngineFailed, VllmServer, prometheus_sum, scrape
-from benchmarks.serving.offloading import figures_change, summed
+from benchmarks.serving.engines import EngineFailed, VllmServer
+from benchmarks.serving.prometheus import prometheus_sum, scrape
+from benchmarks.serving.offloading import engine_figures, figures_change, summed
 from benchmarks.serving.replay import ROUTES, Outcome, replay, summary
 
 PUT_METHODS = re.compile(r'method="(Put|Commit|DataPut)"')  # the calls that store a chunk, however it travels
@@ -42,7 +43,7 @@ def measure(bench, name: str, engines: list[VllmServer], requests, cache=None, r
     if offloads:
         settle_offloading(engines)
     before = [engine.counters() for engine in engines]
-    offload_before = [engine.offload_counters() for engine in engines] if offloads else []
+    offload_before = [engine_figures(engine) for engine in engines] if offloads else []
     cache_before = tiercache_counters(cache)
     sequential = getattr(bench.args, "sequential", False)
     named = exact.named if getattr(bench.args, "plant_fault", None) else (lambda request: None)
@@ -70,7 +71,7 @@ def measure(bench, name: str, engines: list[VllmServer], requests, cache=None, r
     result["hits"] = {"vllm_prefix_cache": own, "connector_promised": promised, **(
         {f"tiercache_{key}": n for key, n in served.items()} if cache is not None else {})}
     if offloads:
-        result["offload"] = figures_change(offload_before, [engine.offload_counters() for engine in engines])
+        result["offload"] = figures_change(offload_before, [engine_figures(engine) for engine in engines])
     result["preemptions"] = int(counted["preemptions"])
     result["outcomes"] = [dataclasses.asdict(o) for o in outcomes]
     errors = sorted({o.error for o in outcomes if not o.ok})
@@ -156,7 +157,7 @@ def settle_offloading(engines: list[VllmServer], quiet_s: float = 2.0, timeout_s
     for `quiet_s`), so a restart finds what the engine stored and the figures read next are complete."""
     last, since, deadline = None, time.monotonic(), time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        now = [sum(e.offload_counters()["tier_write_bytes"].values()) for e in engines]
+        now = [sum(engine_figures(e)["tier_write_bytes"].values()) for e in engines]
         if now != last:
             last, since = now, time.monotonic()
         elif time.monotonic() - since >= quiet_s:

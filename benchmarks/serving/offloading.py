@@ -25,6 +25,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from benchmarks.serving.prometheus import prometheus_by_label, prometheus_sum, scrape
 from testkit.offload_worker import STOOD_IN_LINE
 
 MiB = 1 << 20
@@ -108,12 +109,15 @@ class FsDirs:
 def offload_figures(text: str) -> dict[str, dict[str, float]]:
     """vLLM's offloading figures from its /metrics text: counters by label, histograms' sum and count (summed over
     their labels)."""
-    from benchmarks.serving.engines import prometheus_by_label, prometheus_sum
-
     figures = {key: prometheus_by_label(text, metric, label) for key, (metric, label) in OFFLOAD_COUNTERS.items()}
     for key, metric in OFFLOAD_HISTOGRAMS.items():
         figures[key] = {"sum": prometheus_sum(text, metric + "_sum"), "count": prometheus_sum(text, metric + "_count")}
     return figures
+
+
+def engine_figures(engine) -> dict[str, dict[str, float]]:
+    """One served engine's offloading figures now (a VllmServer)."""
+    return offload_figures(scrape(engine.url + "/metrics"))
 
 
 def figures_change(before: list[dict], after: list[dict]) -> dict[str, dict[str, float]]:
