@@ -73,8 +73,8 @@ from benchmarks.serving.stored import read_report  # noqa: E402
 
 # One engine a conversation comes back to: the offloading arms without two replicas.
 CHAT_OFFLOAD_ARMS = tuple(name for name in OFFLOAD_ARMS if not name.startswith("two-"))
-ARMS = ("alone", "alone-equal", "alone-equal-again", "tiercache", "restart", "alone-restart", "connector",
-        "connector-restart", *CHAT_OFFLOAD_ARMS)
+DEFAULT_ARMS = ("alone", "alone-equal", "alone-equal-again", "tiercache", "restart", "alone-restart")
+ARMS = (*DEFAULT_ARMS, "connector", "connector-restart", *CHAT_OFFLOAD_ARMS)
 SPEC_FLAGS = tuple(field.name for field in dataclasses.fields(ChatSpec))
 # The parameters that make two runs comparable (--merge refuses reports that differ in any of them).
 SAME_RUN = SPEC_FLAGS + ("kv_cache_mib", "host_mib", "max_num_batched_tokens", "N", "connector_config",
@@ -87,7 +87,7 @@ def run_arm(bench: Bench, spec: ChatSpec, name: str) -> dict:
     small = bench.engine()
     equal = dataclasses.replace(small, kv_cache_bytes=bench.equal_kv_bytes)
     runs = CONNECTOR.get(name, name)
-    if runs.endswith("restart"):
+    if runs.removesuffix("-again").endswith("restart"):
         half = chat_report.restart_round(spec.rounds)
         before, after = loop.phase(0, half), loop.phase(half, spec.rounds)
         parts = ((before, before.drive), (after, after.drive))
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = ChatSpec()
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)}")
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, from {', '.join(ARMS)}")
     parser.add_argument("--repeats", type=int, default=1, help="every arm this many times, interleaved")
     parser.add_argument("--users", type=int, default=defaults.users, help="users, each in its own closed loop")
     parser.add_argument("--rounds", type=int, default=defaults.rounds, help="rounds (requests) per user")

@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.serving import report as reports  # noqa: E402
 from benchmarks.serving import trace  # noqa: E402
 from benchmarks.serving.stored import read_report  # noqa: E402
-from benchmarks.serving.arms import (ARMS, NOREUSE_ARMS, Bench, arms_to_run, interleaved, run_arm,  # noqa: E402
+from benchmarks.serving.arms import (ARMS, DEFAULT_ARMS, NOREUSE_ARMS, Bench, arms_to_run, interleaved, run_arm,  # noqa: E402
                                      work_and_model)
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake-conversation.jsonl"
@@ -174,7 +174,7 @@ def write_plot(report: dict, json_path: str | None, path: str, script: str = __f
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL trace")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)} "
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, from {', '.join(ARMS)} "
                         f"(noreuse runs {', '.join(NOREUSE_ARMS)}; each may be named alone)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds: every arm this many times, interleaved")
     parser.add_argument("--start", type=int, default=0, help="first request of the trace replayed")

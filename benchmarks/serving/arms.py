@@ -3,8 +3,10 @@
 Memory: vLLM's KV cache and tiercache's host tier are the same DRAM on a CPU host, so every arm that runs without
 tiercache but stands for "what a user would run instead" gets tiercache's bytes as KV cache (`alone-equal`,
 `alone-restart`, `two-alone`); `alone` (the small cache alone) stands in for an engine short of GPU memory, where the
-host bytes could not become KV cache (on a GPU host `offload` is that comparison). Cores: every engine computes on
-the cores compute_cpus names; the cache server, vLLM's API servers and the client share the rest.
+host bytes could not become KV cache. The arms with vLLM's own offloading give the host bytes to its pool instead
+(offloading.py). Cores: every engine computes on the cores compute_cpus names; the cache server, vLLM's API servers
+and the client share the rest. Two engines take half the cores each (halves); on 2 cores the second shares its core
+with the cache server where there is one.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ ARMS = ("alone", "alone-equal", "alone-equal-again", "tiercache", "restart", "al
         "two-conv", "two-alone", "two-alone-conv", "noreuse", "connector", "connector-restart", "two-connector",
         *OFFLOAD_ARMS)
 NOREUSE_ARMS = ("noreuse-alone", "noreuse-alone-equal", "noreuse-tiercache", "noreuse-offload")
+# What runs without --arms: the single-engine, restart, two-instance and nothing-reused comparisons; the sets against
+# vLLM's offloading name their arms (docs/benchmarks.md gives each set's command).
+DEFAULT_ARMS = ("alone", "alone-equal", "alone-equal-again", "offload", "tiercache", "restart", "alone-restart", "two",
+                "two-conv", "two-alone", "two-alone-conv", "noreuse")
 # tiercache's connector, under the names the sets against vLLM's offloading give it: the same runs as `tiercache`,
 # `restart` and `two`, its server given as many host bytes as the offloading arms' pools (one per engine).
 CONNECTOR = {"connector": "tiercache", "connector-restart": "restart", "two-connector": "two"}
@@ -76,7 +82,11 @@ class Bench:
         return server
 
     def start(self, name: str, settings: EngineSettings) -> VllmServer:
-        return VllmServer(settings, self.work / f"{name}.log").start()
+        """A server on these settings; with vLLM's offloading, its own pool (a restarted engine never shares a pool
+        file with the one it replaces: offloading.own_pool)."""
+        from benchmarks.serving.offloading import own_pool
+
+        return VllmServer(own_pool(settings), self.work / f"{name}.log").start()
 
 
 # -- one engine ----------------------------------------------------------------------------------------------------
@@ -123,10 +133,16 @@ def arm_offloading(bench: Bench, name: str, requests, drive=None, parts=None) ->
     with_cache = arm.tier == "tiercache"
     try:
         if arm.replicas == 2:
-            return two_engines(bench, name, requests, with_cache, "round-robin", settings_for=settings, attach=as_tier)
-        if arm.restart:
-            return restarted(bench, name, requests, settings(), with_cache, parts=parts, attach=as_tier)
-        return one_engine(bench, name, requests, settings(), with_cache, drive=drive, attach=as_tier)
+            result = two_engines(bench, name, requests, with_cache, "round-robin", settings_for=settings,
+                                 attach=as_tier)
+        elif arm.restart:
+            result = restarted(bench, name, requests, settings(), with_cache, parts=parts, attach=as_tier)
+        else:
+            result = one_engine(bench, name, requests, settings(), with_cache, drive=drive, attach=as_tier)
+        if arm.tier in ("fs", "fs-shared"):
+            logs = [bench.work / f"{name}{part}.log" for part in ("", "-before", "-after", "-0", "-1")]
+            result["fs_tier"] = dirs.facts(logs)
+        return result
     finally:
         dirs.remove()
 
@@ -140,9 +156,9 @@ def restarted(bench: Bench, name: str, requests, settings: EngineSettings, with_
     baseline for "after a restart"). Each phase is reported on its own: a figure over both is not "after".
     `parts`: the (requests, drive) of each phase, for a closed loop that goes on after the restart where it stopped
     (chat_rounds.py; measure's `drive`); else the halves of `requests`, replayed. `attach` as one_engine's."""
-    cache = bench.cache_server() if with_cache else None
     half = len(requests) // 2 if parts is None else len(parts[0][0])
     parts = parts or ((requests[:half], None), (shifted(requests[half:]), None))
+    cache = bench.cache_server() if with_cache else None
     if cache is not None:
         settings = (attach or _connector(bench, name))(settings, cache)
     try:
@@ -253,6 +269,9 @@ def interleaved(arms: list[str], repeats: int, run_one, build, json_path: str | 
     for round_ in range(repeats):
         for position, name in enumerate(order.sample(arms, len(arms))):
             page_cache = drop_page_cache() if drop_caches else {"dropped": False, "why": "not asked"}
+            if drop_caches and not page_cache["dropped"]:
+                raise SystemExit(f"--drop-page-cache: the page cache could not be dropped ({page_cache['why']}); "
+                                 f"run as root, or without the flag (each run then records that it was not)")
             started = time.monotonic()
             with LoadSampler() as load:
                 result = run_one(name)

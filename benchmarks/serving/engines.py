@@ -73,6 +73,7 @@ class EngineSettings:
         if self.offload is not None:
             args += ["--kv-transfer-config", json.dumps({
                 "kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": self.offload_id,
+                "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", **self.offload}})]
         return args
 
@@ -137,15 +138,19 @@ class VllmServer:
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM to the whole process group (graceful: vLLM shuts its engine and the connector down), SIGKILL
-        after `timeout_s`; an offloading pool a killed engine left in /dev/shm is removed."""
-        if self.process is None or self.process.poll() is not None:
+        after `timeout_s`; returns once every process of the group is gone (the engine core outlives the API
+        server for a while, and a new engine must not start beside its shutdown). An offloading pool a killed or
+        crashed engine left in /dev/shm is removed."""
+        if self.process is None:
             return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        _wait_group_gone(self.process.pid, timeout_s)
         self._log.close()
         if self.settings.offload is not None:
             Path(f"/dev/shm/vllm_offload_{self.settings.offload_id}.mmap").unlink(missing_ok=True)
@@ -153,3 +158,17 @@ class VllmServer:
     def log_tail(self, lines: int = 30) -> str:
         self._log.flush()
         return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+
+
+def _wait_group_gone(group: int, timeout_s: float) -> None:
+    """Until no process of the group is left, SIGKILL to what remains after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            os.killpg(group, signal.SIGKILL)
+            deadline = float("inf")
+        time.sleep(0.1)

@@ -19,7 +19,7 @@ import time
 from benchmarks.serving import exact, trace
 from benchmarks.serving.engines import EngineFailed, VllmServer
 from benchmarks.serving.prometheus import prometheus_sum, scrape
-from benchmarks.serving.offloading import engine_figures, figures_change, summed
+from benchmarks.serving.offloading import engine_figures, figures_change, summed, tier_activity
 from benchmarks.serving.replay import ROUTES, Outcome, replay, summary
 
 PUT_METHODS = re.compile(r'method="(Put|Commit|DataPut)"')  # the calls that store a chunk, however it travels
@@ -40,8 +40,7 @@ def measure(bench, name: str, engines: list[VllmServer], requests, cache=None, r
     offloads = engines[0].settings.offload is not None  # vLLM's offloading (offloading.py), tiercache a tier if any
     if cache is not None:
         settle(cache, tiercache_counters(cache))  # the warm-up's saves and reports land before the counters are read
-    if offloads:
-        settle_offloading(engines)
+    settled = settle_offloading(engines) if offloads else True
     before = [engine.counters() for engine in engines]
     offload_before = [engine_figures(engine) for engine in engines] if offloads else []
     cache_before = tiercache_counters(cache)
@@ -52,8 +51,7 @@ def measure(bench, name: str, engines: list[VllmServer], requests, cache=None, r
                                       on_done=progress(name, len(requests), bench.args.progress)))
     if cache is not None:
         settle(cache, cache_before)
-    if offloads:
-        settle_offloading(engines)
+    settled = (settle_offloading(engines) if offloads else True) and settled
     after = [engine.counters() for engine in engines]
     counted = {key: sum(a[key] - b[key] for a, b in zip(after, before)) for key in before[0]}
     cache_after = tiercache_counters(cache)
@@ -72,6 +70,7 @@ def measure(bench, name: str, engines: list[VllmServer], requests, cache=None, r
         {f"tiercache_{key}": n for key, n in served.items()} if cache is not None else {})}
     if offloads:
         result["offload"] = figures_change(offload_before, [engine_figures(engine) for engine in engines])
+        result["offload_settled"] = settled  # false: a tier was still storing when the figures were read
     result["preemptions"] = int(counted["preemptions"])
     result["outcomes"] = [dataclasses.asdict(o) for o in outcomes]
     errors = sorted({o.error for o in outcomes if not o.ok})
@@ -92,6 +91,7 @@ def merge(first: dict, second: dict) -> dict:
     merged["hits"] = {k: first["hits"][k] + second["hits"][k] for k in first["hits"]}
     if "offload" in first:
         merged["offload"] = summed(first["offload"], second["offload"])
+        merged["offload_settled"] = first.get("offload_settled", True) and second.get("offload_settled", True)
     offset = first_phase_end(first)
     # The second phase started after the first's last answer. Not rounded: a rounded send time could fall before it.
     later = [{**o, "sent_s": None if o.get("sent_s") is None else o["sent_s"] + offset} for o in second["outcomes"]]
@@ -152,17 +152,19 @@ def settle(cache, before: dict, quiet_s: float = 2.0, timeout_s: float = 30.0) -
         time.sleep(0.2)
 
 
-def settle_offloading(engines: list[VllmServer], quiet_s: float = 2.0, timeout_s: float = 60.0) -> None:
-    """Wait until the engines' offloading has stopped writing to its secondary tiers (their written bytes unchanged
-    for `quiet_s`), so a restart finds what the engine stored and the figures read next are complete."""
+def settle_offloading(engines: list[VllmServer], quiet_s: float = 2.0, timeout_s: float = 120.0) -> bool:
+    """Wait until the engines' offloading has settled: no tier job in flight and no byte written for `quiet_s`, so a
+    restart finds what the engine stored (vLLM's fs tier drops its queued stores at shutdown) and the figures read next
+    are complete. False if it had not settled by `timeout_s` (the run records it)."""
     last, since, deadline = None, time.monotonic(), time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        now = [sum(engine_figures(e)["tier_write_bytes"].values()) for e in engines]
-        if now != last:
+        now = [tier_activity(e) for e in engines]
+        if now != last or any(running for running, _ in now):
             last, since = now, time.monotonic()
         elif time.monotonic() - since >= quiet_s:
-            return
+            return True
         time.sleep(0.2)
+    return False
 
 
 def progress(name: str, total: int, enabled: bool):

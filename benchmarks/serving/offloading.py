@@ -37,7 +37,7 @@ OFFLOAD_ARMS = tuple(f"{replicas}{base}{restart}{again}" for replicas in ("", "t
 
 # vLLM's figures for offloading, by label: the prompt tokens each source served (device: its own prefix cache, host:
 # the pool, disk: the fs tier, external_unspecified: a tier that names no medium, as tiercache's), each tier's chunk
-# hits, queries, failed jobs, bytes and transfer seconds (bytes / seconds: a tier's GB/s in the engine), the
+# hits, queries, failed jobs, bytes and transfer seconds (bytes per job-second: run_figures says why no bandwidth), the
 # scheduler's time in lookups (sync: in the step; async: until a lookup a tier answered later is settled), and the
 # step time as requests see it (inter-token latency).
 OFFLOAD_COUNTERS = {"cached_by_source": ("vllm:prompt_tokens_cached_by_source_total", "source"),
@@ -49,6 +49,7 @@ OFFLOAD_COUNTERS = {"cached_by_source": ("vllm:prompt_tokens_cached_by_source_to
                     "tier_write_bytes": ("vllm:kv_offload_tiering_write_bytes_total", "tier"),
                     "tier_read_time_s": ("vllm:kv_offload_tiering_read_time_total", "tier"),
                     "tier_write_time_s": ("vllm:kv_offload_tiering_write_time_total", "tier")}
+ACTIVE_JOBS = ("vllm:kv_offload_tiering_active_cascade_jobs", "vllm:kv_offload_tiering_active_promotion_jobs")
 OFFLOAD_HISTOGRAMS = {"lookup_sync_delay_s": "vllm:kv_offload_lookup_sync_delay_seconds",
                       "lookup_async_delay_s": "vllm:kv_offload_lookup_async_delay_seconds",
                       "tier_lookup_sync_delay_s": "vllm:kv_offload_tiering_lookup_sync_delay_seconds",
@@ -72,12 +73,20 @@ class OffloadArm:
 
 
 def offloading(settings, pool_bytes: int, tiers: list[dict]):
-    """`settings` with vLLM's offloading: a pool of `pool_bytes` and these secondary tiers, the worker stood in."""
-    return dataclasses.replace(
+    """`settings` with vLLM's offloading: a pool of `pool_bytes` and these secondary tiers, the worker stood in. A
+    load that fails is recomputed, as in the connector's arms (vLLM's default for it is to fail the request)."""
+    return own_pool(dataclasses.replace(
         settings, offload={"cpu_bytes_to_use": pool_bytes, "offload_prompt_only": False, "secondary_tiers": tiers},
-        offload_id=f"lab-{uuid.uuid4().hex[:12]}",
         testkit={**settings.testkit, "TIERCACHE_OFFLOAD_WORKER": "1"},
-        testkit_lines=(*settings.testkit_lines, STOOD_IN_LINE))
+        testkit_lines=(*settings.testkit_lines, STOOD_IN_LINE)))
+
+
+def own_pool(settings):
+    """The settings with a pool name of their own (vLLM names the pool file by it: two engines, or an engine and the
+    one it replaces, must not share one); settings without offloading unchanged."""
+    if settings.offload is None:
+        return settings
+    return dataclasses.replace(settings, offload_id=f"lab-{uuid.uuid4().hex[:12]}")
 
 
 def fs_tier(root: Path) -> dict:
@@ -91,11 +100,20 @@ def tiercache_tier(model_dir: str, url: str) -> dict:
     return tier_entry(model_dir, [], url)
 
 
+O_DIRECT_REFUSED = "O_DIRECT is not supported"  # what vLLM's fs tier logs when it falls back to buffered I/O
+
+
 class FsDirs:
     """The fs tier's directories of one run, each new and empty, removed when the run ends."""
 
     def __init__(self, work: Path, name: str) -> None:
         self.root = work / f"fs-{name}-{uuid.uuid4().hex[:8]}"
+
+    def facts(self, logs: list[Path]) -> dict:
+        """What the fs tier was stored on (the filesystem holding the directories) and whether vLLM wrote it with
+        O_DIRECT (its logs say when it could not): a RAM or overlay filesystem is not the disk the docs describe."""
+        refused = any(O_DIRECT_REFUSED in log.read_text(errors="replace") for log in logs if log.exists())
+        return {"filesystem": filesystem_of(self.root), "o_direct": not refused}
 
     def __call__(self, replica: int | str) -> Path:
         path = self.root / str(replica)
@@ -118,6 +136,15 @@ def offload_figures(text: str) -> dict[str, dict[str, float]]:
 def engine_figures(engine) -> dict[str, dict[str, float]]:
     """One served engine's offloading figures now (a VllmServer)."""
     return offload_figures(scrape(engine.url + "/metrics"))
+
+
+def tier_activity(engine) -> tuple[float, float]:
+    """(the tiers' jobs in flight, the bytes they have written): an engine whose tiers have settled runs no job and
+    writes nothing more. vLLM counts a job's bytes only when the job is done, so bytes alone stand still while one
+    long store runs: the gauges of jobs in flight say it is still running."""
+    text = scrape(engine.url + "/metrics")
+    running = sum(prometheus_sum(text, metric) for metric in ACTIVE_JOBS)
+    return running, sum(prometheus_by_label(text, OFFLOAD_COUNTERS["tier_write_bytes"][0], "tier").values())
 
 
 def figures_change(before: list[dict], after: list[dict]) -> dict[str, dict[str, float]]:
@@ -146,8 +173,9 @@ def summed(*figures: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]
 
 def run_figures(offload: dict) -> dict:
     """One run's (or phase's) offloading figures as the report gives them: hit tokens by source and chunk hits by
-    tier; each tier's GB/s while it moved bytes (bytes / vLLM's transfer seconds); the mean delays (ms) of the
-    scheduler's lookups and of a token; failed jobs."""
+    tier; each tier's bytes per job-second (vLLM's accounted bytes over the sum of its jobs' transfer seconds: jobs
+    overlap, and a chunk a tier already held counts its bytes at no cost, so this is no bandwidth; tier_bandwidth.py
+    measures that); the mean delays (ms) of the scheduler's lookups and of a token; failed jobs."""
     def per_s(moved: dict, seconds: dict) -> dict:
         return {tier: round(moved[tier] / seconds[tier] / 1e9, 3) for tier in moved if seconds.get(tier)}
 
@@ -185,7 +213,8 @@ def summary(runs: list[dict]) -> dict:
     for name in dict.fromkeys(run["arm"] for run in runs):
         results = [run["result"] for run in runs if run["arm"] == name and "offload" in run["result"]]
         if results:
-            arms[name] = {"all": medians([run_figures(r["offload"]) for r in results])}
+            arms[name] = {"all": {**medians([run_figures(r["offload"]) for r in results]),
+                                  "runs_not_settled": sum(not r.get("offload_settled", True) for r in results)}}
             if all("phases" in r for r in results):
                 arms[name]["after"] = medians([run_figures(r["phases"]["after"]["offload"]) for r in results])
     return arms
@@ -194,19 +223,37 @@ def summary(runs: list[dict]) -> dict:
 def report_lines(offload: dict) -> list[str]:
     if not offload:
         return []
-    lines = ["", "vLLM's offloading (its counters; medians of runs): hit tokens by source, tier chunk hits, tier GB/s "
-             "(read / write), mean lookup delay ms (sync, async), mean inter-token ms, failed jobs:"]
+    lines = ["", "vLLM's offloading (its counters; medians of runs): hit tokens by source, tier chunk hits, tier GB "
+             "per job-second (read / write; no bandwidth), mean lookup delay ms (sync, async), mean inter-token ms, "
+             "failed jobs:"]
     for name, phases in offload.items():
         for phase, f in phases.items():
             label = name if phase == "all" else "  after restart"
             lines.append(f"  {label:<30} hits {_labels(f['hit_tokens_by_source'])}; chunks "
-                         f"{_labels(f['tier_chunk_hits'])}; GB/s {_labels(f['tier_read_gb_s'])} / "
+                         f"{_labels(f['tier_chunk_hits'])}; GB/job-s {_labels(f['tier_read_gb_s'])} / "
                          f"{_labels(f['tier_write_gb_s'])}; lookups {f['lookup_sync_delay_mean_ms']}, "
                          f"{f['lookup_async_delay_mean_ms']} (tier {f['tier_lookup_sync_delay_mean_ms']}, "
                          f"{f['tier_lookup_async_delay_mean_ms']}); token {f['inter_token_mean_ms']}; failed "
-                         f"{f['failed_jobs']}")
+                         f"{f['failed_jobs']}" + (f"; NOT SETTLED in {f['runs_not_settled']} runs"
+                                                  if f.get("runs_not_settled") else ""))
     return lines
 
 
 def _labels(values: dict) -> str:
     return ", ".join(f"{label} {value:,g}" for label, value in values.items() if value) or "-"
+
+
+def filesystem_of(path: Path) -> str:
+    """The type of the filesystem mounted at the longest prefix of `path` (/proc/mounts), or "unknown"."""
+    path = str(path.resolve())
+    best, kind = "", "unknown"
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return kind
+    for line in mounts:
+        fields = line.split()
+        if len(fields) >= 3 and (path == fields[1] or path.startswith(fields[1].rstrip("/") + "/")) \
+                and len(fields[1]) > len(best):
+            best, kind = fields[1], fields[2]
+    return kind

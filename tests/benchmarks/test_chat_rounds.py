@@ -73,3 +73,27 @@ def test_round_ratios_start_after_the_restart():
     rows = report.compare_rounds(runs, users=2, rounds=3)
     assert [(r["arm"], list(r["rounds"])) for r in rows] == [("restart", [1, 2])]
     assert rows[0]["rounds"][1]["TTFT p50"]["ratio"] == 0.5
+
+
+def test_every_chat_arm_runs_as_its_name_says(monkeypatch):
+    """Restart arms (their A/A twins too) run in two phases of the closed loop; offloading arms through
+    arm_offloading; the rest as one engine (nothing started here: the runners are recorded)."""
+    from types import SimpleNamespace
+
+    from benchmarks import chat_rounds
+
+    calls = []
+    for runner in ("arm_offloading", "restarted", "one_engine"):
+        monkeypatch.setattr(chat_rounds, runner,
+                            lambda *args, runner=runner, **kwargs: calls.append((runner, kwargs)) or {})
+    bench = SimpleNamespace(engine=lambda: SimpleNamespace(), equal_kv_bytes=1)
+    monkeypatch.setattr(chat_rounds.dataclasses, "replace", lambda settings, **changes: settings)
+    for name in chat_rounds.ARMS:
+        calls.clear()
+        chat_rounds.run_arm(bench, SPEC, name)
+        (runner, kwargs), = calls
+        base = chat_rounds.CONNECTOR.get(name, name).removesuffix("-again")
+        assert runner == ("arm_offloading" if base.startswith("offload") else
+                          "restarted" if base.endswith("restart") else "one_engine"), name
+        assert ("parts" in kwargs and kwargs["parts"] is not None) == base.endswith("restart"), name
+        assert ("drive" in kwargs) != base.endswith("restart"), name

@@ -69,3 +69,27 @@ def test_a_replays_figures_are_what_grew_summed_over_engines_and_phases():
     assert change == {"cached_by_source": {"host": 21.0, "disk": 5.0}}
     assert summed(change, {"cached_by_source": {"host": 1.0}, "x": {"a": 2.0}}) == {
         "cached_by_source": {"host": 22.0, "disk": 5.0}, "x": {"a": 2.0}}
+
+
+def test_every_engine_start_gets_a_pool_of_its_own():
+    from benchmarks.serving.offloading import own_pool
+
+    base = EngineSettings(model_dir="/m", block_size=256, kv_cache_bytes=64 << 20, max_model_len=4096)
+    settings = offloading(base, 1 << 30, [])
+    assert own_pool(settings).offload_id not in ("", settings.offload_id)  # a restarted engine: another pool file
+    assert own_pool(base) is base
+
+
+def test_an_fs_tiers_run_says_what_it_was_stored_on(tmp_path):
+    from benchmarks.serving.offloading import O_DIRECT_REFUSED, FsDirs, filesystem_of
+
+    dirs = FsDirs(tmp_path, "offload-fs")
+    dirs(0)
+    log = tmp_path / "offload-fs.log"
+    log.write_text("INFO started\n")
+    assert dirs.facts([log, tmp_path / "absent.log"]) == {"filesystem": filesystem_of(tmp_path), "o_direct": True}
+    log.write_text(f"WARNING {O_DIRECT_REFUSED} at '{dirs.root}'; falling back to buffered I/O\n")
+    assert dirs.facts([log])["o_direct"] is False
+    assert filesystem_of(tmp_path) != "unknown"
+    dirs.remove()
+    assert not dirs.root.exists()

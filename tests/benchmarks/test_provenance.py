@@ -60,3 +60,9 @@ def test_the_code_digest_changes_with_an_untracked_files_content(tmp_path, monke
 def test_a_run_says_whether_the_page_cache_was_dropped_before_it(tmp_path):
     report = arms.interleaved(["a"], 1, lambda name: {"ok": name}, lambda runs: {"runs": runs}, None)
     assert report["runs"][0]["provenance"]["page_cache"] == {"dropped": False, "why": "not asked"}
+
+
+def test_a_set_asked_to_drop_the_page_cache_stops_when_it_cannot(monkeypatch):
+    monkeypatch.setattr(provenance, "drop_page_cache", lambda: {"dropped": False, "why": "Permission denied"})
+    with pytest.raises(SystemExit, match="Permission denied"):
+        arms.interleaved(["a"], 1, lambda name: {"ok": name}, lambda runs: {"runs": runs}, None, drop_caches=True)
