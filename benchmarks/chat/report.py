@@ -9,6 +9,7 @@ and the first differing (user, round) of each run is where to look.
 
 from __future__ import annotations
 
+from benchmarks.serving import offloading
 from benchmarks.serving import report as serving
 from benchmarks.serving import stats
 from benchmarks.serving.outputs import DIFFERENT_HIT, UNEXPLAINED, compare_outputs
@@ -28,6 +29,7 @@ def build(params: dict, runs: list[dict], meta: dict) -> dict:
     users = params["users"]
     return {"params": params, "meta": meta, "runs": runs, "arms": serving.summarize(runs),
             "comparisons": serving.compare(runs, margin=params.get("equivalence_margin")),
+            "offload": offloading.summary(runs),
             "rounds": rounds_per_arm(runs, users),
             "round_comparisons": compare_rounds(runs, users, params["rounds"]), "outputs": compare_chat(runs, users)}
 
