@@ -66,8 +66,10 @@ def measure(bench, name: str, engines: list[VllmServer], requests, cache=None, r
     # With tiercache's connector, what it delivered; with vLLM's offloading (tiercache a tier of it or not), vLLM's
     # count is all there is, by source in `offload` (a tier's failed loads there too).
     result["hit_tokens"] = own + (served["delivered"] if cache is not None and not offloads else promised)
+    # The server's counts are its connector's (delivered, failed loads): a tier behind vLLM's offloading reports
+    # none, and its hits are vLLM's, by source, in `offload`.
     result["hits"] = {"vllm_prefix_cache": own, "connector_promised": promised, **(
-        {f"tiercache_{key}": n for key, n in served.items()} if cache is not None else {})}
+        {f"tiercache_{key}": n for key, n in served.items()} if cache is not None and not offloads else {})}
     if offloads:
         result["offload"] = figures_change(offload_before, [engine_figures(engine) for engine in engines])
         result["offload_settled"] = settled  # false: a tier was still storing when the figures were read
