@@ -193,11 +193,11 @@ def run_figures(offload: dict) -> dict:
 
 def summary(runs: list[dict]) -> dict:
     """Per offloading arm, each figure's median over its runs (and over their second phases, for a restart arm)."""
-    import statistics
+    from benchmarks.serving.stats import median_of_runs
 
     def median(values: list):
-        values = [v for v in values if v is not None]
-        return round(statistics.median(values), 3) if values else None
+        found = median_of_runs(values, lambda value: value)
+        return None if found is None else round(found, 3)
 
     def medians(figures: list[dict]) -> dict:
         out: dict = {}
