@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import sys
+import urllib.error
 import urllib.request
 
 
@@ -27,6 +29,20 @@ def prometheus_sum(text: str, metric: str) -> float:
     return total
 
 
-def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as answer:
+def scrape(url: str, timeout_s: float = 10.0, attempts: int = 3) -> str:
+    """The page at `url`, asked again after a failed attempt (up to `attempts`), each retry printed to stderr so a
+    set's run.log keeps it: one unanswered scrape should not end a set of runs. (A tiercache server shared by two
+    offloading replicas on a 2-core machine can leave one unanswered past the timeout; tests/benchmarks/
+    test_prometheus_scrape.py holds the retry.)"""
+    for attempt in range(1, attempts):
+        try:
+            return _page(url, timeout_s)
+        except (TimeoutError, urllib.error.URLError) as error:
+            print(f"scrape of {url} failed ({error!r}), attempt {attempt} of {attempts}; asking again",
+                  file=sys.stderr, flush=True)
+    return _page(url, timeout_s)
+
+
+def _page(url: str, timeout_s: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as answer:
         return answer.read().decode()
