@@ -549,7 +549,7 @@ def test_a_get_that_fails_half_way_closes_the_connection_and_the_client_retries(
     with _client(server, retry=RetryPolicy(attempts=3, backoff=Backoff(0.01, 1.0))) as client:
         items = [(b"k%d" % i, b"value %d" % i) for i in range(SERVE_BATCH + 1)]  # two batches
         client.put_many(NS, items)
-        pin = server.store.same_host.pin
+        pin = server.same_host.pin
         failures = []
 
         def failing_once(keys):
@@ -557,7 +557,7 @@ def test_a_get_that_fails_half_way_closes_the_connection_and_the_client_retries(
                 failures.append(keys)
                 raise OSError("a tier failed")
             return pin(keys)
-        monkeypatch.setattr(server.store.same_host, "pin", failing_once)
+        monkeypatch.setattr(server.same_host, "pin", failing_once)
         got = client.get_many(NS, [k for k, _ in items])
         assert [f.data for f in got] == [v for _, v in items]  # the retry, on a new connection
         assert failures

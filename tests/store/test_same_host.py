@@ -143,7 +143,7 @@ def test_expired_read_lease_releases_the_pin(start_server):
 
 def test_stopping_the_server_removes_its_arena(start_server):
     server = start_server()
-    path = server.store.same_host.arena.path
+    path = server.same_host.arena.path
     assert os.path.exists(path) and oct(os.stat(path).st_mode & 0o777) == "0o600"
     server.stop(grace_s=0)
     assert not os.path.exists(path)

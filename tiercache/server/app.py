@@ -27,6 +27,7 @@ from tiercache.server.query_http import QueryHttpServer
 from tiercache.server.rpc import service_handler
 from tiercache.server.servicer import TierCacheServicer
 from tiercache.server.stats_log import StatsLog
+from tiercache.store.same_host import SameHostPath
 from tiercache.store.tiered import TieredStore
 
 
@@ -136,8 +137,10 @@ class CacheServer:
         # in flight per client, host and tenant.
         limits = StreamLimits(config.server.max_streams_per_client, config.server.max_streams_per_peer,
                               config.server.max_streams_per_tenant)
-        self.intake = Intake(self.store, self.tenants, limits,
-                             config.server.max_chunk_bytes, engine_blocks=config.events.enabled)
+        # The same-host path over the store (writes and reads in place in the arena clients map), or None.
+        self.same_host = SameHostPath.over(self.store)
+        self.intake = Intake(self.store, self.tenants, limits, config.server.max_chunk_bytes,
+                             engine_blocks=config.events.enabled, same_host=self.same_host)
         self.metrics.watch_requests(self.intake.limits, [t.name for t in self.tenants.tenants] or [OPEN.name])
         self._blocking = futures.ThreadPoolExecutor(max_workers=config.server.workers,
                                                     thread_name_prefix="tiercache-rpc")

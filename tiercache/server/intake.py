@@ -236,8 +236,10 @@ class Intake:
     event loop and its worker pool, the data channel's listener from its connection threads."""
 
     def __init__(self, store: TieredStore, tenants: TenantTable, limits: StreamLimits, max_chunk_bytes: int,
-                 engine_blocks: bool = False) -> None:
+                 engine_blocks: bool = False, same_host: SameHostPath | None = None) -> None:
+        """`same_host`: the store's same-host path (SameHostPath.over), None without an arena clients can map."""
         self.store = store
+        self.same_host = same_host
         self.limits = limits
         self.max_chunk_bytes = max_chunk_bytes
         # Keep what chunks say of the engine's blocks (token ids, block hash): only a server that publishes KV events
@@ -284,7 +286,7 @@ class Intake:
         With a GPU tier above the arena, the chunk gets a record of its own, which the store places from the top (GPU
         first, what it evicts demoted to the arena): received in place, every put would land in the arena and the GPU
         tier would never fill. Only same-host writers (`reserve`: they need pages they can map) write the arena."""
-        if self.store.same_host is not None and self.store.same_host.on_top:
+        if self.same_host is not None and self.same_host.on_top:
             try:
                 return self.reserve(chunk)
             except CapacityExceeded:
@@ -293,7 +295,7 @@ class Intake:
 
     def reserve(self, chunk: Admitted) -> InArena:
         """Pages in the arena for a same-host writer; CapacityExceeded when the arena cannot take the chunk now."""
-        same_host = self.store.same_host
+        same_host = self.same_host
         if same_host is None:
             raise CapacityExceeded("this server has no shared-memory arena")
         return InArena(same_host, same_host.reserve(chunk.key, chunk.size_bytes, chunk.meta), chunk.size_bytes)
@@ -309,7 +311,7 @@ class Intake:
         """Chunks for any reader, from whichever tier holds each (promoted on the way, as every hit is): pinned in the
         arena when it is there, else the store's copy; None for a miss. One batch of at most SERVE_BATCH keys
         (`batches`); the reader releases each."""
-        same_host = self.store.same_host
+        same_host = self.same_host
         if same_host is None:
             return [None if found is None else Served(ReadGrant(found.tier, (), len(found.payload), None,
                                                                 found.payload), None)

@@ -227,12 +227,12 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                            block_tokens=hit.pod.shape.chunk_tokens)
             for owner, hit in answers])
 
-    # -- the same-host path (store.same_host) ----------------------------------------------------------------------
+    # -- the same-host path (intake.same_host) ----------------------------------------------------------------------
 
     @rpc
     async def Attach(self, request: pb.AttachRequest, context, tenant: Tenant) -> pb.AttachResponse:
         data_port, data_unix_socket = self._data_channel()
-        same_host = self.store.same_host
+        same_host = self.intake.same_host
         if same_host is None or not tenant.same_host:  # not an error: the client uses the data channel or Put/Get
             return pb.AttachResponse(available=False, data_port=data_port, data_unix_socket=data_unix_socket,
                                      max_chunk_bytes=self._max_chunk_bytes,
@@ -245,7 +245,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     def _same_host(self, tenant: Tenant, instead: str) -> None:
         """Whether this caller may use the same-host path: the server has an arena and the tenant the right."""
-        if self.store.same_host is None:
+        if self.intake.same_host is None:
             raise InvalidArgument(f"this server has no shared-memory arena: use {instead}")
         tenant.check_same_host()
 

@@ -8,9 +8,9 @@ arena is a tier's (the host tier's, in /dev/shm: a tiers.base.MappableArena); th
 The server wraps every grant in a lease that expires (tiercache.server.leases), so a client that crashes cannot hold
 memory; the client half is tiercache.client.shared_arena.
 
-The path and the store call each other: the store builds the path over its MappableArena, and the path asks the
-store for four things only, `Placement` below (room for a reservation, what a commit changes below, a hit counted,
-reads from the tiers below). Nothing else of the store is in reach here.
+The path calls the store, one way: the server builds it over the store's first MappableArena (`SameHostPath.over`),
+and it asks the store for four things only, `Placement` below (room for a reservation, what a commit changes below,
+a hit counted, reads from the tiers below). The store knows nothing of it.
 """
 
 from __future__ import annotations
@@ -21,19 +21,14 @@ from typing import Callable, Protocol, Sequence
 from tiercache.errors import CapacityExceeded
 from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey
+from tiercache.store.tiered import StoredChunk
 from tiercache.tiers.base import ArenaFile, MappableArena, Ranges, Room, Tier
-
-
-@dataclass(frozen=True)
-class StoredChunk:
-    """A chunk's payload as the store read it, and the tier it was read from."""
-
-    payload: memoryview
-    tier: str
 
 
 class Placement(Protocol):
     """What the same-host path asks of the store (tiercache.store.tiered.TieredStore), and nothing more."""
+
+    tiers: Sequence[Tier]  # fastest first: the path is over the first that is a MappableArena
 
     def make_room(self, level: int, key: ChunkKey, meta: encoding.ChunkMeta, size: int) -> Room | None:
         """Room in the arena at `level`, what it evicts placed in the tiers below; None when it cannot be made."""
@@ -81,6 +76,14 @@ class SameHostPath:
         self._tier = tier
         self._level = level
         self.arena: ArenaFile = tier.arena
+
+    @classmethod
+    def over(cls, store: Placement) -> "SameHostPath | None":
+        """The path over the store's first tier whose arena clients can map; None when no tier has one."""
+        for level, tier in enumerate(store.tiers):
+            if isinstance(tier, MappableArena):
+                return cls(store, tier, level)
+        return None
 
     @property
     def on_top(self) -> bool:

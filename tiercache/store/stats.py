@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -18,6 +19,28 @@ class TierCounters:
     demotions: int = 0  # chunks demoted *into* this tier
     checksum_failures: int = 0
     errors: int = 0  # calls that failed because the tier was down or refused
+
+
+class TierCounts:
+    """The store's counters, per tier, under a lock of their own (the store holds none around tier calls)."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self._lock = threading.Lock()
+        self._by_tier = {name: TierCounters() for name in names}
+
+    def add(self, tier: str, **increments: int) -> None:
+        with self._lock:
+            counters = self._by_tier[tier]
+            for name, n in increments.items():
+                setattr(counters, name, getattr(counters, name) + n)
+
+    def stats(self, usages: Sequence[tuple[str, TierUsage]]) -> tuple["TierStats", ...]:
+        """Each tier's counters with its usage, in the order of `usages` ((tier name, usage) pairs)."""
+        with self._lock:
+            return tuple(TierStats(name, u.up, u.chunks, u.used_bytes, u.capacity_bytes, **vars(self._by_tier[name]),
+                                   state_chunks=u.state_chunks, state_bytes=u.state_bytes,
+                                   state_budget_bytes=u.state_budget_bytes)
+                         for name, u in usages)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ the last tier is gone. A hit below the top is promoted to the top. Local tiers a
 the disk); a tier shared by nodes (Redis) is inclusive (other servers still read it there). With write-through, every
 put is also copied to that tier at once, so other nodes see new chunks without waiting for eviction.
 
-The store holds no lock around tier calls; tiers lock their own metadata, and the store's lock guards counters only.
+The store holds no lock around tier calls; tiers lock their own metadata, and the counters their own (stats.py).
 
 Watchers (`watch`) hear of every change of where a key is held: placed, moved to another tier (demoted, promoted),
 lost (evicted from the last tier, deleted, found corrupt). The KV events that routers read (tiercache.events) are
@@ -15,26 +15,31 @@ derived from them; a watcher only takes note, and asks the store itself where th
 
 from __future__ import annotations
 
-import collections
-import functools
-import threading
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from tiercache.config import Config
 from tiercache.errors import CapacityExceeded, ChunkCorrupt, TierDown, TierWriteFailed, Unavailable
 from tiercache.record import encoding
 from tiercache.record.keys import ChunkKey
-from tiercache.store.same_host import SameHostPath, StoredChunk
+from tiercache.store.lineage import Lineage
 from tiercache.store.reports import EngineReports
-from tiercache.store.stats import StoreStats, TierCounters, TierStats, namespace_usage
+from tiercache.store.stats import StoreStats, TierCounts, namespace_usage
 from tiercache.tiers import from_config as tiers_from_config
-from tiercache.tiers.base import ChainDirectory, Evicted, MappableArena, Room, Tier
+from tiercache.tiers.base import Evicted, Room, Tier
 
-LOST_KEYS_REMEMBERED = 1 << 16  # keys lost for good that the store remembers (see after_placement)
 # A watcher's argument: the keys whose place changed, each with its meta when it is held (placed, moved), None when
 # the store lost it (or dropped a corrupt copy, which may leave another below). Called on the thread of the change,
 # outside every tier's lock: it must only take note.
 Watcher = Callable[[list[tuple[ChunkKey, "encoding.ChunkMeta | None"]]], None]
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """A chunk's payload as the store read it, and the tier it was read from."""
+
+    payload: memoryview
+    tier: str
 
 
 class TieredStore:
@@ -43,24 +48,10 @@ class TieredStore:
             raise ValueError("a store needs at least one tier")
         self.tiers = tuple(tiers)
         self.write_through = write_through
-        self._counters = {t.name: TierCounters() for t in self.tiers}
+        self._counts = TierCounts([t.name for t in self.tiers])
         self.reports = EngineReports()  # what connectors' lookups found and what their engines loaded
-        self._lock = threading.Lock()
-        self._gone: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()  # lost, not stored again
         self._watchers: list[Watcher] = []
-        # The tiers with a directory of chains (tiers/index.py): the others (Redis) hold no children, orphan nothing.
-        self._directories = [tier for tier in self.tiers if isinstance(tier, ChainDirectory)]
-        # Per tier, how it asks whether a tier above holds a child of a key: a parent held below its children is no
-        # leaf (tiers/index.py). Passed to each make_room: nothing of the store is planted in a tier.
-        self._needed_above: list[Callable[[ChunkKey], bool] | None] = []
-        for level, tier in enumerate(self.tiers):
-            above = [t for t in self.tiers[:level] if isinstance(t, ChainDirectory) and not t.shared_by_nodes]
-            self._needed_above.append(functools.partial(self._has_children, above)
-                                      if above and isinstance(tier, ChainDirectory) else None)
-        arena_levels = [level for level, tier in enumerate(self.tiers) if isinstance(tier, MappableArena)]
-        # The same-host path (writes and reads in place), over the first tier whose arena clients can map; or None.
-        self.same_host = (SameHostPath(self, self.tiers[arena_levels[0]], arena_levels[0]) if arena_levels
-                          else None)
+        self._lineage = Lineage(self.tiers, lambda tier: self._count(tier, errors=1))
 
     @classmethod
     def from_config(cls, config: Config, cancelled: Callable[[], bool] | None = None) -> "TieredStore":
@@ -78,7 +69,7 @@ class TieredStore:
         """Every key (and meta) the tiers with a directory hold in `namespaces`, once each (Redis is not listed: it
         cannot say what it holds, and other nodes write it)."""
         found: dict[ChunkKey, encoding.ChunkMeta] = {}
-        for tier in self._directories:
+        for tier in self._lineage.directories:
             try:
                 for key, meta in tier.entries(namespaces):
                     found.setdefault(key, meta)
@@ -103,30 +94,18 @@ class TieredStore:
         return self.tiers[placed].name
 
     def count_hit(self, tier: Tier) -> None:
-        """For the same-host path, which pins in the arena tier itself."""
+        """For the same-host path (tiercache.store.same_host), which pins in the arena tier itself."""
         self._count(tier, hits=1)
 
     def after_placement(self, key: ChunkKey, meta: encoding.ChunkMeta, placed: int, record) -> None:
         """Drop older copies below the tier a record landed in, and copy it to a tier shared by nodes (write-through).
-        Every put ends here, the same-host path's commits too.
-
-        A record whose parent the store lost before it arrived (a save racing the eviction of the chain it extends)
-        is unreachable from the start: it is marked so, like the children held when a key is lost (_lost), or it
-        would keep its room, a chain's deep end outliving its head."""
-        parent = ChunkKey(key.namespace, meta.parent) if meta.parent else None
+        Every put ends here, the same-host path's commits too; a record whose parent the store lost before it arrived
+        is an orphan from the start (tiercache.store.lineage)."""
         if self._watchers:
             self._changed([(key, meta)])
-        with self._lock:
-            self._gone.pop(key, None)
-            parent_gone = parent in self._gone
-        if parent_gone and isinstance(self.tiers[placed], ChainDirectory):
-            try:
-                self.tiers[placed].orphan(parent)
-            except TierDown:
-                self._count(self.tiers[placed], errors=1)
-        below = [t for t in self.tiers[placed + 1:] if not t.shared_by_nodes]
-        for tier in below:  # an older copy further down would shadow nothing but waste room; drop it
-            if tier.contains([key])[0]:
+        self._lineage.placed(key, meta, self.tiers[placed])
+        for tier in self.tiers[placed + 1:]:  # an older copy further down would shadow nothing but waste room
+            if not tier.shared_by_nodes and tier.contains([key])[0]:
                 tier.delete([key])
         if self.write_through:
             for level in range(placed + 1, len(self.tiers)):
@@ -193,7 +172,7 @@ class TieredStore:
     def children(self, parent: ChunkKey) -> list[tuple[ChunkKey, encoding.ChunkMeta]]:
         """The chunks any tier holds whose parent is `parent` (tiercache.prefix.lookup's directory)."""
         found: dict[ChunkKey, encoding.ChunkMeta] = {}
-        for tier in self._directories:
+        for tier in self._lineage.directories:
             try:
                 found.update(tier.children(parent))
             except TierDown:
@@ -216,14 +195,10 @@ class TieredStore:
 
     def stats(self) -> StoreStats:
         usages = [(tier, tier.usage()) for tier in self.tiers]
-        with self._lock:
-            tiers = tuple(TierStats(tier.name, u.up, u.chunks, u.used_bytes, u.capacity_bytes,
-                                    **vars(self._counters[tier.name]), state_chunks=u.state_chunks,
-                                    state_bytes=u.state_bytes, state_budget_bytes=u.state_budget_bytes)
-                          for tier, u in usages)
         # A tier shared by nodes holds other servers' chunks too: it has no per-namespace view.
         namespaces = namespace_usage([usage for tier, usage in usages if not tier.shared_by_nodes])
-        return StoreStats(tiers, namespaces, self.reports.lookups(), self.reports.delivered())
+        return StoreStats(self._counts.stats([(tier.name, usage) for tier, usage in usages]), namespaces,
+                          self.reports.lookups(), self.reports.delivered())
 
     def held_bytes(self, owns: Callable[[str], bool]) -> int:
         """Bytes this server's local tiers hold for the namespaces `owns` accepts (a tenant's quota counts these)."""
@@ -237,11 +212,8 @@ class TieredStore:
     # -- placement --------------------------------------------------------------------------------------------------
 
     def _place(self, key: ChunkKey, record, first: int, last: int | None = None) -> int:
-        """Put the record in the first tier of tiers[first:last] that takes it, making room there (make_room).
-
-        Returns the level it landed on. Raises CapacityExceeded when no tier can hold it, Unavailable when the only
-        tiers that could are down.
-        """
+        """Put the record in the first tier of tiers[first:last] that takes it (_put_at); returns the level it landed
+        on. Raises CapacityExceeded when no tier can hold it, Unavailable when the only tiers that could are down."""
         last = len(self.tiers) if last is None else last
         meta = encoding.read_meta(record)  # a tier's codec changes the payload's bytes, never the meta
         down, write_failure = False, ""
@@ -249,12 +221,9 @@ class TieredStore:
             tier = self.tiers[level]
             if self.write_through and tier.shared_by_nodes and first > 0:
                 return level  # demoting into the tier shared by nodes: write-through put it there already
-            stored = self._for_tier(tier, key, record)
             try:
-                room = self.make_room(level, key, meta, len(stored))
-                if room is None:
+                if not self._put_at(level, key, record, meta):
                     continue
-                tier.put(room, stored)
             except TierWriteFailed as failed:
                 self._count(tier, errors=1)
                 write_failure = f" ({failed})"
@@ -264,10 +233,9 @@ class TieredStore:
                 down = True
                 continue
             return level
-        size = len(record)
         if down:
-            raise Unavailable(f"no tier could store {size} bytes: the tier that could is down")
-        raise CapacityExceeded(f"{size} bytes are more than any tier can hold{write_failure}")
+            raise Unavailable(f"no tier could store {len(record)} bytes: the tier that could is down")
+        raise CapacityExceeded(f"{len(record)} bytes are more than any tier can hold{write_failure}")
 
     def make_room(self, level: int, key: ChunkKey, meta: encoding.ChunkMeta, size: int) -> Room | None:
         """Room for a record of `size` bytes in tier `level`, or None when it cannot make it now (the record is too
@@ -277,7 +245,7 @@ class TieredStore:
         tier = self.tiers[level]
         read = level + 1 < len(self.tiers)  # the last tier's victims fall off: no need for their bytes
         while True:
-            room = tier.make_room(key, meta, size, read_victims=read, needed_above=self._needed_above[level])
+            room = tier.make_room(key, meta, size, read_victims=read, needed_above=self._lineage.needed_above[level])
             if room.ready:
                 return room
             if not room.victims:
@@ -315,20 +283,7 @@ class TieredStore:
         """Keys no tier holds any more: whatever descends from them in a chain is unreachable now (evicted first)."""
         if keys and self._watchers:
             self._changed([(key, None) for key in keys])
-        with self._lock:
-            for key in keys:
-                self._gone[key] = None
-                self._gone.move_to_end(key)
-            while len(self._gone) > LOST_KEYS_REMEMBERED:
-                self._gone.popitem(last=False)
-        for tier in self._directories:
-            if tier.shared_by_nodes:
-                continue
-            for key in keys:
-                try:
-                    tier.orphan(key)
-                except TierDown:
-                    self._count(tier, errors=1)
+        self._lineage.lost(keys)
 
     def _promote(self, key: ChunkKey, record, level: int) -> None:
         source = self.tiers[level]
@@ -342,31 +297,29 @@ class TieredStore:
         if self._watchers:
             self._changed([(key, encoding.read_meta(record))])
 
-    def _has_children(self, tiers: Sequence[ChainDirectory], key: ChunkKey) -> bool:
-        """Whether any of `tiers` holds an object whose parent is `key`."""
-        for tier in tiers:
-            try:
-                if tier.children(key):
-                    return True
-            except TierDown:
-                self._count(tier, errors=1)
-        return False
-
     def _for_tier(self, tier: Tier, key: ChunkKey, record):
         """The record as `tier` stores it: sealed before it leaves memory for a verifying tier, in its codec."""
         if tier.checksum_on_read:
             record = encoding.sealed(record, key)
         return encoding.transcode(record, key, tier.codec)
 
+    def _put_at(self, level: int, key: ChunkKey, record, meta: encoding.ChunkMeta) -> bool:
+        """The store's one way into a tier: the record in tier `level`'s form, room made there, put. False when the
+        tier cannot make room now; its failures (TierDown, TierWriteFailed, ChunkCorrupt) are the caller's."""
+        tier = self.tiers[level]
+        stored = self._for_tier(tier, key, record)
+        room = self.make_room(level, key, meta, len(stored))
+        if room is None:
+            return False
+        tier.put(room, stored)
+        return True
+
     def _copy_to(self, level: int, key: ChunkKey, record) -> None:
+        """Write-through: a copy in the tier shared by nodes, a failure counted and nothing else."""
         tier = self.tiers[level]
         try:
-            stored = self._for_tier(tier, key, record)
-            room = self.make_room(level, key, encoding.read_meta(stored), len(stored))
-            if room is None:
+            if not self._put_at(level, key, record, encoding.read_meta(record)):
                 self._count(tier, errors=1)
-                return
-            tier.put(room, stored)
         except (TierDown, TierWriteFailed, ChunkCorrupt):
             self._count(tier, errors=1)
 
@@ -393,8 +346,5 @@ class TieredStore:
             self._changed([(key, None)])
 
     def _count(self, tier: Tier, **increments: int) -> None:
-        with self._lock:
-            counters = self._counters[tier.name]
-            for name, n in increments.items():
-                setattr(counters, name, getattr(counters, name) + n)
+        self._counts.add(tier.name, **increments)
 
