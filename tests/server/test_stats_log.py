@@ -15,8 +15,9 @@ import pytest
 
 from tests.helpers import ServerProcess, free_port, python_env, wait_for
 from tiercache.client import Client
-from tiercache.config import ConfigError, from_mapping
+from tiercache.config import from_mapping
 from tiercache.connector import PrefixCache
+from tiercache.errors import ConfigError
 from tiercache.prefix.objects import CacheSpec
 from tiercache.prefix.presets import gated_deltanet_layout
 from tiercache.prefix.delivered import Delivered

@@ -10,7 +10,7 @@ from tiercache.tiers.base import Evicted, Tier, TierUsage
 
 def from_config(config: Config, cancelled: Callable[[], bool] | None = None) -> list[Tier]:
     """The tiers a configuration enables, fastest first: gpu -> host -> disk -> redis. A new tier is added here (and
-    its section in tiercache.config); the store takes whatever list it is given.
+    its section in tiercache.config.sections); the store takes whatever list it is given.
 
     They are built in the order that refuses a bad start soonest: the host tier's room is checked and the GPU tier and
     the disk tier (its directory lock) are built before the host arena is committed, which takes seconds per GiB and

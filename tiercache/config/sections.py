@@ -1,21 +1,15 @@
-"""Configuration: one tree of frozen dataclasses, and the thin loaders (YAML file, CLI overrides) that build it.
-
-Each component receives its own sub-config only. Every value is validated here, with an error that names the key.
-"""
+"""The configuration tree: one frozen dataclass per section (server, the tiers gpu -> host -> disk -> redis,
+security, events) under `Config`, and the defaults a client shares with the server. Every value is validated on
+construction, with an error that names the key; each component receives its own section only."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import re
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
 
+from tiercache.config.sizes import GiB, KiB, MiB
 from tiercache.errors import ConfigError
-
-KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
 # Defaults the client shares with the server (a client talks to servers on their defaults unless told otherwise).
 # The largest chunk a server takes (server.max_chunk_bytes). It must hold the largest object of every model the docs
@@ -24,35 +18,6 @@ KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 DEFAULT_MAX_CHUNK_BYTES = 256 * MiB
 DEFAULT_FRAME_BYTES = MiB  # gRPC data frames: grpcio streams 1 MiB frames ~10x faster than one large message
 DEFAULT_LEASE_TTL_S = 30.0  # same-host reservations and read pins not committed / released by then are taken back
-
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "ki": KiB, "kib": KiB, "mi": MiB, "mib": MiB, "gi": GiB, "gib": GiB, "ti": TiB, "tib": TiB,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from '512MiB', '4GiB', '1.5G' (powers of 1000), or a plain integer."""
-    if isinstance(text, bool):
-        raise ConfigError(f"not a size: {text!r}")
-    if isinstance(text, int):
-        if text < 0:
-            raise ConfigError(f"size must not be negative: {text}")
-        return text
-    match = _SIZE_RE.match(str(text))
-    unit = match and _SIZE_UNITS.get(match.group(2).lower())
-    if not match or unit is None:
-        raise ConfigError(f"not a size: {text!r} (use e.g. 512MiB, 4GiB or a byte count)")
-    return int(float(match.group(1)) * unit)
-
-
-def format_size(n: int) -> str:
-    for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def cache_dir() -> Path:
@@ -291,109 +256,3 @@ class Config:
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
-
-
-def _coerce(name: str, hint: Any, value: Any) -> Any:
-    """Turn a YAML or CLI value into the field's type, with an error naming the key."""
-    if value is None:
-        return None
-    if name.endswith("_bytes"):
-        try:
-            return parse_size(value)
-        except ConfigError as exc:  # "not a size: 'lots'" alone did not say which of a file's sizes
-            raise ConfigError(f"{name}: {exc}") from None
-    kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    kind = kinds[0]
-    try:
-        if kind is bool:
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false", "yes", "no", "1", "0"):
-                    raise ValueError(value)
-                return value.lower() in ("true", "yes", "1")
-            return bool(value)
-        return kind(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}: expected {kind.__name__}, got {value!r}") from None
-
-
-def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
-    if not isinstance(values, Mapping):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(values).__name__}")
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls)]
-    refuse_unknown(values, known, "unknown config key", prefix=f"{where}." if where else "")
-    kwargs = {}
-    for name, value in values.items():
-        path = f"{where}.{name}" if where else name
-        if dataclasses.is_dataclass(hints[name]):
-            kwargs[name] = _build(hints[name], value or {}, path)
-        else:
-            kwargs[name] = _coerce(path, hints[name], value)
-    return cls(**kwargs)
-
-
-def refuse_unknown(given: typing.Iterable[str], known: typing.Iterable[str], head: str,
-                   error: type[Exception] = ConfigError, prefix: str = "") -> None:
-    """The one rule for every mapping users write (the config file, the tenants file, an engine's extra config): a key
-    we do not know is refused, with the keys we do know, never ignored (a typo would silently change nothing).
-    The message is `head`, the unknown keys (each after `prefix`: a dotted path), and the known ones."""
-    known = sorted(known)
-    unknown = sorted(set(given) - set(known), key=str)  # YAML may give keys of any type
-    if unknown:
-        raise error(f"{head} {', '.join(f'{prefix}{key}' for key in unknown)} (known: {', '.join(known)})")
-
-
-def read_file(path: str | Path, what: str = "file", error: type[Exception] = ConfigError) -> bytes:
-    """A file named in configuration (config, tenants, TLS certificates and keys, tokens), or a clear error."""
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise error(f"cannot read {what} {path}: {exc.strerror}") from None
-
-
-def from_mapping(values: Mapping[str, Any]) -> Config:
-    return _build(Config, values, "")
-
-
-def load_file(path: str | Path) -> Config:
-    import yaml  # here, not at the top: engine processes import this module for its defaults, never a YAML file
-
-    raw = read_file(path, "config file")
-    try:
-        text = raw.decode()
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {path} is not UTF-8 text (byte {raw[exc.start]:#04x} at offset "
-                          f"{exc.start})") from None
-    try:
-        values = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from None
-    try:
-        return from_mapping(values)
-    except ConfigError as exc:  # the key alone does not say where it was written
-        raise ConfigError(f"config file {path}: {exc}") from None
-
-
-def _yaml_problem(exc: Exception) -> str:
-    """PyYAML's error on one line, by line and column (1-based, as editors count). Its own text spans four lines
-    with the source quoted under a caret, and names the file "<unicode string>": it parsed a string
-    (tests/test_config.py)."""
-    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
-    if mark is None or problem is None:
-        return " ".join(str(exc).split())
-    where = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
-    context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-    if context and start is not None and (start.line, start.column) != (mark.line, mark.column):
-        return f"{where} ({context} that starts at line {start.line + 1}, column {start.column + 1})"
-    return f"{where} ({context})" if context else where
-
-
-def with_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:
-    """Apply dotted-key overrides ('server.port': 6000) on top of a config; None values are skipped."""
-    tree = {section.name: dataclasses.asdict(getattr(config, section.name)) for section in dataclasses.fields(config)}
-    for dotted, value in overrides.items():
-        if value is None:
-            continue
-        section, name = dotted.split(".", 1)
-        tree[section][name] = value
-    return from_mapping(tree)
