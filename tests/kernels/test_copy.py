@@ -188,10 +188,10 @@ def test_prepared_state_pools_copy_as_the_pools_do():
 
 
 def test_copy_unit_is_the_widest_that_divides_everything():
-    assert kernels.copy._width(128, 4096, 256) == 16
-    assert kernels.copy._width(160, 24) == 8
-    assert kernels.copy._width(6, 4) == 2
-    assert kernels.copy._width(3) == 1
+    assert kernels.launch.copy_unit(128, 4096, 256) == 16
+    assert kernels.launch.copy_unit(160, 24) == 8
+    assert kernels.launch.copy_unit(6, 4) == 2
+    assert kernels.launch.copy_unit(3) == 1
 
 
 NVCC = shutil.which("nvcc")

@@ -1,9 +1,10 @@
 """Copy kernels between an engine's paged GPU buffers and contiguous chunks, with a torch reference for each.
 
 One Python function per kernel family. CUDA tensors go to the CUDA kernels in `tiercache/kernels/native/*.cu`, compiled
-once per process with CuPy (`RawModule` from the source text) on first use; CPU tensors go to the torch reference,
-which is also the test oracle. Inputs are checked here, at the boundary (shapes, dtypes, strides, devices, index
-bounds), with a clear error: a launch never runs out of bounds. Importing this module needs neither CUDA nor CuPy.
+once per process with CuPy (`RawModule` from the source text) on first use and launched by tiercache.kernels.launch;
+CPU tensors go to the torch reference, which is also the test oracle. Inputs are checked here, at the boundary
+(shapes, dtypes, strides, devices, index bounds), with a clear error: a launch never runs out of bounds. What the
+checks learn (tiercache.kernels.geometry) is what a launch reads. Importing this module needs neither CUDA nor CuPy.
 
 Shapes:
 - paged KV, one tensor per layer: NHD [2, num_blocks, block_size, heads, head_dim] or HND
@@ -21,27 +22,13 @@ Shapes:
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-from importlib import resources
 from typing import Sequence
 
 import torch
 
 from tiercache.errors import InvalidArgument
-
-_WIDTHS = (16, 8, 4, 2, 1)
-
-
-@dataclass(frozen=True)
-class PagedGeometry:
-    """What the checks learned about a list of paged layer caches."""
-
-    num_blocks: int
-    block_size: int
-    heads: int
-    head_dim: int
-    strides_bytes: tuple[int, int, int, int]  # kv, block, position, head
+from tiercache.kernels.geometry import PagedGeometry, StatePools
+from tiercache.kernels.launch import copy_unit, launch_paged, launch_states, upload_pool_args
 
 
 def slots_for_blocks(block_ids: Sequence[int] | torch.Tensor, block_size: int, start: int, count: int,
@@ -61,7 +48,7 @@ def gather_kv(layers: Sequence[torch.Tensor], slots: torch.Tensor, chunk: torch.
     """chunk[l, kv, token_offset + i] = layers[l][kv] at slots[i], for every layer in one launch."""
     geometry = _check_paged(layers, slots, chunk, token_offset, layout)
     if layers[0].is_cuda:
-        _launch_paged("gather_kv", layers, slots, chunk, token_offset, geometry)
+        launch_paged("gather_kv", layers, slots, chunk, token_offset, geometry)
     else:
         gather_kv_reference(layers, slots, chunk, token_offset, layout)
 
@@ -71,7 +58,7 @@ def scatter_kv(layers: Sequence[torch.Tensor], slots: torch.Tensor, chunk: torch
     """The exact inverse of gather_kv: layers[l][kv] at slots[i] = chunk[l, kv, token_offset + i]."""
     geometry = _check_paged(layers, slots, chunk, token_offset, layout)
     if layers[0].is_cuda:
-        _launch_paged("scatter_kv", layers, slots, chunk, token_offset, geometry)
+        launch_paged("scatter_kv", layers, slots, chunk, token_offset, geometry)
     else:
         scatter_kv_reference(layers, slots, chunk, token_offset, layout)
 
@@ -157,30 +144,6 @@ def _check_slots(slots: torch.Tensor, limit: int, device) -> None:
 
 # -- recurrent state -----------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True, eq=False)
-class StatePools:
-    """A set of state pools, checked once, with what every copy of them needs: their geometry and, on a GPU, the
-    kernel's argument arrays. An engine's pools never move, so a connector prepares them at registration
-    (`state_pools`) and each step's copy skips the per-pool checks and uploads (~0.3 ms of Python and four small
-    host-to-device copies per launch for a 36-layer model: time vLLM's thread would spend in every step's save)."""
-
-    pools: tuple[torch.Tensor, ...]
-    sizes: tuple[int, ...]  # each pool's bytes per slot
-    offsets: tuple[int, ...]  # where each pool's bytes start in a record
-    strides: tuple[int, ...]  # bytes from one slot to the next, per pool
-    record_bytes: int
-    width: int  # the widest copy unit dividing every pool's address, stride, size and offset
-    device_args: tuple | None  # on a GPU: the kernel's pool arrays (addresses, strides, sizes, offsets), uploaded
-
-    @property
-    def device(self) -> torch.device:
-        return self.pools[0].device
-
-    @property
-    def num_slots(self) -> int:
-        return self.pools[0].shape[0]
-
-
 def state_pools(pools: "Sequence[torch.Tensor] | StatePools") -> StatePools:
     """Check `pools` (same device and slot count, each slot contiguous) and prepare them for copies on any stream
     (on a GPU this waits once for their argument arrays' upload: call it at registration, not per step)."""
@@ -201,8 +164,8 @@ def _prepared(pools: "Sequence[torch.Tensor] | StatePools", wait: bool) -> State
             raise InvalidArgument("each slot of a state pool must be contiguous")
     _, sizes, offsets = zip(*_runs(pools))
     strides = tuple(pool.stride(0) * pool.element_size() for pool in pools)
-    width = _width(*sizes, *strides, *offsets, *(p.data_ptr() for p in pools))
-    args = _upload_pool_args(pools, strides, sizes, offsets, wait) if device.type == "cuda" else None
+    width = copy_unit(*sizes, *strides, *offsets, *(p.data_ptr() for p in pools))
+    args = upload_pool_args(pools, strides, sizes, offsets, wait) if device.type == "cuda" else None
     return StatePools(tuple(pools), sizes, offsets, strides, sum(sizes), width, args)
 
 
@@ -211,7 +174,7 @@ def states_to_buffer(pools: "Sequence[torch.Tensor] | StatePools", slots: torch.
     prepared = _prepared(pools, wait=False)
     _check_state_copy(prepared, slots, buffer)
     if prepared.device.type == "cuda":
-        _launch_states("states_to_buffer", prepared, slots, buffer)
+        launch_states("states_to_buffer", prepared, slots, buffer)
     else:
         _states_to_rows(_runs(prepared), slots.tolist(), buffer)
 
@@ -222,7 +185,7 @@ def states_from_buffer(pools: "Sequence[torch.Tensor] | StatePools", slots: torc
     prepared = _prepared(pools, wait=False)
     _check_state_copy(prepared, slots, buffer)
     if prepared.device.type == "cuda":
-        _launch_states("states_from_buffer", prepared, slots, buffer)
+        launch_states("states_from_buffer", prepared, slots, buffer)
     else:
         _states_from_rows(_runs(prepared), slots.tolist(), buffer)
 
@@ -279,98 +242,3 @@ def _check_state_copy(prepared: StatePools, slots: torch.Tensor, buffer: torch.T
         raise InvalidArgument(f"buffer must be uint8 [{len(slots)}, {prepared.record_bytes}] with contiguous records "
                               f"on {prepared.device} (or pinned host memory)")
     _check_slots(slots, prepared.num_slots, prepared.device)
-
-
-# -- CUDA launches -------------------------------------------------------------------------------------------------
-
-@functools.cache
-def _module(family: str):
-    import cupy
-
-    source = resources.files("tiercache.kernels.native").joinpath(f"{family}.cu").read_text()
-    return cupy.RawModule(code=source, options=("--std=c++17",))
-
-
-def _width(*values: int) -> int:
-    """The widest copy unit dividing every address, stride and size: 16-byte vector loads when alignment allows."""
-    return next(w for w in _WIDTHS if all(v % w == 0 for v in values))
-
-
-def _launch(family: str, kernel: str, grid: tuple[int, int], threads: int, make_args, device: torch.device) -> None:
-    """Launch on torch's current stream of `device`. Arguments are built inside the stream context, so the small
-    index arrays CuPy allocates for them are ordered with the kernel that reads them."""
-    import cupy
-
-    with cupy.cuda.Device(device.index or 0):
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
-        with stream:
-            _module(family).get_function(kernel)(grid, (threads,), make_args())
-
-
-def _slots_on(slots: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Slots where the kernel reads them: host slots are copied through pinned memory on the current stream, without
-    waiting (torch's host allocator keeps the pinned copy until the copy has run; the device copy is stream-ordered)."""
-    if slots.device == device:
-        return slots
-    return slots.pin_memory().to(device, non_blocking=True)
-
-
-def _addresses(tensors: Sequence[torch.Tensor]):
-    import cupy
-
-    return cupy.asarray([t.data_ptr() for t in tensors], dtype=cupy.int64)
-
-
-def _pointer(tensor: torch.Tensor):
-    """A raw address as a kernel argument: works for device memory and for pinned host memory alike (UVA)."""
-    import numpy as np
-
-    return np.uint64(tensor.data_ptr())
-
-
-def _launch_paged(name, layers, slots, chunk, token_offset, g: PagedGeometry) -> None:
-    import numpy as np
-
-    head_bytes = g.head_dim * chunk.element_size()
-    slots = _slots_on(slots, layers[0].device)
-    width = _width(head_bytes, *g.strides_bytes, chunk.data_ptr(), *(t.data_ptr() for t in layers))
-    units = 2 * g.heads * head_bytes // width
-
-    def make_args() -> tuple:
-        return (_addresses(layers), _pointer(chunk), _pointer(slots), np.int32(g.heads), np.int32(head_bytes),
-                *(np.int64(s) for s in g.strides_bytes), np.int32(g.block_size), np.int32(chunk.shape[2]),
-                np.int32(token_offset))
-
-    if len(slots):
-        _launch("paged_kv", f"{name}_w{width}", (len(slots), len(layers)), min(256, max(32, units)), make_args,
-                layers[0].device)
-
-
-def _upload_pool_args(pools, strides, sizes, offsets, wait: bool) -> tuple:
-    """The state kernel's pool arrays on the pools' device, uploaded on the current stream; `wait`: which is then
-    waited for, so that copies on any stream may read them."""
-    import cupy
-
-    device = pools[0].device
-    with cupy.cuda.Device(device.index if device.index is not None else torch.cuda.current_device()):
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
-        with stream:
-            args = (_addresses(pools), cupy.asarray(strides, dtype=cupy.int64), cupy.asarray(sizes, dtype=cupy.int64),
-                    cupy.asarray(offsets, dtype=cupy.int64))
-        if wait:
-            stream.synchronize()
-    return args
-
-
-def _launch_states(name: str, prepared: StatePools, slots, buffer) -> None:
-    import numpy as np
-
-    pitch = buffer.stride(0) if len(buffer) > 1 else buffer.shape[1]  # bytes from one record to the next
-    width = _width(pitch, buffer.data_ptr(), prepared.width)
-    slots = _slots_on(slots, prepared.device)
-
-    def make_args() -> tuple:
-        return (*prepared.device_args, _pointer(buffer), _pointer(slots), np.int64(pitch))
-
-    if len(slots):
-        _launch("state_copy", f"{name}_w{width}", (len(slots), len(prepared.pools)), 256, make_args, prepared.device)
