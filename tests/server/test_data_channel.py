@@ -25,7 +25,7 @@ from tiercache.client.data_channel import DEFAULT_STREAMS, STRIPE_MIN_BYTES, Dat
 from tiercache.config import EventsConfig, MiB, SecurityConfig
 from tiercache.errors import Busy, CapacityExceeded, ConnectionBroken, PermissionDenied, TierCacheError, Unauthenticated
 from tiercache.process import ServerProcess, free_port
-from tiercache.protocol import data_channel
+from tiercache.protocol import data_channel, sockets
 from tiercache.protocol.data_channel import PutEntry
 from tiercache.protocol.wire import pb, pb_grpc
 from tiercache.record.encoding import CLASS_STATE, ChunkMeta
@@ -249,10 +249,10 @@ def test_a_refused_request_is_answered_and_the_connection_serves_the_next(start_
 
 def _answers_a_get(sock: socket.socket, namespace: str, key: bytes, expected: bytes) -> bool:
     """Whether a pooled connection is in step: a get sent on it is answered with the chunk's bytes."""
-    data_channel.send_all(sock, data_channel.get_request(namespace, [key]))
+    sockets.send_all(sock, data_channel.get_request(namespace, [key]))
     data_channel.read_status(sock)
     found, size, _ = data_channel.read_item(sock, len(expected))
-    return found and bytes(data_channel.recv_exactly(sock, size)) == expected
+    return found and bytes(sockets.recv_exactly(sock, size)) == expected
 
 
 def test_tls_data_channel_with_the_grpc_ports_certificate_and_client_ca(start_server, tmp_path):

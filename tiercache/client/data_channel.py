@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 from tiercache.client.payload import Chunk, Fetched
 from tiercache.config import DEFAULT_MAX_CHUNK_BYTES
 from tiercache.errors import ConnectFailed, ConnectionBroken, InvalidArgument, TierCacheError, TimedOut
-from tiercache.protocol import data_channel
+from tiercache.protocol import data_channel, sockets
 
 IDLE_CLOSE_S = 0.8 * data_channel.KEEPALIVE_S  # a pooled connection idle this long is closed before the server does
 # One TCP stream tops out below what the cores can move (loopback, 2-vCPU machine: ~4.3 GB/s for one, ~6 for two):
@@ -101,7 +101,7 @@ class DataChannelPath:
 
         def exchange(sock: socket.socket) -> list[str]:
             try:
-                data_channel.send_all(sock, request, *(payload for _, payload, _ in chunks))
+                sockets.send_all(sock, request, *(payload for _, payload, _ in chunks))
             except ConnectionBroken:
                 _raise_answer(sock)  # a server that refused and closed may have said why
                 raise
@@ -118,7 +118,7 @@ class DataChannelPath:
         request = data_channel.get_request(namespace, keys)
 
         def exchange(sock: socket.socket) -> list[Fetched | None]:
-            data_channel.send_all(sock, request)
+            sockets.send_all(sock, request)
             data_channel.read_status(sock)
             results: list[Fetched | None] = []
             too_small = None
@@ -128,15 +128,15 @@ class DataChannelPath:
                 if not found:
                     results.append(None)
                 elif out is not None and len(out) < size:
-                    data_channel.drain(sock, size, memoryview(bytearray(min(size, 1 << 20))))
+                    sockets.drain(sock, size, memoryview(bytearray(min(size, 1 << 20))))
                     too_small = InvalidArgument(f"a {len(out)}-byte buffer cannot hold a {size}-byte chunk")
                     results.append(None)
                 elif out is not None:
-                    data_channel.recv_exactly_into(sock, out[:size])
+                    sockets.recv_exactly_into(sock, out[:size])
                     results.append(Fetched(out[:size], tier))
                 else:
                     chunk, view = _new_bytes(size)
-                    data_channel.recv_exactly_into(sock, view)
+                    sockets.recv_exactly_into(sock, view)
                     view.release()
                     results.append(Fetched(chunk, tier))
             if too_small is not None:
@@ -228,7 +228,7 @@ class DataChannelPath:
         except (OSError, ssl.SSLError) as exc:
             raise ConnectFailed(f"cannot open the data channel to {self._where()}: {exc}") from None
         try:
-            data_channel.send_all(sock, self._hello)
+            sockets.send_all(sock, self._hello)
             data_channel.read_status(sock)  # Unauthenticated, or a connection limit: the server's own words
         except BaseException:
             sock.close()

@@ -32,7 +32,7 @@ from typing import NoReturn, Sequence
 
 from tiercache.config import Config
 from tiercache.errors import Busy, TierCacheError
-from tiercache.protocol import data_channel
+from tiercache.protocol import data_channel, sockets
 from tiercache.protocol.wire import status_for
 from tiercache.server.auth import Tenant
 from tiercache.server.intake import Intake, Served, batches
@@ -176,7 +176,7 @@ class DataChannelListener:
                     self._track(conn, sock)
                 hello = data_channel.read_hello(sock, deadline=time.monotonic() + self._idle_s)
                 tenant = self.intake.tenant(hello.token)
-                data_channel.send_all(sock, data_channel.status(data_channel.OK))
+                sockets.send_all(sock, data_channel.status(data_channel.OK))
                 # A client that names itself has its requests counted with its gRPC streams; one that does not, as
                 # the connection's own (server.limits).
                 client = hello.client_id or f"data connection {id(sock):x}"
@@ -209,7 +209,7 @@ class DataChannelListener:
 
     def _answer_and_close(self, sock: socket.socket, code: int, message: str) -> None:
         try:
-            data_channel.send_all(sock, data_channel.status(code, message))
+            sockets.send_all(sock, data_channel.status(code, message))
         except data_channel.ConnectionBroken:
             pass
 
@@ -254,9 +254,9 @@ class DataChannelListener:
         so the connection stays in step for the next request."""
         size = sum(entry.size for entry in unread)
         if size:
-            data_channel.drain(sock, size, memoryview(bytearray(min(size, _DRAIN_BYTES))),
-                       data_channel.payload_deadline(size, self._idle_s))
-        data_channel.send_all(sock, data_channel.status(data_channel.code_for(error), str(error)))
+            sockets.drain(sock, size, memoryview(bytearray(min(size, _DRAIN_BYTES))),
+                       sockets.payload_deadline(size, self._idle_s))
+        sockets.send_all(sock, data_channel.status(data_channel.code_for(error), str(error)))
         raise _Refused(error)
 
     # -- PUT --------------------------------------------------------------------------------------------------------
@@ -275,9 +275,9 @@ class DataChannelListener:
                 incoming = self.intake.receive(chunk)
             except TierCacheError as refused:  # nothing of this chunk read yet
                 self._refuse(sock, refused, entries[index:])
-            deadline = data_channel.payload_deadline(chunk.size_bytes, self._idle_s)
+            deadline = sockets.payload_deadline(chunk.size_bytes, self._idle_s)
             try:
-                incoming.fill(lambda view: data_channel.recv_exactly_into(sock, view, deadline))
+                incoming.fill(lambda view: sockets.recv_exactly_into(sock, view, deadline))
             except BaseException:
                 incoming.abort()
                 raise
@@ -285,7 +285,7 @@ class DataChannelListener:
                 tiers.append(incoming.store())
             except TierCacheError as refused:  # this chunk was read whole
                 self._refuse(sock, refused, entries[index + 1:])
-        data_channel.send_all(sock, data_channel.status(data_channel.OK), data_channel.tiers_answer(tiers))
+        sockets.send_all(sock, data_channel.status(data_channel.OK), data_channel.tiers_answer(tiers))
 
     # -- GET --------------------------------------------------------------------------------------------------------
 
@@ -294,7 +294,7 @@ class DataChannelListener:
             keys = self.intake.checked_keys(tenant, request.namespace, request.keys)
         except TierCacheError as refused:
             self._refuse(sock, refused)
-        data_channel.send_all(sock, data_channel.status(data_channel.OK))
+        sockets.send_all(sock, data_channel.status(data_channel.OK))
         try:
             for batch in batches(keys):
                 served = self.intake.serve(batch)
@@ -312,10 +312,10 @@ class DataChannelListener:
 def _send_item(sock: socket.socket, served: Served | None) -> None:
     """One ITEM, its payload sent from where it lies (the arena's pages in place, or the store's copy)."""
     if served is None:
-        data_channel.send_all(sock, data_channel.item(False))
+        sockets.send_all(sock, data_channel.item(False))
         return
     try:
-        data_channel.send_all(sock, data_channel.item(True, served.size_bytes, served.tier), *served.views())
+        sockets.send_all(sock, data_channel.item(True, served.size_bytes, served.tier), *served.views())
     finally:
         served.release()
 
