@@ -10,8 +10,9 @@ pure-attention model has no checkpoints: a block is advertised when its kv chain
 tests/events/test_restorable.py checks these rules.
 
 How it stays current. The store tells the index of every change of where a key is held (TieredStore.watch); the
-index notes them and, at each `flush`, redoes only what those changes can alter, in the block trees it keeps per pod
-(tiercache.events.tree), read from the store's directory (children by parent). A change at key X can alter:
+index notes them and, at each `flush`, redoes only what those changes can alter (tiercache.events.recompute), in the
+block trees it keeps per pod (tiercache.events.tree), read from the store's directory (children by parent). A change
+at key X can alter:
 - when X was placed or lost: if X is a kv chunk (any group, any rank: the hit rule needs the whole chain), the
   restorable checkpoints of every node whose path holds X's node, so X's node's subtree is read again; if X is a
   tail or a state, the checkpoints of its own node only; and if X is an anchor kv chunk of the first namespace, its
@@ -33,26 +34,16 @@ the publisher's thread (flushes, replays) and RPC threads (pods registering, pod
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
-from tiercache.events.adverts import Advertiser
 from tiercache.events.blocks import AllBlocksCleared, Event, Pod
-from tiercache.events.tree import MAX_DEPTH, BlockNode, PodTrees, Redo, Tree, TreeReader, cut, listed, preorder
+from tiercache.events.recompute import Effort, KnownKeys, Recompute
+from tiercache.events.tree import MAX_DEPTH, PodTrees, Redo, Tree, preorder
 from tiercache.prefix.hashes import root_hash
 from tiercache.prefix.objects import ObjectKey, ObjectKind
 from tiercache.record.encoding import ChunkMeta
 from tiercache.record.keys import ChunkKey
-from tiercache.store.chain import StoreChain
 from tiercache.store.tiered import TieredStore
-
-
-class Effort(NamedTuple):
-    """What the index has done since it started (tests, profiles): nodes read again (children, checkpoints tried),
-    find_hit searches, and nodes whose adverts were redone. A flush after one put costs O(depth), not O(tree)."""
-
-    nodes: int
-    searches: int
-    adverts: int
 
 
 class RestorableIndex:
@@ -65,23 +56,19 @@ class RestorableIndex:
         if advertise not in ("restorable", "attention"):
             raise ValueError(f"advertise must be restorable or attention, not {advertise!r}")
         self._store = store
-        self._attention_only = advertise == "attention"
-        self._advertiser = Advertiser(frozenset(t.name for t in store.tiers if t.shared_by_nodes), medium_override)
         self._pods: dict[str, PodTrees] = {}
         self._by_namespace: dict[str, list[PodTrees]] = {}
-        self._parents: dict[ChunkKey, ChunkKey | None] = {}  # every watched key's parent (a lost key's too, briefly)
-        self._first_metas: dict[ChunkKey, ChunkMeta] = {}  # the first chunks' metas (their tokens)
-        self._held: dict[ChunkKey, bool] = {}  # whether the last search that asked found each key held
+        self._known = KnownKeys()  # written here only: the recompute reads it
+        self._recompute = Recompute(store, self._known, advertise == "attention", medium_override)
         self._lock = threading.Lock()  # guards _pending and _watched, which the store's threads write
         self._pending: list[tuple[ChunkKey, ChunkMeta | None]] = []
         self._watched: frozenset[str] = frozenset()
-        self._reader = TreeReader()
         self._turn = threading.RLock()  # one pod change, flush or snapshot at a time (RPC threads and the publisher)
         store.watch(self.note)
 
     @property
     def effort(self) -> Effort:
-        return Effort(self._reader.nodes, self._reader.searches, self._advertiser.nodes)
+        return self._recompute.effort
 
     # -- what the store says ----------------------------------------------------------------------------------------
 
@@ -106,14 +93,14 @@ class RestorableIndex:
             for key, meta in self._store.entries(frozenset(pod.namespaces)):
                 self._record(key, meta)
             primary = pod.namespaces[0]
-            firsts = {key for key, parent in self._parents.items()
+            firsts = {key for key, parent in self._known.parents.items()
                       if key.namespace == primary and parent is not None and parent.key == trees.root_key}
             events: list[Event] = [AllBlocksCleared()]
             for first in sorted(obj.prefix_hash for obj in map(ObjectKey.parse, (k.key for k in firsts))
                                 if obj is not None and obj.kind is ObjectKind.KV):
                 redo = Redo()
                 redo.subtrees.add(first)
-                events += self._redo_tree(trees, first, redo)
+                events += self._recompute.redo_tree(trees, first, redo)
             return events
 
     def remove_pod(self, pod_id: str) -> list[Event]:
@@ -130,7 +117,7 @@ class RestorableIndex:
             if not pods:
                 del self._by_namespace[namespace]
         watched = self._watch_namespaces()
-        for known in (self._parents, self._first_metas, self._held):
+        for known in (self._known.parents, self._known.first_metas, self._known.held):
             for key in [k for k in known if k.namespace not in watched]:
                 del known[key]
         return [AllBlocksCleared()]
@@ -184,7 +171,8 @@ class RestorableIndex:
             events: dict[str, list[Event]] = {}
             for pod_id, redos in dirty.items():
                 trees = self._pods[pod_id]
-                out = [event for first in sorted(redos) for event in self._redo_tree(trees, first, redos[first])]
+                out = [event for first in sorted(redos)
+                       for event in self._recompute.redo_tree(trees, first, redos[first])]
                 if out:
                     events[pod_id] = out
             return events
@@ -193,7 +181,7 @@ class RestorableIndex:
         """The keys that every search so far saw held and that are held now: they only moved (demoted, promoted, put
         again), and the hit rule asks whether a key is held, never where. (Not "noted as placed before": a key on its
         way down a tier can be missed by a search between its placement's note and its demotion's.)"""
-        candidates = [key for key, meta in last.items() if meta is not None and self._held.get(key)]
+        candidates = [key for key, meta in last.items() if meta is not None and self._known.held.get(key)]
         where = self._store.locate(candidates) if candidates else []
         return {key for key, tier in zip(candidates, where) if tier is not None}
 
@@ -202,9 +190,9 @@ class RestorableIndex:
         was dropped may leave another below: such a key stays known.)"""
         for key, where in zip(lost, self._store.locate(lost) if lost else []):
             if where is None:
-                self._parents.pop(key, None)
-                self._first_metas.pop(key, None)
-                self._held.pop(key, None)
+                self._known.parents.pop(key, None)
+                self._known.first_metas.pop(key, None)
+                self._known.held.pop(key, None)
 
     def snapshot(self, pod_id: str) -> list[Event]:
         """AllBlocksCleared and a BlockStored for everything the pod has advertised (a subscriber's replay)."""
@@ -221,13 +209,13 @@ class RestorableIndex:
         """A key's parent; and the meta of a first chunk, where a tree's walk starts (the rest it reads from the
         store's directory)."""
         parent = ChunkKey(key.namespace, meta.parent) if meta.parent else None
-        self._parents[key] = parent
+        self._known.parents[key] = parent
         if parent is None:
             return
         own, up = ObjectKey.parse(key.key), ObjectKey.parse(parent.key)
         if own is not None and up is not None and own.kind is ObjectKind.KV \
                 and up.prefix_hash == root_hash(key.namespace):
-            self._first_metas[key] = meta
+            self._known.first_metas[key] = meta
 
     def _first_of(self, trees: PodTrees, key: ChunkKey) -> bytes | None:
         """The chain hash of the first chunk of the tree `key` belongs to, in the pod's first namespace; None when its
@@ -235,7 +223,7 @@ class RestorableIndex:
         its tree), or when it is no prefix object (an opaque chunk)."""
         own = ObjectKey.parse(key.key)
         if own is not None and own.kind is not ObjectKind.KV:
-            parent = self._parents.get(key)
+            parent = self._known.parents.get(key)
             own = ObjectKey.parse(parent.key) if parent is not None else None
         if own is None:
             return None
@@ -243,7 +231,7 @@ class RestorableIndex:
         for _ in range(MAX_DEPTH):
             if node.key == trees.root_key:
                 return None  # a checkpoint before the first boundary: no block is advertised for it
-            parent = self._parents.get(node)
+            parent = self._known.parents.get(node)
             if parent is None:
                 return None
             if parent.key == trees.root_key:
@@ -257,7 +245,7 @@ class RestorableIndex:
         adverts; a tail or state its own node's checkpoints (cheap: they are read again, moved or not). An anchor
         kv chunk placed or lost in the first namespace also adds or removes a child of its parent node."""
         own = ObjectKey.parse(key.key)
-        parent = self._parents.get(key)
+        parent = self._known.parents.get(key)
         up = ObjectKey.parse(parent.key) if parent is not None else None
         if own.kind is ObjectKind.KV and moved and own.prefix_hash in tree:
             redo.adverts.add(own.prefix_hash)
@@ -268,102 +256,3 @@ class RestorableIndex:
                 redo.nodes.add(up.prefix_hash)
         elif up is not None:
             redo.nodes.add(up.prefix_hash)
-
-    # -- redoing a tree ---------------------------------------------------------------------------------------------
-
-    def _redo_tree(self, trees: PodTrees, first: bytes, redo: Redo) -> list[Event]:
-        """Redo what `redo` can alter in one tree, then diff the adverts of the nodes that may have changed: the
-        events a recompute of the whole tree would send."""
-        pod = trees.pod
-        view = StoreChain(self._store, pod.namespaces, memo=True, seen=self._held)
-        tree = trees.trees.setdefault(first, {})
-        first_meta = self._first_metas.get(ChunkKey(pod.namespaces[0], trees.anchor_key(first)))
-        touched: dict[bytes, BlockNode] = {}  # nodes whose adverts may change
-        dropped: list[BlockNode] = []  # nodes no longer in the tree
-        if first_meta is None:
-            dropped = cut(tree, first)
-        else:
-            if first not in tree:
-                redo.subtrees.add(first)
-            dropped += self._redo_nodes(trees, view, tree, redo, touched)
-            dropped += self._redo_subtrees(trees, view, tree, first, first_meta, redo, touched)
-            touched.update((key, tree[key]) for key in redo.adverts if key in tree)
-            touched = {key: node for key, node in touched.items() if tree.get(key) is node}
-            self._reflag_upwards(trees, view, tree, touched)
-        if not tree:
-            del trees.trees[first]
-        return self._advertiser.events(trees, view, touched.values(), dropped)
-
-    def _redo_nodes(self, trees: PodTrees, view: StoreChain, tree: Tree, redo: Redo,
-                    touched: dict[bytes, BlockNode]) -> list[BlockNode]:
-        """Read again the nodes whose own checkpoints or children changed, shallowest first (a lost child takes its
-        subtree; a new one's subtree is added to redo); the nodes dropped."""
-        dropped: list[BlockNode] = []
-        for key in sorted(redo.nodes & tree.keys(), key=lambda k: tree[k].depth):
-            node = tree.get(key)
-            if node is None:
-                continue  # it went with an ancestor's lost child
-            kids = node.kids
-            self._reader.read_node(trees, view, node)
-            for kid in set(kids).difference(node.kids):
-                dropped += cut(tree, kid)
-            redo.subtrees.update(set(node.kids).difference(kids))
-            touched[key] = node
-        return dropped
-
-    def _redo_subtrees(self, trees: PodTrees, view: StoreChain, tree: Tree, first: bytes, first_meta: ChunkMeta,
-                       redo: Redo, touched: dict[bytes, BlockNode]) -> list[BlockNode]:
-        """Rebuild the subtrees under a changed kv chunk from the store, shallowest first (one inside another is
-        walked once); the nodes dropped."""
-        roots: list[tuple[int, bytes, BlockNode | None]] = []
-        for key in redo.subtrees:
-            node = tree.get(key)
-            if key == first:
-                roots.append((1, key, None))
-            elif node is not None:
-                roots.append((node.depth, key, node.up))
-            else:
-                parent = self._parents.get(ChunkKey(trees.pod.namespaces[0], trees.anchor_key(key)))
-                up_key = ObjectKey.parse(parent.key) if parent is not None else None
-                up = tree.get(up_key.prefix_hash) if up_key is not None else None
-                if up is not None and key in up.kids:
-                    roots.append((up.depth + 1, key, up))
-        dropped: list[BlockNode] = []
-        rebuilt: dict[bytes, BlockNode] = {}
-        for depth, key, up in sorted(roots, key=lambda r: (r[0], r[1])):
-            if key in rebuilt:
-                continue
-            meta = first_meta if up is None else listed(view, trees, up.hash, key)
-            if meta is None:
-                dropped += cut(tree, key)
-                continue
-            before = {node.hash: node for node in preorder(tree, key)}
-            nodes = self._reader.rebuild(trees, view, tree, key, meta, depth, up)
-            rebuilt.update((node.hash, node) for node in nodes)
-            dropped += [node for k, node in before.items() if k not in rebuilt and tree.pop(k, None) is node]
-            for node in reversed(nodes):  # children first
-                node.advertised = self._advertised(trees, view, tree, node)
-            touched[key] = nodes[0]
-        touched.update(rebuilt)
-        return dropped
-
-    def _reflag_upwards(self, trees: PodTrees, view: StoreChain, tree: Tree, touched: dict[bytes, BlockNode]) -> None:
-        """A block is advertised iff a restorable checkpoint is at or below it: up from each changed node until a
-        flag stays as it was (deepest first, so that every child's flag is final when its parent's is read)."""
-        for node in sorted(touched.values(), key=lambda n: n.depth, reverse=True):
-            node.advertised = self._advertised(trees, view, tree, node)
-            up = node.up
-            while up is not None:
-                flag = self._advertised(trees, view, tree, up)
-                if flag == up.advertised:
-                    break
-                up.advertised = flag
-                touched[up.hash] = up
-                up = up.up
-
-    def _advertised(self, trees: PodTrees, view: StoreChain, tree: Tree, node: BlockNode) -> bool:
-        """Whether a node is advertised, its children's flags being final."""
-        if self._attention_only:  # held in every rank, whatever the checkpoints (published only from the root)
-            return view.tier(trees.anchor_key(node.hash)) is not None
-        return bool(node.restorable) or any(tree[kid].advertised for kid in node.kids if kid in tree)
-
