@@ -1,6 +1,6 @@
 """The `tiercache` command: `serve` runs the cache server, `stats` shows a running server's tiers (its table:
-`stats_table`), `layout` and `check-vllm` say what a vLLM engine will cache and refuse before it starts (`vllm`),
-`bench`, `demo`, `token-hash`."""
+`stats_table`), `layout` and `check-vllm` say what a vLLM engine will cache and refuse before it starts (`vllm`, over
+vLLM's flags as `vllm_flags` reads them), `bench`, `demo`, `token-hash`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`tiercache layout` and `tiercache check-vllm`: what a vLLM engine with TierCacheConnector will cache, and what it
 will refuse, said before it starts. Neither imports vLLM: the rules are tiercache.prefix.block_size (N from
-config.json) and tiercache.connector.vllm.preflight (the connector's refusals), and vLLM's flags are read here
-(`_parse_vllm_flags`). Building the parser imports neither (no thread may start before `serve` blocks its signals:
+config.json) and tiercache.connector.vllm.preflight (the connector's refusals), and vLLM's flags are read by
+tiercache.cli.vllm_flags. Building the parser imports neither (no thread may start before `serve` blocks its signals:
 tests/test_cli.py); the commands import them when they run.
 
 Exit status: 0, the engine starts (check-vllm) or the layout is printed; 1, check-vllm found refusals (one line each);
@@ -16,21 +16,14 @@ import json
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-from tiercache.cli.values import non_negative, positive
+from tiercache.cli.values import positive
+from tiercache.cli.vllm_flags import add_cache_flags, json_flag, parse_vllm_flags
 from tiercache.errors import InvalidArgument
 
 CONNECTOR = "TierCacheConnector"
 MODULE_PATH = "tiercache.connector.vllm"
 DEFAULT_VLLM_VERSION = "0.33.0"  # what check-vllm words its lines for when no vLLM is installed beside it
 DEFAULT_MATCH_UNIT = 16
-
-
-class VllmFlags(argparse.ArgumentParser):
-    """vLLM's flags that decide what the connector refuses and what N is; others are reported as not checked. An
-    error is one line (main prints `tiercache check-vllm: error: ...`)."""
-
-    def error(self, message: str) -> None:
-        raise InvalidArgument(f"vLLM flags: {message}")
 
 
 def add_commands(commands: argparse._SubParsersAction, command: Callable[..., argparse.ArgumentParser]) -> None:
@@ -45,7 +38,7 @@ def add_commands(commands: argparse._SubParsersAction, command: Callable[..., ar
                                         f"otherwise. vLLM is not needed.")
     layout_parser.add_argument("model", metavar="MODEL_DIR", help="the model's directory (its config.json), or a "
                                "model id already in the Hugging Face cache")
-    _add_cache_flags(layout_parser)
+    add_cache_flags(layout_parser)
     _add_platform_flags(layout_parser)
     layout_parser.add_argument("--match-unit", type=positive, metavar="U",
                                help="the connector's match_unit (default 16 when it divides N, else N)")
@@ -66,23 +59,6 @@ def add_commands(commands: argparse._SubParsersAction, command: Callable[..., ar
     check_parser.add_argument("model", metavar="MODEL", help="the model's directory, or a model id already in the "
                               "Hugging Face cache")
     check_parser.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="...", help="vllm serve's flags")
-
-
-def _add_cache_flags(parser: argparse.ArgumentParser) -> None:
-    """vLLM's own flags that change N or the bytes, under vLLM's names and defaults."""
-    from tiercache.prefix.block_size import KV_CACHE_DTYPES, MODEL_DTYPES, STATE_DTYPES
-
-    parser.add_argument("--tensor-parallel-size", "-tp", type=positive, default=1, metavar="TP",
-                        help="vLLM's tensor-parallel size: sizes are one rank's (default 1)")
-    parser.add_argument("--dtype", default="auto", choices=MODEL_DTYPES, help="vLLM's --dtype (default auto)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                        help="vLLM's --kv-cache-dtype (default auto: the model's dtype)")
-    parser.add_argument("--mamba-cache-dtype", default="auto", choices=STATE_DTYPES,
-                        help="vLLM's --mamba-cache-dtype, the conv state's (default auto: the model's dtype)")
-    parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=STATE_DTYPES,
-                        help="vLLM's --mamba-ssm-cache-dtype, the recurrent state's (default auto: the model's rule)")
-    parser.add_argument("--block-size", type=positive, metavar="B", help="vLLM's --block-size (default: the "
-                        "platform's)")
 
 
 def _add_platform_flags(parser: argparse.ArgumentParser) -> None:
@@ -127,7 +103,7 @@ def check(args: argparse.Namespace) -> int:
 
     _check_platform_flags(args)
     directory, config = _model_config(args.model)
-    flags, unread = _parse_vllm_flags(args.vllm_args)
+    flags, unread = parse_vllm_flags(args.vllm_args)
     version, where = _vllm_version(args.vllm_version)
     transfer = json_flag("--kv-transfer-config", flags.kv_transfer_config)
     speculative = json_flag("--speculative-config", flags.speculative_config)
@@ -216,30 +192,6 @@ def _block_checks(config: dict, model: str, flags: argparse.Namespace, args: arg
     return _Blocks(n, unit, tuple(found), tuple(notes))
 
 
-def _parse_vllm_flags(tokens: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """vLLM's flags as vLLM reads them (underscores or dashes); the ones with no bearing here, for the report."""
-    parser = VllmFlags(prog="vllm serve", add_help=False, allow_abbrev=False)
-    _add_cache_flags(parser)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
-    parser.add_argument("--disable-hybrid-kv-cache-manager", action=argparse.BooleanOptionalAction)
-    for name in ("--kv-transfer-config", "--speculative-config"):
-        parser.add_argument(name)
-    parser.add_argument("--prefix-match-unit", type=positive)
-    parser.add_argument("--prefix-cache-retention-interval", type=non_negative)
-    # Read so they are not reported unchecked: the connector hashes tokens itself (prefix.hashes), and prefix
-    # caching alone decides the Mamba cache mode in vLLM 0.32 and 0.33 (preflight.mamba_mode_refusal).
-    for name in ("--prefix-caching-hash-algo", "--mamba-cache-mode"):
-        parser.add_argument(name)
-    flags, rest = parser.parse_known_args(normalized_flags(tokens))
-    return flags, [t for t in rest if t.startswith("-")]
-
-
-def normalized_flags(tokens: list[str]) -> list[str]:
-    """vLLM's flags as vLLM reads them: `--a_b` and `--a-b` (with or without `=value`) are one flag."""
-    return [t.split("=", 1)[0].replace("_", "-") + t[len(t.split("=", 1)[0]):] if t.startswith("--") else t
-            for t in tokens]
-
-
 def _sizing(config: dict, model: str, flags: argparse.Namespace, platform_flags: argparse.Namespace):
     """`flags`: vLLM's (the cache flags); `platform_flags`: ours (--platform, --kernel-block-size, --cpu-features)."""
     from tiercache.prefix.block_size import PLATFORMS, CacheFlags, engine_sizing
@@ -318,18 +270,6 @@ def _model_config(model: str) -> tuple[Path, dict]:
         return directory, json.loads((directory / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise InvalidArgument(f"cannot read {directory / 'config.json'}: {exc}") from None
-
-
-def json_flag(flag: str, text: str | None) -> dict:
-    if text is None:
-        return {}
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise InvalidArgument(f"{flag} is not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise InvalidArgument(f"{flag} must be a JSON object, got {text!r}")
-    return value
 
 
 def _count(name: str, value: Any) -> int:

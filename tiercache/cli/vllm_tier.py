@@ -17,7 +17,7 @@ import argparse
 import json
 from typing import Callable
 
-from tiercache.cli.vllm import VllmFlags, json_flag, normalized_flags
+from tiercache.cli.vllm_flags import VllmFlags, json_flag, normalized_flags
 from tiercache.errors import InvalidArgument
 
 
