@@ -14,7 +14,7 @@ from tests.certs import make_pki
 from tests.vllm.engine import ATTENTION, BLOCK, GDN, HASH_BLOCK, Engine, kv_value, next_token, prompt, state_value
 from tiercache.client import Client
 from tiercache.config import EventsConfig, SecurityConfig
-from tiercache.connector.vllm.connector import VllmSettings
+from tiercache.connector.vllm.settings import VllmSettings
 from tiercache.errors import InvalidArgument
 from tiercache.prefix.hashes import token_bytes
 from tiercache.prefix.objects import ObjectKind, object_ref
@@ -55,7 +55,7 @@ def test_second_engine_loads_what_the_first_saved_byte_for_byte(server, engines)
     # Counted as delivered once the workers reported the load done, and reported to the server as such.
     stats = second.connector.planner.stats
     assert (stats.loads_done, stats.loaded_tokens, stats.loads_failed) == (1, 96, 0)
-    second.connector._delivery.flush()
+    second.connector.delivery.flush()
     with Client.from_url(server.url) as client:
         assert client.stats()["delivered"]["loaded_tokens_by_tier"] == {"host": 96}
 

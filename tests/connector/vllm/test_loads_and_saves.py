@@ -49,7 +49,7 @@ def _views(device: str, seed: int) -> PagedViews:
 
 @dataclass
 class Worker:
-    """A worker's two directions, made and registered as the connector makes them (connector.py)."""
+    """A worker's two directions, made and registered as the connector makes them (worker_side.py)."""
 
     spec: CacheSpec
     views: PagedViews

@@ -16,9 +16,12 @@ groups in the 'align' mode the connector needs; `--mamba-cache-mode` decides not
 the mode from prefix caching). A configuration the connector cannot serve (prefix caching off, unknown keys, ...) is
 refused while vLLM validates it, before the engine core starts (tiercache.connector.vllm.preflight; `tiercache
 check-vllm` says the same from vLLM's flags). At startup the scheduler's connector checks that its largest object fits
-the server's chunk limit (tiercache.connector.limits). The rules (what is loaded, what is saved,
-when) are in tiercache.connector.vllm.plan; the worker's two directions in tiercache.connector.vllm.loads and .saves;
-the namespace's identity in tiercache.connector.vllm.identity.
+the server's chunk limit (tiercache.connector.limits).
+
+The class hands vLLM's calls to the side its role makes: `scheduler_side` (lookups, and the Planner of
+tiercache.connector.vllm.plan: what is loaded, what is saved, when) or `worker_side` (this rank's two directions,
+tiercache.connector.vllm.loads and .saves). What both build alike (settings, vLLM's groups, the layout and its
+namespace's identity, the cache spec) is `engine_setup`.
 """
 
 from __future__ import annotations
@@ -38,29 +41,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiercache.client import BreakerPolicy, Client, RetryPolicy
-from tiercache.client.client import PodEndpoints
+from tiercache.client import Client
 from tiercache.connector.delivery import DeliveryReporter
-from tiercache.connector.limits import check_spec
 from tiercache.connector.pod_registration import PodRegistration
-from tiercache.connector.prefix_cache import PrefixCache
-from tiercache.connector.vllm.identity import engine_identity
-from tiercache.connector.vllm.cores import born_off_compute_cores, off_compute_cores
-from tiercache.connector.vllm.layout import PoolSets, engine_groups, model_layout, paged_views
+from tiercache.connector.vllm.engine_setup import EngineSetup, engine_setup
 from tiercache.connector.vllm.loads import Loads
 from tiercache.connector.vllm.logs import join_vllm_log
 from tiercache.connector.vllm.plan import Planner, StepPlan
-from tiercache.connector.vllm.preflight import choices_of, refuse
-from tiercache.connector.vllm.salts import namespaces
 from tiercache.connector.vllm.saves import Saves
-from tiercache.connector.vllm.settings import VllmSettings
+from tiercache.connector.vllm.scheduler_side import SchedulerSide
+from tiercache.connector.vllm.worker_side import WorkerSide
 from tiercache.connector.vllm.worker_stats import WorkerStats
-from tiercache.errors import InvalidArgument
-from tiercache.prefix.objects import CacheSpec
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 1.0  # how often a connector reports its counters' changes to vLLM
-FLUSH_TIMEOUT_S = 10.0  # how long vLLM's exit waits for saves already gathered
 
 # Scheduler-role connectors of this process. With vLLM's engine core in the process that computes (the `uni`
 # executor and VLLM_ENABLE_V1_MULTIPROCESSING=0, e.g. an offline `LLM`), a request's end-of-request save reaches the
@@ -95,120 +89,64 @@ class TierCacheStats(KVConnectorStats):
 
 
 class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's calls, handed to the side of the connector that vLLM's role for it needs: the scheduler side
+    (scheduler_side: lookups and plans) or a worker side (worker_side: this rank's loads and saves)."""
+
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         join_vllm_log()  # before anything is logged, a refusal included
         super().__init__(vllm_config, role, kv_cache_config)
-        if kv_cache_config is None:
-            raise InvalidArgument("TierCacheConnector needs vLLM's KVCacheConfig, which vLLM 0.32 and 0.33 pass to "
-                                  "connectors (an older vLLM does not)")
-        # What vLLM let us refuse before its engine core started (preflight.refuse_early), said again here for the
-        # starts where vLLM resolved this class no earlier.
-        refuse(choices_of(vllm_config))
-        settings = VllmSettings.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
-        self.settings = settings
-        self.groups = engine_groups(kv_cache_config)
-        parallel = vllm_config.parallel_config
-        model = vllm_config.model_config
-        # Each worker loads and saves its own rank's shard; the scheduler's lookup asks for every rank's shards, so
-        # a hit is one every rank can load (a shard gone between lookup and load fails that rank's load, and vLLM
-        # recomputes the request: never a mix of prefixes).
-        tp_rank = _tensor_parallel_rank() if role == KVConnectorRole.WORKER else 0
-        self.layout = model_layout(self.groups, kv_cache_config, settings.model_name or model.served_model_name
-                                   or model.model, settings.revision or model.revision or "main",
-                                   tp_rank=tp_rank, tp_size=parallel.tensor_parallel_size,
-                                   identity=engine_identity(vllm_config, self.groups, settings.weights_id,
-                                                                   kv_cache_config))
-        block = self.groups.block_size
-        unit = settings.match_unit or (16 if block % 16 == 0 else block)
-        self.spec = CacheSpec(self.layout, block, unit, salt=settings.salt,
-                              max_boundary_states=settings.max_boundary_states)
-        breaker = BreakerPolicy.probing_at_most(settings.offline_backoff_s)
-        self.client: Client | None = None  # the worker's
-        self._planner: Planner | None = None
-        self._loads: Loads | None = None
-        self._saves: Saves | None = None
-        self.worker_stats = WorkerStats()
+        scheduler = role == KVConnectorRole.SCHEDULER
+        setup = engine_setup(vllm_config, kv_cache_config, worker=not scheduler)
+        self.settings, self.groups, self.layout, self.spec = setup.settings, setup.groups, setup.layout, setup.spec
+        self._scheduler_side = SchedulerSide(setup, vllm_config) if scheduler else None
+        self._worker_side = None if scheduler else WorkerSide(setup)
         self._reported: dict[str, int] = {}
         self._reported_at = float("-inf")
-        self._registration: PodRegistration | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            # One try within a short deadline: a lookup that cannot be answered quickly is a miss, not a stall, and
-            # the breaker makes every later one an instant miss until the server answers again. The server counts
-            # the lookup itself (no second call for statistics).
-            lookups = Client(settings.connection, timeout_s=settings.lookup_timeout_s, retry=RetryPolicy(attempts=1),
-                             breaker=breaker)
-            # Every rank's objects are the same size: the scheduler checks them once, before the engine serves.
-            check_spec(lookups, self.spec, "TierCacheConnector")
-            # With events, every lookup names the pod: its answer says whether the server still knows it.
-            cache = PrefixCache(lookups, self.spec, all_ranks=True, pod_id=settings.events_pod_id or "")
-            if settings.events_pod_id:
-                self._registration = self._pod_registration(settings.events_pod_id,
-                                                            model.served_model_name or model.model,
-                                                            cache.rank_namespaces(), parallel.data_parallel_rank)
-                self._registration.register()
-            # Token ids and vLLM's hashes go with the kv saves only for an engine that has the server publish its KV
-            # events: elsewhere they would cost the scheduler's step and the worker's metadata for nothing.
-            self._planner = Planner(cache, self.groups, engine_blocks=bool(settings.events_pod_id),
-                                    registration=self._registration)
-            # What the engine loaded, reported to the server: its delivered-hit counters (tiercache.connector.delivery).
-            self._delivery = DeliveryReporter(lookups, self.spec.namespace)
+        if scheduler:
             _SCHEDULERS.add(self)
-        else:
-            # Made off the compute cores: gRPC's threads, born with the process's first channel, would otherwise
-            # take their CPU time from the forward pass (cores.py).
-            self.client = born_off_compute_cores(
-                lambda: Client(settings.connection, timeout_s=settings.timeout_s, breaker=breaker))
-            self._delivery = DeliveryReporter(self.client, self.spec.namespace)
-            rank_namespaces = namespaces(self.spec)  # this rank's, per salt: loads and saves name the same
-            self._loads = Loads(self.client, rank_namespaces, settings.max_pending_save_bytes, self.worker_stats)
-            self._saves = Saves(self.client, rank_namespaces, settings.max_pending_save_bytes, self.worker_stats,
-                                engine_blocks=tp_rank == 0, batch_s=settings.save_batch_s,
-                                on_dropped=self._delivery.add)
-        log.info("TierCacheConnector (%s) on %s: namespace %s, N=%d, u=%d", role.name, settings.connection.url,
-                 self.spec.namespace, block, unit)
-        vllm_unit = vllm_config.cache_config.prefix_match_unit
-        if role == KVConnectorRole.SCHEDULER and self.groups.mamba and (vllm_unit or block) >= block:
-            log.warning("TierCacheConnector: vLLM hashes prompts every %d tokens, its block size N: it keeps no "
-                        "recurrent state below a block, so prompts shorter than N=%d get no hit and hits end on "
-                        "block boundaries. Start vLLM with --prefix-match-unit 16.", vllm_unit or block, block)
-
-    def _pod_registration(self, pod_id: str, model_name, namespaces: list[str], dp_rank: int) -> PodRegistration:
-        """This engine's registration for KV events: its rank namespaces, its layout and vLLM's group index of each
-        layout group (Mamba groups share the recurrent one: the first names it). Made at the start and again
-        whenever a lookup finds that the server lost it (tiercache.connector.pod_registration); a failure is a
-        warning: the engine serves without events."""
-        groups = [*self.groups.attention, *self.groups.mamba[:1]]
-        name = model_name[0] if isinstance(model_name, (list, tuple)) else str(model_name)
-
-        def register(ports: tuple[int, int] | None) -> PodEndpoints:
-            # One try: a server that is down costs the engine's start no more than a refused connection.
-            with Client(self.settings.connection, timeout_s=10.0, retry=RetryPolicy(attempts=1)) as client:
-                return client.register_pod(pod_id, name, namespaces, self.spec.shape, groups, dp_rank=dp_rank,
-                                           match_unit=self.spec.match_unit, ports=ports)
-
-        return PodRegistration(pod_id, register)
+        _say_started(role, setup, vllm_config.cache_config.prefix_match_unit)
 
     @property
-    def pod_registration(self) -> PodRegistration | None:
-        """The scheduler's registration for KV events (None without `events_pod_id`, and in a worker)."""
-        return self._registration
+    def _side(self) -> SchedulerSide | WorkerSide:
+        """The side this connector's role made (each has its counters, its delivery reporter and `close`)."""
+        return self._scheduler_side or self._worker_side
 
     @property
     def planner(self) -> Planner | None:
         """The scheduler half (None in a worker)."""
-        return self._planner
+        return self._scheduler_side.planner if self._scheduler_side is not None else None
+
+    @property
+    def pod_registration(self) -> PodRegistration | None:
+        """The scheduler's registration for KV events (None without `events_pod_id`, and in a worker)."""
+        return self._scheduler_side.registration if self._scheduler_side is not None else None
+
+    @property
+    def client(self) -> Client | None:
+        """The worker's client (None in the scheduler)."""
+        return self._worker_side.client if self._worker_side is not None else None
 
     @property
     def loads(self) -> Loads | None:
         """The worker's loads (None in the scheduler)."""
-        return self._loads
+        return self._worker_side.loads if self._worker_side is not None else None
 
     @property
     def saves(self) -> Saves | None:
         """The worker's saves (None in the scheduler)."""
-        return self._saves
+        return self._worker_side.saves if self._worker_side is not None else None
+
+    @property
+    def worker_stats(self) -> WorkerStats | None:
+        """The worker's transfer counters (None in the scheduler, whose counters are `planner.stats`)."""
+        return self._worker_side.stats if self._worker_side is not None else None
+
+    @property
+    def delivery(self) -> DeliveryReporter:
+        """What this role reports to the server's delivered-hit counters (tiercache.connector.delivery)."""
+        return self._side.delivery
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -217,43 +155,37 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     # -- scheduler side ------------------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._planner.matched_tokens(request, num_computed_tokens)
+        return self._scheduler_side.planner.matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._planner.allocated(request, blocks.get_block_ids(), num_external_tokens)
+        self._scheduler_side.planner.allocated(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return TierCacheMetadata(self._planner.plan_step(scheduler_output))
+        return TierCacheMetadata(self._scheduler_side.planner.plan_step(scheduler_output))
 
     def update_connector_output(self, connector_output) -> None:
         failed = set(getattr(connector_output, "failed_recving", None) or ())
-        finished = set(connector_output.finished_recving or ())
-        if finished or failed:
-            self._delivery.add(self._planner.loads_reported(finished, failed))
+        self._scheduler_side.loads_reported(set(connector_output.finished_recving or ()), failed)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._planner.finished(request, block_ids), None
+        return self._scheduler_side.planner.finished(request, block_ids), None
 
     # -- worker side ---------------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
-        pools = PoolSets(paged_views(self.groups, self._kv_cache_config, kv_caches))
-        # The fetching, gathering and putting threads run off the cores vLLM's CPU backend computes on (cores.py).
-        elsewhere = off_compute_cores()
-        self._loads.register(pools, elsewhere)
-        self._saves.register(pools, elsewhere)
+        self._worker_side.register(self._kv_cache_config, kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         """vLLM calls this first thing in every step, before it writes a block: the last step's saves must have been
         copied out by now (on CPU they are copied beside the engine, between steps)."""
-        self._saves.before_step()
+        self._worker_side.saves.before_step()
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        self._loads.start(self._get_connector_metadata().plan.loads)
+        self._worker_side.loads.start(self._get_connector_metadata().plan.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: loads are asynchronous and finish before vLLM schedules the request."""
@@ -263,13 +195,12 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
-            self._saves.save(self._get_connector_metadata().plan.saves)
+            self._worker_side.saves.save(self._get_connector_metadata().plan.saves)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        idle = self.has_connector_metadata() and self._get_connector_metadata().plan.idle
-        loads = self._loads.ended(idle=idle)
-        return KVConnectorTransferResults(finished_sending=self._saves.finished(), finished_recving=loads.ended,
-                                          failed_recving=loads.failed)
+        ended = self._worker_side.ended(idle=self.has_connector_metadata() and self._get_connector_metadata().plan.idle)
+        return KVConnectorTransferResults(finished_sending=ended.saved, finished_recving=ended.loads.ended,
+                                          failed_recving=ended.loads.failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -280,6 +211,13 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         for hybrid layouts (block ids are per group there) and treats alike for one group: recompute the request."""
         return set()
 
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """A worker: wait for every gather and put, then every started load (shutdown, tests); False when
+        `timeout_s` passed first."""
+        return self._worker_side.drain(timeout_s)
+
+    # -- both ----------------------------------------------------------------------------------------------------
+
     def get_kv_connector_stats(self) -> TierCacheStats | None:
         """What changed since the last report (the counters themselves stay cumulative, for logs and tests), at most
         every STATS_INTERVAL_S: vLLM asks every step, and a worker's report travels to the engine core with the step's
@@ -288,8 +226,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if now - self._reported_at < STATS_INTERVAL_S:
             return None
         self._reported_at = now
-        source = self._planner.stats if self._planner is not None else self.worker_stats
-        totals = vars(source).copy()  # (plain int counters: no deep copy each step)
+        totals = vars(self._side.stats).copy()  # (plain int counters: no deep copy each step)
         changed = {name: value - self._reported.get(name, 0) for name, value in totals.items()}
         self._reported = totals
         stats = TierCacheStats(data=changed)
@@ -299,35 +236,21 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierCacheStats:
         return TierCacheStats(data=dict(data or {}))
 
-    def drain(self, timeout_s: float | None = None) -> bool:
-        """A worker: wait for every gather and put, then every started load (shutdown, tests); False when
-        `timeout_s` passed first."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        return self._saves.drain(deadline) and self._loads.drain(deadline)
-
     def shutdown(self) -> None:
-        if self._saves is not None and self._saves.registered:
+        if self._worker_side is not None and self._worker_side.saves.registered:
             for scheduler in list(_SCHEDULERS):  # in-process engine core: saves no later step will deliver
                 if scheduler._vllm_config is self._vllm_config:
-                    self._saves.save(scheduler._planner.take_finishes(), inline=True)
-            # Finish the saves already gathered, bounded: a hung server must not hang vLLM's exit.
-            if not self.drain(FLUSH_TIMEOUT_S):
-                log.warning("tiercache: saves still pending after %.0f s at shutdown are dropped", FLUSH_TIMEOUT_S)
-            self._saves.stop()
-            self._loads.stop()
-        self._delivery.close()
-        if self._registration is not None:
-            self._registration.close()
-        if self._planner is not None:
-            self._planner.cache.client.close()
-        if self.client is not None:
-            self.client.close()
+                    self._worker_side.save_at_exit(scheduler._scheduler_side.take_finishes())
+        self._side.close()
 
 
-def _tensor_parallel_rank() -> int:
-    """This worker's tensor-parallel rank (0 when vLLM's process groups are not set up: one rank)."""
-    from vllm.distributed import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_rank()
-    return 0
+def _say_started(role: KVConnectorRole, setup: EngineSetup, vllm_unit: int | None) -> None:
+    """The connector's start line (tests and the lab read its namespace, N and u) and, in the scheduler of a hybrid
+    engine whose vLLM hashes prompts only every block, why its hits end on block boundaries."""
+    spec, block = setup.spec, setup.groups.block_size
+    log.info("TierCacheConnector (%s) on %s: namespace %s, N=%d, u=%d", role.name, setup.settings.connection.url,
+             spec.namespace, block, spec.match_unit)
+    if role == KVConnectorRole.SCHEDULER and setup.groups.mamba and (vllm_unit or block) >= block:
+        log.warning("TierCacheConnector: vLLM hashes prompts every %d tokens, its block size N: it keeps no "
+                    "recurrent state below a block, so prompts shorter than N=%d get no hit and hits end on "
+                    "block boundaries. Start vLLM with --prefix-match-unit 16.", vllm_unit or block, block)

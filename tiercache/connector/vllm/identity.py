@@ -3,7 +3,9 @@ an object, and the engine's page layout. It goes into the namespace (`ModelLayou
 served from the same path or name, or a CPU and a GPU engine (their attention pages differ), never share bytes.
 Within vLLM's CPU build the page layout follows the host's CPU (`page_layout`): its attention kernel arranges K/V
 for AMX tiles on a CPU with AMX and otherwise not, with pages of the same size, so CPU engines on hosts of two kinds
-sharing one server would read each other's pages wrongly ordered, checksums intact (prefix.cpu_features).
+sharing one server would read each other's pages wrongly ordered, checksums intact (prefix.cpu_features). The
+runtime's part (the model, dtype, vLLM's version, the platform, the attention backend: `runtime_identity`) opens the
+secondary tier's namespace too (connector.vllm_tier.namespace), written by this one function for both.
 
 The weights' identity is read from the files, not from the name: a file in a Hugging Face cache snapshot is a link
 to a blob named by its content hash (that name is used as it is); any other weight file is hashed (xxh3-128) once
@@ -18,6 +20,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import xxhash
 
@@ -119,19 +122,36 @@ def overrides_digest(hf_overrides) -> str:
     return xxhash.xxh3_128_hexdigest(text.encode())
 
 
-def engine_identity(vllm_config, groups, weights_id: str | None = None, kv_cache_config=None) -> str:
-    """Canonical text of everything besides shapes that decides an object's bytes in this engine."""
+def runtime_identity(model_identity: str, dtype, attention, *, platform_key: str,
+                     cpu_device: Callable[[], str]) -> list[str]:
+    """What both of tiercache's vLLM parts name first, in this order: the model and the flags that change its bytes
+    (`model_identity`), the model's dtype, vLLM's version, the platform and its device, the attention backend. The
+    connector's namespace (engine_identity) and the secondary tier's (vllm_tier.namespace) each go on with what
+    decides the bytes of their own objects.
+
+    Each part names two of these its own way, kept as they were when it first stored chunks (another text is
+    another namespace: every chunk stored before would be a miss): the platform under `platform_key` ("device",
+    "platform"), and a CPU by `cpu_device()`: the connector's "cpu" (its page_layout names the CPU's attention
+    kernel), the tier's cpu_capabilities (vLLM tells a tier no kernel). `attention` is written as each part is given
+    it: vLLM's attention config (None when unset), or the tier's flag ("auto" when unset)."""
     import vllm
     from vllm.platforms import current_platform
 
+    kind = current_platform.device_type
+    device = cpu_device() if kind == "cpu" else device_name(current_platform)
+    return [model_identity, f"dtype={dtype}", f"vllm={vllm.__version__}", f"{platform_key}={kind}:{device}",
+            f"attention={attention}"]
+
+
+def engine_identity(vllm_config, groups, weights_id: str | None = None, kv_cache_config=None) -> str:
+    """Canonical text of everything besides shapes that decides an object's bytes in this engine: the runtime
+    (runtime_identity), the order of layers in each group, and the page layout."""
     model = vllm_config.model_config
     attention = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     layers = "|".join(",".join(names) for names in groups.layer_names)
-    return ";".join([engine_model_identity(vllm_config, weights_id), f"dtype={model.dtype}",
-                     f"vllm={vllm.__version__}",
-                     f"device={current_platform.device_type}:{device_name(current_platform)}",
-                     f"attention={attention}", f"layers={layers}",
-                     *filter(None, [page_layout(vllm_config, kv_cache_config, groups)])])
+    runtime = runtime_identity(engine_model_identity(vllm_config, weights_id), model.dtype, attention,
+                               platform_key="device", cpu_device=lambda: "cpu")
+    return ";".join([*runtime, f"layers={layers}", *filter(None, [page_layout(vllm_config, kv_cache_config, groups)])])
 
 
 def engine_model_identity(vllm_config, weights_id: str | None = None) -> str:

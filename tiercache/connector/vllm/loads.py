@@ -23,7 +23,7 @@ from tiercache.client import Client
 from tiercache.connector.vllm.layout import PoolSets
 from tiercache.connector.vllm.plan import Job
 from tiercache.connector.vllm.salts import PerSalt
-from tiercache.connector.vllm.staging import COPIED, ObjectRows, StagingPool
+from tiercache.connector.vllm.staging import COPIED, ObjectRows, StagingPool, staging_lane
 from tiercache.connector.vllm.worker_stats import WorkerStats
 from tiercache.errors import CircuitOpen, TierCacheError
 
@@ -61,11 +61,8 @@ class Loads:
         """The engine's caches are known: make the staging pool, the fetching thread (started by
         `on_thread_start`: off vLLM's compute cores) and, on CUDA, the copies' stream."""
         self.pools = pools
-        cuda = pools.device.type == "cuda"
-        self._staging = StagingPool(self._staging_bytes, pinned=cuda)
-        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="tiercache-load", initializer=on_thread_start)
-        if cuda:
-            self._stream = torch.cuda.Stream(pools.device)
+        self._staging, self._fetcher, self._stream = staging_lane(pools.device, self._staging_bytes, "tiercache-load",
+                                                                  on_thread_start)
 
     def start(self, jobs: list[Job]) -> None:
         """Start fetching this step's loads (vLLM's start_load_kv)."""

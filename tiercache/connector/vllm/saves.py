@@ -25,7 +25,7 @@ from tiercache.connector.vllm.layout import PoolSets, pool_key
 from tiercache.connector.vllm.plan import Job, Transfer
 from tiercache.connector.vllm.put_queue import Put, PutQueue
 from tiercache.connector.vllm.salts import PerSalt
-from tiercache.connector.vllm.staging import COPIED, ObjectRows, StagingPool
+from tiercache.connector.vllm.staging import COPIED, ObjectRows, StagingPool, staging_lane
 from tiercache.connector.vllm.worker_stats import WorkerStats
 from tiercache.prefix.delivered import DROPPED_BACKLOG, DROPPED_ERROR, Delivered
 
@@ -62,13 +62,10 @@ class Saves:
         """The engine's caches are known: make the staging pool, the gathering and putting threads (started by
         `on_thread_start`: off vLLM's compute cores) and, on CUDA, the copies' stream."""
         self.pools = pools
-        cuda = pools.device.type == "cuda"
-        self.staging = StagingPool(self._staging_bytes, pinned=cuda)
-        self._gatherer = ThreadPoolExecutor(1, thread_name_prefix="tiercache-gather", initializer=on_thread_start)
+        self.staging, self._gatherer, self._stream = staging_lane(pools.device, self._staging_bytes, "tiercache-gather",
+                                                                  on_thread_start)
         self._puts = PutQueue(self.client, self.staging, self._put_done, batch_s=self._batch_s,
                               on_start=on_thread_start)
-        if cuda:
-            self._stream = torch.cuda.Stream(pools.device)
 
     @property
     def registered(self) -> bool:

@@ -5,6 +5,8 @@ from the fetch until they are copied into vLLM's blocks. For a CUDA cache these 
 kernels write into and read from them directly, across PCIe), and page-locking is slow (cudaHostAlloc: ~1 ms per
 MiB, and it serializes with the GPU's work), so buffers are kept and handed out again rather than made per object.
 For a CPU cache they are plain host memory, kept for the same reason at a smaller scale (no page faults per save).
+Loads and saves each stage through a `StagingLane` of their own: a pool, the thread that does the direction's
+background work, and on CUDA the stream its copies go on (`staging_lane`, made when vLLM registers its caches).
 
 Buffers come in power-of-two size classes from 1 MiB; a request larger than any kept buffer makes a new one. The
 pool holds at most `limit_bytes` in buffers handed out: past it, `take` returns None and the caller drops the save
@@ -15,6 +17,8 @@ rows (ObjectRows).
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -65,6 +69,24 @@ class StagingPool:
 
 def size_class(size: int) -> int:
     return max(MIN_CLASS_BYTES, 1 << max(size - 1, 0).bit_length())
+
+
+class StagingLane(NamedTuple):
+    """What one direction of the worker's transfers (loads, saves) copies through."""
+
+    pool: StagingPool
+    thread: ThreadPoolExecutor  # the direction's background work: fetches (loads), gathers (saves on CPU)
+    stream: torch.cuda.Stream | None  # CUDA: the stream its copies go on; None on CPU
+
+
+def staging_lane(device: torch.device, limit_bytes: int, thread_name: str,
+                 on_thread_start: Callable[[], None]) -> StagingLane:
+    """A lane for caches on `device`: page-locked buffers and a stream of its own on CUDA, and one thread started by
+    `on_thread_start` (off vLLM's compute cores: connector.vllm.cores)."""
+    cuda = device.type == "cuda"
+    return StagingLane(StagingPool(limit_bytes, pinned=cuda),
+                       ThreadPoolExecutor(1, thread_name_prefix=thread_name, initializer=on_thread_start),
+                       torch.cuda.Stream(device) if cuda else None)
 
 
 class ObjectRows:

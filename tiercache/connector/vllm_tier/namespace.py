@@ -22,20 +22,21 @@ import os
 
 import xxhash
 
+from tiercache.connector.vllm.identity import cpu_capabilities, runtime_identity
 from tiercache.record.keys import salt_suffix
 
 log = logging.getLogger(__name__)
 
 
 def identity_text(config, model_identity: str, row_bytes: int, attention_backend: str = "") -> str:
-    """The canonical text of an OffloadingConfig (vLLM 0.32 or 0.33) and the tier's model identity."""
-    import vllm
-
+    """The canonical text of an OffloadingConfig (vLLM 0.32 or 0.33) and the tier's model identity: the runtime as
+    the connector names it (identity.runtime_identity), then how keys are made and slots laid out."""
     groups = "|".join(f"{g.group_id}:{g.tokens_per_block}:{','.join(g.layer_names)}" for g in config.groups)
     parallel = config.parallel
+    runtime = runtime_identity(model_identity, config.model.dtype, attention_backend or "auto",
+                               platform_key="platform", cpu_device=cpu_capabilities)
     return ";".join([
-        model_identity, f"dtype={config.model.dtype}", f"vllm={vllm.__version__}", f"platform={_platform()}",
-        f"attention={attention_backend or 'auto'}",
+        *runtime,
         f"seed={_seed_digest()}", f"tokens_per_hash={config.cache.tokens_per_hash}",
         f"blocks_per_chunk={config.cache.blocks_per_chunk}", f"groups={groups}",
         f"block_bytes={config.worker_kv_bytes_per_block}", f"row_bytes={row_bytes}",
@@ -70,13 +71,3 @@ def _seed_is_random(kv_cache_utils) -> bool:
     seed = getattr(kv_cache_utils, "get_none_hash_seed", lambda: None)()
     default = getattr(kv_cache_utils, "DEFAULT_NONE_HASH_SEED", None)
     return seed is not None and seed != default and seed != os.getenv("PYTHONHASHSEED")
-
-
-def _platform() -> str:
-    from vllm.platforms import current_platform
-
-    from tiercache.connector.vllm.identity import cpu_capabilities, device_name
-
-    if current_platform.device_type == "cpu":
-        return f"cpu:{cpu_capabilities()}"
-    return f"{current_platform.device_type}:{device_name(current_platform)}"
