@@ -29,11 +29,11 @@ def prometheus_sum(text: str, metric: str) -> float:
     return total
 
 
-def scrape(url: str, timeout_s: float = 10.0, attempts: int = 3) -> str:
+def scrape(url: str, timeout_s: float = 30.0, attempts: int = 4) -> str:
     """The page at `url`, asked again after a failed attempt (up to `attempts`), each retry printed to stderr so a
-    set's run.log keeps it: one unanswered scrape should not end a set of runs. (A tiercache server shared by two
-    offloading replicas on a 2-core machine can leave one unanswered past the timeout; tests/benchmarks/
-    test_prometheus_scrape.py holds the retry.)"""
+    set's run.log keeps it: one slow answer should not end a set of runs (tests/benchmarks/test_prometheus_scrape.py).
+    On a 2-core machine, a tiercache server that shares its core with an engine's spinning compute threads (two
+    replicas, one per core) has taken over 30 s to answer a scrape while taking the engines' saves."""
     for attempt in range(1, attempts):
         try:
             return _page(url, timeout_s)

@@ -46,7 +46,7 @@ def test_an_unanswered_scrape_is_asked_again_and_the_retry_printed(answering_sec
     url, seen = answering_second
     assert scrape(url, timeout_s=0.5) == "tiercache_lookups_total 3.0\n"
     assert len(seen) == 2
-    assert "attempt 1 of 3; asking again" in capsys.readouterr().err
+    assert "attempt 1 of 4; asking again" in capsys.readouterr().err
 
 
 def test_a_server_that_never_answers_fails_the_scrape_after_its_attempts():
