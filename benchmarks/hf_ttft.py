@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from tests.redis_processes import RedisProcess  # noqa: E402
+from testkit.redis_processes import RedisProcess  # noqa: E402
 from tiercache.client import Client  # noqa: E402
 from tiercache.connector.hf.prefill import CachedPrefill  # noqa: E402
 from tiercache.demo import qwen35_model  # noqa: E402

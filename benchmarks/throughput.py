@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
-from tests.redis_processes import RedisProcess  # noqa: E402
+from testkit.redis_processes import RedisProcess  # noqa: E402
 from tiercache.client import Client  # noqa: E402
 from tiercache.config import DiskTierConfig, MiB, RedisTierConfig  # noqa: E402
 from tiercache.malloc import tune_allocator  # noqa: E402

@@ -1,7 +1,10 @@
-"""The engine patches tests and the lab's served engines both need, in one place: never shipped (the package never
-imports it; tests/test_architecture.py holds that line), imported by tests/ and benchmarks/ alike; it imports
-neither.
+"""What the tests and the lab (benchmarks/) both need, in one place: never shipped (the package never imports it;
+tests/test_architecture.py holds that line), imported by tests/ and benchmarks/ alike; it imports neither.
 
+Processes the tests and the lab start:
+- `redis_processes`: real redis-servers and Redis Clusters on free loopback ports; `polling`: waiting on them.
+
+The engine patches the tests and the lab's served engines load:
 - `vllm_models`: the tiny random-weight models the vLLM engines run (written, never downloaded), N from the
   prediction for the engines' CPU;
 - `cpu_stand_in`: an engine run as on another CPU (vLLM's capability checks answer for it);

@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from tests.redis_processes import RedisProcess
+from testkit.redis_processes import RedisProcess
 from tiercache.config import (Config, DiskTierConfig, EventsConfig, HostTierConfig, MiB, RedisTierConfig,
                               SecurityConfig, ServerConfig)
 from tiercache.server.app import CacheServer

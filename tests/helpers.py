@@ -1,30 +1,21 @@
-"""Helpers for the tests: tiercache servers on free ports, awaited for readiness, and polling with a deadline.
-Redis servers and clusters for the tests are in tests/redis_processes.py."""
+"""Helpers for the tests: tiercache servers on free ports, awaited for readiness, and polling with a deadline (both
+shared with the lab: tiercache.process and testkit/polling.py). Redis servers and clusters are in
+testkit/redis_processes.py."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import subprocess
-import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
+from testkit.polling import wait_for
 from tiercache.process import ServerProcess, free_port
 
 __all__ = ["ROOT", "ServerProcess", "free_port", "leaked_arenas", "python_env", "wait_for"]
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition",
-             interval_s: float = 0.01) -> None:
-    """Poll until `condition()` is true; fail after timeout_s. The poll interval is short: this is not a sleep."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(interval_s)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.certs import make_pki
-from tests.redis_processes import RedisProcess
+from testkit.redis_processes import RedisProcess
 from tiercache.prefix.delivered import Delivered
 from tiercache.client import Client
 from tiercache.client.retry import RetryPolicy

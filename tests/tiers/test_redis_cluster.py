@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from tests.helpers import wait_for
-from tests.redis_processes import RedisClusterProcess
+from testkit.redis_processes import RedisClusterProcess
 from tests.tiers.placing import put
 from tiercache.client import Client
 from tiercache.config import Config, DiskTierConfig, HostTierConfig, KiB, MiB, RedisTierConfig

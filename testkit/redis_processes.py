@@ -1,4 +1,4 @@
-"""Real Redis servers for the tests and the benchmarks (test scaffolding, not part of the package): a `redis-server`
+"""Real Redis servers for the tests and the lab (not part of the package): a `redis-server`
 on a free loopback port (`RedisProcess`, awaited through PING) and a Redis Cluster of such servers
 (`RedisClusterProcess`, created with redis-cli and awaited until every node reports cluster_state:ok).
 """
@@ -12,7 +12,7 @@ import socket
 import subprocess
 import tempfile
 
-from tests.helpers import wait_for
+from testkit.polling import wait_for
 from tiercache.process import free_port
 
 REDIS_SERVER = shutil.which("redis-server")
@@ -61,8 +61,8 @@ class RedisProcess:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> "RedisProcess":
-        # jemalloc decay off: large values no longer fall off a cliff (16 MiB GETs went from ~0.7-1.0 to ~1.4-2.3
-        # GB/s in our measurements); the deployment sets the same for its Redis servers.
+        # jemalloc decay off: large values no longer fall off a cliff (docs/operations.md, "Redis servers";
+        # the numbers are there); the deployment sets the same for its Redis servers.
         env = {**os.environ, "MALLOC_CONF": REDIS_MALLOC_CONF}
         self.process = subprocess.Popen(
             [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
