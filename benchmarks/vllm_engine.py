@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from tests.vllm_engine.conftest import prompt  # noqa: E402
-from tests.vllm_engine.harness import EngineProcess  # noqa: E402
+from testkit.prompts import prompt  # noqa: E402
+from testkit.vllm_engine import EngineProcess  # noqa: E402
 from testkit.vllm_models import FOUR_LAYER  # noqa: E402
 from tiercache.process import ServerProcess  # noqa: E402
 

@@ -4,12 +4,18 @@ tests/test_architecture.py holds that line), imported by tests/ and benchmarks/ 
 Processes the tests and the lab start:
 - `redis_processes`: real redis-servers and Redis Clusters on free loopback ports; `polling`: waiting on them.
 
-The engine patches the tests and the lab's served engines load:
+vLLM's CPU engine, each in a process of its own (the engine tests' and benchmarks/vllm_engine.py's):
+- `vllm_engine`: an engine driven from the tests and the lab (`EngineProcess`), over the line protocol of
+  `engine_lines`; `vllm_engine_process`: the engine's process, with what it loads there (`vllm_engine_bytes`: the
+  bytes a request computes from, digested; `vllm_async_scheduling`; `offload_stats`: vLLM's offloading counters);
 - `vllm_models`: the tiny random-weight models the vLLM engines run (written, never downloaded), N from the
-  prediction for the engines' CPU;
+  prediction for the engines' CPU; `prompts`: prompts for them.
+
+The engine patches the tests and the lab's served engines load:
 - `cpu_stand_in`: an engine run as on another CPU (vLLM's capability checks answer for it);
 - `copy_on_write`: vLLM 0.32's copy of a partially hit hybrid block, fixed;
 - `offload_worker`: vLLM's offloading worker on vLLM's CPU platform (its four CUDA-only points stood in);
 - `connector_faults`, `tier_faults`: faults planted in TierCacheConnector's and TierCacheTier's paths, to show the
-  gates fail on them.
+  gates fail on them;
+- `hit_cap`: vLLM's own prefix hit held to a length a request names (the reference engine of the lab's exact replay).
 """

@@ -1,4 +1,4 @@
-"""Faults planted in the connector's load path inside a vLLM engine process (tests/vllm_engine/engine_process.py), one
+"""Faults planted in the connector's load path inside a vLLM engine process (testkit/vllm_engine_process.py), one
 request at a time, so that tests/vllm_engine/test_planted_faults.py can show that each exactness gate of the harness
 fails on the faults it is meant to catch. tiercache itself has no switch for this: the engine process wraps three
 methods of the connector (the scheduler's Planner and the worker's Loads, both in this process with the uni

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from testkit.prompts import VOCAB
+
 
 @dataclass(frozen=True)
 class TinyModel:
@@ -56,7 +58,7 @@ class TinyModel:
 
         torch.manual_seed(self.seed if seed is None else seed)
         config = Qwen3NextConfig(
-            vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=self.layers,
+            vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=self.layers,
             num_attention_heads=4, num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
             linear_conv_kernel_dim=4, full_attention_interval=self.full_attention_interval, num_experts=4,
@@ -91,7 +93,7 @@ class TinyDense:
             from transformers import Qwen3Config, Qwen3ForCausalLM
 
             torch.manual_seed(self.seed)
-            config = Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+            config = Qwen3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                                  max_position_embeddings=32768, eos_token_id=2, bos_token_id=1,
                                  torch_dtype="bfloat16")

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.engine_lines import ask
+from testkit.engine_lines import ask
 
 HERE = Path(__file__).parent
 HARNESS = HERE / "harness"  # sitecustomize.py + the sgl_kernel stand-in: on PYTHONPATH of every engine process

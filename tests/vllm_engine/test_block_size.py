@@ -21,8 +21,8 @@ import threading
 import pytest
 
 from testkit.cpu_stand_in import ENV, engine_cpu
-from tests.engine_lines import ask
-from tests.vllm_engine.harness import ENGINE_SCRIPT
+from testkit.engine_lines import ask
+from testkit.vllm_engine import ENGINE_SCRIPT
 from testkit.vllm_models import FOUR_LAYER, SIX_LAYER
 from tests.vllm_engine.process_env import process_env
 

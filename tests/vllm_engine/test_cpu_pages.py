@@ -5,7 +5,7 @@ namespace (connector/vllm/identity.page_layout) keeps the two apart. This machin
 with AVX-512 BF16 but no AMX stood in (testkit/cpu_stand_in).
 
 The planted fault: two more engines, one of each CPU, with the layout left out of the namespace (unnamed_pages,
-tests/vllm_engine/engine_process.py). The one without AMX then loads the other's pages, and the engine bytes gate
+testkit/vllm_engine_process.py). The one without AMX then loads the other's pages, and the engine bytes gate
 (its blocks against vLLM's own hit of the same prefix on that CPU) fails: that is what the namespace term prevents.
 """
 
@@ -17,8 +17,8 @@ import re
 import pytest
 
 from testkit.cpu_stand_in import ENV
-from tests.vllm_engine.conftest import prompt
-from tests.vllm_engine.harness import assert_same_bytes
+from testkit.prompts import prompt
+from tests.vllm_engine.gates import assert_same_bytes
 from tiercache.prefix.cpu_features import detect
 
 NO_AMX = "avx512_bf16"

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
-from tests.vllm_engine.harness import ENGINE_SCRIPT
+from testkit.vllm_engine import ENGINE_SCRIPT
 from testkit.vllm_models import FOUR_LAYER
+from tests.helpers import free_port
 from tests.vllm_engine.process_env import process_env
 
 CONNECTOR = {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.connector.vllm",

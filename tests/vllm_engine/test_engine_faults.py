@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from testkit.prompts import prompt
 from tests.helpers import ServerProcess, wait_for
-from tests.vllm_engine.conftest import prompt
-from tests.vllm_engine.harness import assert_finite, assert_same_bytes, assert_same_computation
+from tests.vllm_engine.gates import assert_finite, assert_same_bytes, assert_same_computation
 from tiercache.client import Client
 
 DOCUMENT_TOKENS = 16 * 1024 + 100

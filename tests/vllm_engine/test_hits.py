@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm_engine.conftest import prompt
-from tests.vllm_engine.harness import COMPARED_TOKENS, assert_finite, assert_same_bytes, assert_same_computation
+from testkit.prompts import prompt
+from testkit.vllm_engine import COMPARED_TOKENS
+from tests.vllm_engine.gates import assert_finite, assert_same_bytes, assert_same_computation
 
 
 @pytest.fixture(scope="module")

