@@ -69,7 +69,7 @@ test-sglang: install-sglang
 
 # The HiCache backend on SGLang's real engine on the CPU (scheduler, radix caches, HiCache controller, storage
 # prefetch and backup; tiny dense and hybrid models): .venv-sglang plus the engine's packages, and a harness that
-# the engines load at interpreter start (tests/sglang_engine/harness: a pure-torch sgl_kernel, CPU patches).
+# the engines load at interpreter start (testkit/sglang_site: a pure-torch sgl_kernel, CPU patches).
 install-sglang-engine: install
 	scripts/install_sglang_engine.sh
 

@@ -1,7 +1,8 @@
 """SGLang alone vs SGLang + its own file backend vs SGLang + tiercache, on SGLang 0.5.23's real engine on the CPU
-(tests/sglang_engine: its scheduler, radix cache, HiCache controller, storage prefetch and backup; the CPU harness on
-PYTHONPATH), with a random-weight dense Qwen3 written here. Time to first token (TTFT: the first streamed token,
-measured in the engine's process) and cached tokens (device, host, storage), per arm, in one run.
+(testkit/sglang_engine.py, as tests/sglang_engine runs it: its scheduler, radix cache, HiCache controller, storage
+prefetch and backup; testkit/sglang_site on PYTHONPATH), with a random-weight dense Qwen3 written here. Time to
+first token (TTFT: the first streamed token, measured in the engine's process) and cached tokens (device, host,
+storage), per arm, in one run.
 
 Arms (each HiCache with SGLang's host pool, L2, of twice the device pool, write-through, `direct` io backend,
 `page_first_direct` layout; `--page-size` tokens a page):
@@ -46,9 +47,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from tests.sglang_engine.conftest import prompt  # noqa: E402
-from tests.sglang_engine.engines import EngineProcess, Timed, engine_settings, start_together  # noqa: E402
-from tests.sglang_engine.models import TinyModel  # noqa: E402
+from testkit.prompts import prompt  # noqa: E402
+from testkit.sglang_engine import EngineProcess, Timed, engine_settings, start_together  # noqa: E402
+from testkit.sglang_models import TinyModel  # noqa: E402
 from tiercache.process import ServerProcess  # noqa: E402
 
 ARMS = ("alone", "file", "tiercache")

@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from tests.sglang import torchvision_stub  # noqa: E402,F401 - before SGLang's pool modules (see tests/sglang)
+from testkit import torchvision_stub  # noqa: E402,F401 - before SGLang's pool modules (see tests/sglang)
 
 import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig  # noqa: E402

@@ -3,7 +3,7 @@
 # what SGLang's engine and HTTP server import beyond its storage interface, pinned in
 # requirements/sglang-engine-0.5.23.txt and installed with --no-deps (pip's resolver would swap the CPU torch for
 # a CUDA build: SGLang asks for torch 2.14, sgl-kernel and flashinfer). SGLang's CUDA kernels are not installed: the
-# tests put a pure-torch stand-in and the CPU patches in place at interpreter start (tests/sglang_engine/harness).
+# tests put a pure-torch stand-in and the CPU patches in place at interpreter start (testkit/sglang_site).
 # Idempotent. Usage: scripts/install_sglang_engine.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,8 +18,8 @@ if [ ! -e "$stamp" ]; then
         "(requirements/sglang-engine-0.5.23.txt: uvloop, fastapi, xgrammar, ...; about 60 MB)"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
         -r requirements/sglang-engine-0.5.23.txt 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
-    say "checking that SGLang's engine and HTTP server import with the CPU harness (tests/sglang_engine/harness)"
-    SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=tests/sglang_engine/harness "$VENV/bin/python" -W ignore -c \
+    say "checking that SGLang's engine and HTTP server import with the CPU harness (testkit/sglang_site)"
+    SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=testkit/sglang_site "$VENV/bin/python" -W ignore -c \
         "import sglang.srt.entrypoints.engine, sglang.srt.entrypoints.http_server" >/dev/null 2>&1 \
         || { echo "SGLang's engine does not import in $VENV; remove it and re-run" >&2; exit 1; }
     touch "$stamp"

@@ -11,6 +11,12 @@ vLLM's CPU engine, each in a process of its own (the engine tests' and benchmark
 - `vllm_models`: the tiny random-weight models the vLLM engines run (written, never downloaded), N from the
   prediction for the engines' CPU; `prompts`: prompts for them.
 
+SGLang's CPU engine, each in a process of its own (the engine tests' and benchmarks/sglang_backend.py's):
+- `sglang_engine`: an engine driven from the tests and the lab; `sglang_engine_process`: the engine's process;
+  `sglang_site`: the folder on every SGLang process's PYTHONPATH (sitecustomize: what SGLang needs on this CPU, a
+  pure-torch `sgl_kernel`, the byte probe and planted faults); `sglang_models`: its tiny models;
+- `torchvision_stub`: an import-only torchvision for SGLang's storage pools beside the CPU torch.
+
 The engine patches the tests and the lab's served engines load:
 - `cpu_stand_in`: an engine run as on another CPU (vLLM's capability checks answer for it);
 - `copy_on_write`: vLLM 0.32's copy of a partially hit hybrid block, fixed;

@@ -2,11 +2,12 @@
 
 SGLang's host memory pools import `sglang.srt.configs`, which imports torchvision; the only torchvision wheels the
 package index has are CUDA builds that do not load beside the CPU torch. The pools themselves use none of it, so
-`torchvision_stub` puts an import-only stand-in in place for these tests (a real deployment has torchvision)."""
+`testkit/torchvision_stub.py` puts an import-only stand-in in place for these tests (a real deployment has
+torchvision)."""
 
 import importlib.util
 
 if importlib.util.find_spec("sglang") is None:
     collect_ignore_glob = ["*.py"]
 else:
-    from tests.sglang import torchvision_stub  # noqa: F401 - before any SGLang module that needs it
+    from testkit import torchvision_stub  # noqa: F401 - before any SGLang module that needs it

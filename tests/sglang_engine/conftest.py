@@ -3,29 +3,23 @@ controller, storage prefetch and backup) with tiny random-weight models, through
 `tiercache serve`.
 
 They run in .venv-sglang with the engine's extra packages (`make install-sglang-engine`; `make test-sglang-engine`
-runs them); anywhere else this folder is skipped. The CPU harness the engines load is in harness/ (sitecustomize).
+runs them); anywhere else this folder is skipped. What the engines load to run on this CPU is testkit/sglang_site
+(sitecustomize).
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-import numpy as np
 import pytest
 
+from tests.sglang_engine.scenarios import build
 from tiercache.process import ServerProcess
 
 _ENGINE = all(importlib.util.find_spec(name) is not None for name in ("sglang", "uvloop", "fastapi", "xgrammar"))
 
 if not _ENGINE:
     collect_ignore_glob = ["*.py"]
-
-VOCAB = 1024
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    """Token ids in [3, VOCAB): never the models' special tokens (<unk>, <s>, </s>)."""
-    return np.random.default_rng(seed).integers(3, VOCAB, length).tolist()
 
 
 @pytest.fixture(scope="session")
@@ -47,8 +41,6 @@ def scenario_server():
 
 
 def _scenario(kind: str, models_dir, scenario_server, tmp_path_factory):
-    from tests.sglang_engine.scenarios import build  # (scenarios imports this module's prompt)
-
     scenario = build(kind, models_dir, scenario_server.url, tmp_path_factory.mktemp(f"{kind}-engine-logs"),
                      tmp_path_factory.mktemp(f"{kind}-hicache-file"))
     yield scenario

@@ -7,13 +7,14 @@ shown to fail on the faults it is meant to catch in test_planted_faults.py.
   logprobs only from where its prefix match stops, so a test asks for them from the hit's end).
 - engine bytes: the request's KV pages (every attention layer, K and V, page by page, through SGLang's own
   request-to-token table) and the Mamba state it started from and ended with, as SGLang's device pools held them
-  (harness/probe.py), equal by sha256 to the reference request's. It sees what the outputs cannot: a fault the model
-  does not show in 16 tokens (test_planted_faults.py: two pages swapped, which attention sums over in any order).
+  (testkit/sglang_site/probe.py), equal by sha256 to the reference request's. It sees what the outputs cannot: a fault
+  the model does not show in 16 tokens (test_planted_faults.py: two pages swapped, which attention sums over in any
+  order).
 """
 
 from __future__ import annotations
 
-from tests.sglang_engine.engines import Completion
+from testkit.sglang_engine import Completion
 
 OUTPUT_TOKENS = 16
 TOP_LOGPROBS = 20

@@ -20,11 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.sglang_engine.conftest import prompt
-from tests.sglang_engine.engines import (Completion, EngineProcess, engine_settings, file_pages, server_pages,
-                                         start_together)
+from testkit.prompts import prompt
+from testkit.sglang_engine import Completion, EngineProcess, engine_settings, start_together
+from testkit.sglang_models import DENSE, HYBRID
 from tests.sglang_engine.gates import OUTPUT_TOKENS
-from tests.sglang_engine.models import DENSE, HYBRID
+from tests.sglang_engine.stored import file_pages, server_pages
 
 # Dense (Qwen3), page size 16: 12 full pages and 8 tokens; the hit is at most 192 tokens, the engine computes the rest.
 DENSE_PAGE = 16

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.sglang_engine.engines import ROOT
+from testkit.sglang_engine import ROOT
 
 
 @pytest.mark.timeout(660)  # the benchmark's own limit (600 s, below) decides, not the suite's 300 s per test

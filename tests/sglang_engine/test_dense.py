@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
+from testkit.sglang_models import transformers_greedy
 from tests.sglang_engine.gates import assert_exact
-from tests.sglang_engine.models import transformers_greedy
 from tests.sglang_engine.scenarios import DENSE_HIT, DENSE_PAGE, DENSE_PROMPT
 
 # The first test to ask for a scenario builds it (scenarios.py: two pairs of engine starts, up to 300 s each, and a

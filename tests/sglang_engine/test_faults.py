@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.sglang_engine.conftest import prompt
-from tests.sglang_engine.engines import (Completion, EngineProcess, engine_settings, server_namespaces,
-                                         start_together, wait_until)
+from testkit.prompts import prompt
+from testkit.sglang_engine import Completion, EngineProcess, engine_settings, start_together
+from testkit.sglang_models import DENSE
 from tests.sglang_engine.gates import OUTPUT_TOKENS, assert_exact
-from tests.sglang_engine.models import DENSE
+from tests.sglang_engine.stored import server_namespaces, wait_until
 from tiercache.client import Client
 from tiercache.process import ServerProcess
 from tiercache.record.encoding import read_header

@@ -1,9 +1,9 @@
-"""SGLang's HTTP server (`python -m sglang.launch_server`, SGLang 0.5.23's CPU engine with the harness on PYTHONPATH)
-with TierCacheStorage configured as a user would: `--hicache-storage-backend dynamic` and the backend's JSON in
-`--hicache-storage-backend-extra-config`. A prompt computed, SGLang's own hit on it, `/flush_cache` (it waits for
-the backups, then empties the device and host caches), and the prompt again: read from a real `tiercache serve`,
-with SGLang's own hit's logprobs, bit for bit. The launch path's own parts run: argument parsing and resolution,
-the server's warmup request, the tokenizer manager behind FastAPI, `/generate` with input ids and `/flush_cache`.
+"""SGLang's HTTP server (`python -m sglang.launch_server`, SGLang 0.5.23's CPU engine with testkit/sglang_site on
+PYTHONPATH) with TierCacheStorage configured as a user would: `--hicache-storage-backend dynamic` and the backend's JSON
+in `--hicache-storage-backend-extra-config`. A prompt computed, SGLang's own hit on it, `/flush_cache` (it waits for the
+backups, then empties the device and host caches), and the prompt again: read from a real `tiercache serve`, with
+SGLang's own hit's logprobs, bit for bit. The launch path's own parts run: argument parsing and resolution, the server's
+warmup request, the tokenizer manager behind FastAPI, `/generate` with input ids and `/flush_cache`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import urllib.request
 from pathlib import Path
 
 
-from tests.sglang_engine.conftest import prompt
-from tests.sglang_engine.engines import HARNESS, ROOT, engine_settings, server_pages, wait_until
+from testkit.prompts import prompt
+from testkit.sglang_engine import engine_env, engine_settings
+from testkit.sglang_models import DENSE
 from tests.sglang_engine.gates import OUTPUT_TOKENS
-from tests.sglang_engine.models import DENSE
+from tests.sglang_engine.stored import server_pages, wait_until
 from tiercache.process import free_port
 
 PAGE = 16
@@ -47,13 +48,12 @@ class HttpServer:
     def __init__(self, settings: dict, log_path: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        pythonpath = os.pathsep.join([str(HARNESS), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, "SGLANG_USE_CPU_ENGINE": "1"}
         self._log = open(log_path, "w")
         self.log_path = log_path
         self.process = subprocess.Popen(
             [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(self.port),
-             *command_line(settings)], env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+             *command_line(settings)], env=engine_env(), stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True)
 
     def ready(self) -> bool:
         """/health answers 200 once the server is up (after its own warmup request)."""

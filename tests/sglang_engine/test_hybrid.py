@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import pytest
 
+from testkit.sglang_models import transformers_greedy
 from tests.sglang_engine.gates import assert_exact, kv_differences, state_differences
-from tests.sglang_engine.models import transformers_greedy
 from tests.sglang_engine.scenarios import FIRST, HYBRID_HIT
 
 # The first test to ask for a scenario builds it (scenarios.py: two pairs of engine starts, up to 300 s each, and a

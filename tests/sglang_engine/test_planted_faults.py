@@ -1,6 +1,6 @@
 """Every gate shown to fail: faults planted in the reader engines of the session's scenarios (scenarios.py), one at a
-time, each for one request (harness/faults.py: the harness wraps TierCacheStorage's load calls in the engine process;
-tiercache has no switch for it). The reader's caches are flushed first, so the judged request is restored from
+time, each for one request (testkit/sglang_site/faults.py: the harness wraps TierCacheStorage's load calls in the engine
+process; tiercache has no switch for it). The reader's caches are flushed first, so the judged request is restored from
 storage again, with the fault; CAUGHT records which gate (gates.py) fails on which fault, dense and hybrid.
 
 What the table shows:

@@ -1,5 +1,6 @@
-"""Tiny random-weight models the SGLang engine tests write themselves, with a tokenizer trained here (nothing comes
-from a hub): Qwen3 (dense attention) and Qwen3-Next (Gated-DeltaNet + attention, SGLang's hybrid Mamba path).
+"""Tiny random-weight models the SGLang engine tests and benchmarks/sglang_backend.py write themselves, with a tokenizer
+trained here (nothing comes from a hub): Qwen3 (dense attention) and Qwen3-Next (Gated-DeltaNet + attention, SGLang's
+hybrid Mamba path).
 
 bf16 weights, vocabulary 1024: the tokenizer is a byte-level BPE trained on a generated corpus to exactly that size,
 with <unk>, <s>, </s> at ids 0, 1, 2 (the models' BOS and EOS). Tests pass token ids, so the tokenizer only has to
@@ -13,7 +14,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-VOCAB = 1024
+from testkit.prompts import VOCAB
 SPECIAL = ["<unk>", "<s>", "</s>"]
 FULL_ATTENTION_INTERVAL = 2  # hybrid: GDN, attention, GDN, attention
 
@@ -89,7 +90,7 @@ HYBRID = TinyModel("qwen3-next-tiny", "hybrid", layers=4)
 
 def transformers_greedy(path: str, tokens: list[int], steps: int) -> list[tuple[int, float]]:
     """(token, logprob) of `steps` greedy tokens after `tokens`, computed by transformers' own implementation of the
-    model (its pure-torch Gated-DeltaNet for Qwen3-Next): what SGLang's engine with the CPU harness must compute."""
+    model (its pure-torch Gated-DeltaNet for Qwen3-Next): what SGLang's engine with testkit/sglang_site must compute."""
     import torch
     from transformers import AutoModelForCausalLM
 

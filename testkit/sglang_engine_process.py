@@ -1,6 +1,6 @@
 """One real SGLang engine (`sglang.Engine`, SGLang 0.5.23's CPU engine) in a process of its own, driven by
-tests/sglang_engine/harness.py. SGLang's scheduler and detokenizer run in processes it spawns; the CPU harness
-(tests/sglang_engine/harness/sitecustomize.py) is on PYTHONPATH, so it loads at the start of every one of them.
+testkit/sglang_engine.py. SGLang's scheduler and detokenizer run in processes it spawns; what SGLang needs on this CPU
+(testkit/sglang_site/sitecustomize.py) is on PYTHONPATH, so it loads at the start of every one of them.
 
 Protocol: one JSON object per line on stdin, one answer per line on stdout ({"ready": true} first). Commands:
   {"op": "generate", "prompt": [ids], "max_new_tokens": n, "logprob_start_len": k (-1: output logprobs only),
@@ -8,8 +8,8 @@ Protocol: one JSON object per line on stdin, one answer per line on stdout ({"re
       -> {"cached": n, "details": {...} | null, "tokens": [..], "output": [[logprob, id], ..],
           "top": [{id: logprob}, ..], "input": [[logprob, id], ..], "seconds": s, "engine_bytes": {...} | null}:
          with "engine_bytes", the request's KV pages and Mamba state as SGLang's device pools held them
-         (harness/probe.py: the request gets a rid it records, read back through a Scheduler RPC)
-  {"op": "plant", "fault": name} -> {}: a fault (harness/faults.py) for the engine's next load of its kind
+         (sglang_site/probe.py: the request gets a rid it records, read back through a Scheduler RPC)
+  {"op": "plant", "fault": name} -> {}: a fault (sglang_site/faults.py) for the engine's next load of its kind
   {"op": "fired"} -> {"fired": [names]}: the faults that fired since the last "fired" (any still planted is removed)
   {"op": "timed", "prompt": [ids], "max_new_tokens": n}
       -> {"cached": n, "details": {...} | null, "tokens": [..], "ttft": s, "seconds": s}: the request streamed,
@@ -32,12 +32,12 @@ import tempfile
 import time
 
 TOP_LOGPROBS = 20
-PROBED = "probe-"  # harness/probe.py records the requests whose rid starts so
+PROBED = "probe-"  # sglang_site/probe.py records the requests whose rid starts so
 _probed = itertools.count()
 
 
 def rpc(engine, method: str, **parameters) -> None:
-    """A harness method on SGLang's scheduler (harness/probe.py, faults.py), through Engine.collective_rpc."""
+    """A harness method on SGLang's scheduler (sglang_site/probe.py, faults.py), through Engine.collective_rpc."""
     try:
         engine.collective_rpc(method, **parameters)
     except AssertionError as exc:  # collective_rpc asserts the RPC's success; its message is the scheduler's error

@@ -1,6 +1,7 @@
-"""Drive real SGLang engines (tests/sglang_engine/engine_process.py, one process each) from the tests: their settings
-(SGLang's CPU engine, HiCache with a storage backend: tiercache's or SGLang's own file backend), what they return,
-and how to wait until a storage backend holds what an engine backed up."""
+"""Real SGLang engines (SGLang 0.5.23's CPU engine), each in a process of its own (testkit/sglang_engine_process.py),
+driven from the tests and the lab (benchmarks/sglang_backend.py): their settings (HiCache with a storage backend:
+tiercache's or SGLang's own file backend) and what they return. Every engine process, and every process SGLang spawns
+from it, has testkit/sglang_site on PYTHONPATH: what SGLang needs to run on this CPU, loaded at interpreter start."""
 
 from __future__ import annotations
 
@@ -9,16 +10,15 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from testkit.engine_lines import ask
 
 HERE = Path(__file__).parent
-HARNESS = HERE / "harness"  # sitecustomize.py + the sgl_kernel stand-in: on PYTHONPATH of every engine process
-ENGINE_SCRIPT = HERE / "engine_process.py"
-ROOT = HERE.parents[1]
+SITE = HERE / "sglang_site"  # sitecustomize.py + the sgl_kernel stand-in: on PYTHONPATH of every engine process
+ENGINE_SCRIPT = HERE / "sglang_engine_process.py"
+ROOT = HERE.parent
 
 TIERCACHE_BACKEND = {"backend_name": "tiercache", "module_path": "tiercache.connector.sglang",
                      "class_name": "TierCacheStorage"}
@@ -35,8 +35,8 @@ class Completion:
     top: list[dict[str, float]]  # top-20 logprobs per generated token
     input: list[list]  # [logprob, token id] per prompt token from logprob_start_len (None for the first)
     seconds: float
-    # when asked for: hashes of the request's KV pages and Mamba state in SGLang's device pools (harness/probe.py),
-    # which the byte gate compares (gates.py)
+    # when asked for: hashes of the request's KV pages and Mamba state in SGLang's device pools
+    # (sglang_site/probe.py), which the byte gate compares (tests/sglang_engine/gates.py)
     engine_bytes: dict | None = None
 
     @property
@@ -101,17 +101,22 @@ def engine_settings(model_dir: str, *, page_size: int, storage: str | None = Non
     return settings
 
 
+def engine_env() -> dict:
+    """The environment of an SGLang process (an engine's, or `python -m sglang.launch_server`): this checkout's
+    tiercache and testkit/sglang_site on PYTHONPATH, SGLang's CPU engine."""
+    pythonpath = os.pathsep.join([str(SITE), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, "SGLANG_USE_CPU_ENGINE": "1"}
+
+
 class EngineProcess:
-    """One SGLang engine (sglang.Engine) in a process of its own, with the CPU harness loaded at every interpreter
-    start (PYTHONPATH), SGLang's spawned scheduler included."""
+    """One SGLang engine (sglang.Engine) in a process of its own, with testkit/sglang_site loaded at every
+    interpreter start (PYTHONPATH), SGLang's spawned scheduler included."""
 
     def __init__(self, settings: dict, log_path: Path, start_timeout_s: float = 300.0, wait: bool = True) -> None:
         """`wait=False`: return once the process is started; `ready()` waits for the engine (start_together)."""
         self.log_path = log_path
-        pythonpath = os.pathsep.join([str(HARNESS), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, "SGLANG_USE_CPU_ENGINE": "1"}
         self._log = open(log_path, "w")
-        self.process = subprocess.Popen([sys.executable, str(ENGINE_SCRIPT), json.dumps(settings)], env=env,
+        self.process = subprocess.Popen([sys.executable, str(ENGINE_SCRIPT), json.dumps(settings)], env=engine_env(),
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
                                         start_new_session=True)
         self._lock = threading.Lock()
@@ -127,13 +132,13 @@ class EngineProcess:
     def generate(self, prompt: list[int], max_new_tokens: int = 4, logprob_start_len: int = -1,
                  engine_bytes: bool = False, timeout_s: float = 300) -> Completion:
         """A greedy request; `engine_bytes`: with the hashes of its KV pages and Mamba state as SGLang's device pools
-        held them at its end (harness/probe.py)."""
+        held them at its end (sglang_site/probe.py)."""
         answer = self._call({"op": "generate", "prompt": prompt, "max_new_tokens": max_new_tokens,
                              "logprob_start_len": logprob_start_len, "engine_bytes": engine_bytes}, timeout_s)
         return Completion(**answer)
 
     def plant(self, fault: str) -> None:
-        """A fault (harness/faults.py) for the engine's next load of its kind from storage; it fires once."""
+        """A fault (sglang_site/faults.py) for the engine's next load of its kind from storage; it fires once."""
         self._call({"op": "plant", "fault": fault}, 60)
 
     def fired(self) -> list[str]:
@@ -189,41 +194,3 @@ def start_together(*engines: tuple[dict, Path]) -> list[EngineProcess]:
         for engine in started:
             engine.close()
         raise
-
-
-def wait_until(condition, what: str, timeout_s: float = 60.0):
-    """Poll `condition()` until it returns a true value (returned), or fail naming `what`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.05)
-
-
-def server_namespaces(url: str, model_name: str, token: str | None = None) -> dict[str, int]:
-    """{namespace: objects} a tiercache server holds for SGLang's pages (and states) of the model whose folder is
-    `model_name` (TierCacheStorage's namespaces are `sglang/<model path>@<layout digest>[~<salt digest>]`); `token`:
-    on a server with tenants, an admin's (it sees every tenant's namespaces)."""
-    from tiercache.client import Client
-
-    client = Client.from_url(url, token=token)
-    try:
-        return {n["namespace"]: n["chunks"] for n in client.stats()["namespaces"]
-                if n["namespace"].startswith("sglang/") and f"/{model_name}@" in n["namespace"]}
-    finally:
-        client.close()
-
-
-def server_pages(url: str, model_name: str, token: str | None = None) -> int:
-    """Objects a tiercache server holds for SGLang's pages (and states) of the model whose folder is `model_name`."""
-    return sum(server_namespaces(url, model_name, token).values())
-
-
-def file_pages(directory: Path, kind: str = "") -> int:
-    """Pages SGLang's file backend (HiCacheFile) holds in `directory`: KV pages (kind ""), or a side pool's
-    (kind "mamba": `<hash>.mamba_<suffix>.bin`)."""
-    names = [f.name[64:] for f in Path(directory).glob("*.bin")]  # after the 64-hex page hash
-    return sum(1 for name in names if name.startswith(f".{kind}_" if kind else "_"))

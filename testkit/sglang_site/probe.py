@@ -1,7 +1,7 @@
 """The engine's own bytes: what a request's KV pages and Mamba state hold inside SGLang's scheduler, for the
 real-engine tests' byte gate (tests/sglang_engine/gates.py). Loaded in every engine process by sitecustomize; it
-records only requests whose rid starts with PROBED (engine_process.py gives them such a rid when a test asks): other
-requests (the benchmarks') pay a string comparison per request and batch.
+records only requests whose rid starts with PROBED (testkit/sglang_engine_process.py gives them such a rid when a test
+asks): other requests (the benchmarks') pay a string comparison per request and batch.
 
 Per probed request, two moments:
 - when its first forward is about to run (`Scheduler.run_batch`): the Mamba state it starts from, the one the hit

@@ -1,5 +1,5 @@
 """`sgl_kernel.kvcacheio`'s `direct` io-backend transfers in plain torch indexing, for HiCache on the CPU
-(tests/sglang_engine/harness). Written from their call sites in SGLang 0.5.23 (mem_cache/pool_host/mha.py and
+(testkit/sglang_site). Written from their call sites in SGLang 0.5.23 (mem_cache/pool_host/mha.py and
 mamba.py): every index is a token slot (a Mamba state slot with page_size 1); a page-first host buffer is
 [pages, layers, page_size, ...] and slot s lives at [s // page_size, layer, s % page_size]; a device buffer is one
 layer, [slots, ...]. Pages are whole runs of page_size slots, so a slot-by-slot copy is the kernels' page copy.

@@ -1,5 +1,5 @@
 """A pure-torch stand-in for `sgl_kernel`, SGLang's kernel package, for SGLang's CPU engine on a machine without
-SGLang's CPU kernel build (tests/sglang_engine/harness).
+SGLang's CPU kernel build (testkit/sglang_site).
 
 No CPU wheel of sgl-kernel exists (`sgl-kernel` / `sglang-kernel` on PyPI are CUDA builds without an sdist, and
 installing them with their dependencies swaps the CPU torch for a CUDA one). SGLang's CPU path imports a few of its

@@ -1,4 +1,5 @@
-"""An import-only torchvision for SGLang's CPU tests (see conftest.py): modules and names exist, nothing works.
+"""An import-only torchvision for SGLang's storage tests and benchmarks/sglang_storage_calls.py
+(tests/sglang/conftest.py: why): modules and names exist, nothing works.
 
 transformers asks once whether torchvision is available and caches the answer: it is asked before the stub goes in,
 so transformers never tries to use it."""
