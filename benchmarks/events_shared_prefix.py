@@ -1,7 +1,7 @@
-"""The shared-prefix scenario of tests/events/test_router_agreement.py, timed: a hybrid pod and an attention-advertising
-one on two `tiercache serve --events` servers, llm-d-rules routers caught up before every request of a Mooncake trace
-slice (every conversation under the same first chunks). The restorable index's flush cost shows in the wait for the
-routers to catch up (docs/events.md, "What a flush costs").
+"""The shared-prefix scenario of tests/events/test_router_agreement.py (testkit/router_agreement.py), timed: a hybrid
+pod and an attention-advertising one on two `tiercache serve --events` servers, llm-d-rules routers caught up before
+every request of a Mooncake trace slice (every conversation under the same first chunks). The restorable index's flush
+cost shows in the wait for the routers to catch up (docs/events.md, "What a flush costs").
 
     .venv/bin/python -m benchmarks.events_shared_prefix REQUESTS FLUSH_S     # e.g. 48 0.01
 """
@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.events.agreement import HYBRID, serve_slice, start_pod, trace_slice
+from testkit.router_agreement import HYBRID, serve_slice, start_pod, trace_slice
 n, flush = int(sys.argv[1]), float(sys.argv[2])
 requests = trace_slice(n, 128, 1000)
 with tempfile.TemporaryDirectory() as tmp:

@@ -14,7 +14,7 @@ Router (benchmarks/fleet/router.py), one per policy, on real ZMQ sockets, with a
                (events.advertise: attention): what a router sees from a hybrid engine's own events;
   restorable   the longest prefix tiercache can restore (its default events);
   checkpoints  the same events, read by a router that also reads the checkpoints' `mamba` events
-               (benchmarks/fleet/checkpoint_index.py): where the prompt can resume, to the token;
+               (testkit/checkpoint_index.py): where the prompt can resume, to the token;
 ties go to the least loaded pod, then in turn. Before each request is routed, the index has caught up with every
 request served before it (two batches stamped after its saves; router.py says why that suffices).
 
@@ -27,7 +27,7 @@ TTFT, simulated (benchmarks/fleet/clock.py): lookup + load measured on the real 
 token, is vLLM CPU's cold prefill of a 4,096-token prompt on this project's 2-core machine (321.4 ms, tiny
 Qwen3-Next, docs/benchmarks.md "vllm_engine.py"): the engine serve_trace.py runs.
 
-Ideal hit tokens: what one pod whose cache never forgets could reuse of the slice (trace.shared_prefix_tokens:
+Ideal hit tokens: what one pod whose cache never forgets could reuse of the slice (mooncake_trace.shared_prefix_tokens:
 prompts sharing hash ids, whole or up to an earlier prompt's end), and the same per pod given each policy's routing.
 
 --diagnose adds to each request's row what the router believed of every pod (`scores`) and what every pod could have
@@ -55,16 +55,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.fleet.clock import PodClocks  # noqa: E402
 from benchmarks.fleet.ideal import resumable_prefix  # noqa: E402
 from benchmarks.fleet.router import POLICIES, Router  # noqa: E402
-from benchmarks.serving import trace  # noqa: E402
+from testkit import mooncake_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake-conversation.jsonl"
 MODEL = "fleet/qwen3.5-shape-small"
 
 
-def output_tokens(request: trace.TraceRequest, vocab: int) -> np.ndarray:
+def output_tokens(request: mooncake_trace.TraceRequest, vocab: int) -> np.ndarray:
     """The request's generated tokens: the same in every policy's run (seeded by its index)."""
-    return np.random.default_rng(request.index).integers(trace.FIRST_TOKEN, vocab, request.max_tokens)
+    return np.random.default_rng(request.index).integers(mooncake_trace.FIRST_TOKEN, vocab, request.max_tokens)
 
 
 def spec_for(args):
@@ -89,7 +89,7 @@ def block_tokens(args) -> int:
     return spec_for(args).chunk_tokens
 
 
-def run_policy(policy: str, requests: list[trace.TraceRequest], args) -> dict:
+def run_policy(policy: str, requests: list[mooncake_trace.TraceRequest], args) -> dict:
     """One policy on fresh simulated pods: a row per request, and the pods' tiers at the end."""
     from benchmarks.fleet.pods import EventSettings, SimulatedPod
 
@@ -155,7 +155,7 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 2) if values else None
 
 
-def summarize(policy: str, run: dict, requests: list[trace.TraceRequest], pods: list[str], n: int) -> dict:
+def summarize(policy: str, run: dict, requests: list[mooncake_trace.TraceRequest], pods: list[str], n: int) -> dict:
     rows = run["rows"]
     prompt = sum(r["prompt_tokens"] for r in rows)
     simulated = "hit_tokens" not in run  # real engines: hits from their counters, no per-request hit or wait
@@ -170,7 +170,7 @@ def summarize(policy: str, run: dict, requests: list[trace.TraceRequest], pods: 
         "policy": policy, "requests": len(rows), "prompt_tokens": prompt, "hit_tokens": hit,
         "hit_share": hit / prompt if prompt else 0.0,
         "ideal_given_routing": sum(sum(resumable_prefix(rs, n)) for rs in routed.values()),
-        "shared_given_routing": sum(trace.shared_prefix_tokens(rs) for rs in routed.values()),
+        "shared_given_routing": sum(mooncake_trace.shared_prefix_tokens(rs) for rs in routed.values()),
         "requests_per_pod": per_pod,
         "busiest_over_mean": max(per_pod.values()) / (len(rows) / len(pods)) if rows else None,
         "prompt_tokens_per_pod": {pod: sum(r["prompt_tokens"] for r in rows if r["pod"] == pod) for pod in pods},
@@ -329,13 +329,13 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    spec = trace.SliceSpec(start=args.start, max_requests=args.max_requests, time_scale=args.time_scale,
-                           max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens,
-                           vocab=args.vocab, conversations=args.conversations)
-    requests = trace.load(args.trace, spec)
+    spec = mooncake_trace.SliceSpec(start=args.start, max_requests=args.max_requests, time_scale=args.time_scale,
+                                    max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens,
+                                    vocab=args.vocab, conversations=args.conversations)
+    requests = mooncake_trace.load(args.trace, spec)
     prompt_tokens = sum(len(r.prompt) for r in requests)
     n = block_tokens(args)
-    shared = trace.shared_prefix_tokens(requests)
+    shared = mooncake_trace.shared_prefix_tokens(requests)
     ideal = sum(resumable_prefix(requests, n))
     pods = [f"pod-{k}" for k in range(args.pods)]
     if args.engine == "vllm":

@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.serving import report as reports  # noqa: E402
-from benchmarks.serving import trace  # noqa: E402
+from testkit import mooncake_trace  # noqa: E402
 from benchmarks.serving.stored import read_report  # noqa: E402
 from benchmarks.serving.arms import (ARMS, DEFAULT_ARMS, NOREUSE_ARMS, Bench, arms_to_run, interleaved, run_arm,  # noqa: E402
                                      work_and_model)
@@ -72,9 +72,10 @@ def run(args: argparse.Namespace) -> dict:
     arms = arms_to_run(args.arms)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     work, model_dir, block_size, model_name = work_and_model(args, "tiercache-serve-trace-")
-    spec = trace.SliceSpec(args.start, args.max_requests, args.time_scale, args.max_input_tokens,
-                           args.max_output_tokens, args.vocab, conversations=args.conversations)
-    requests, fresh = trace.load(args.trace, spec), trace.load(args.trace, dataclasses.replace(spec, fresh=True))
+    spec = mooncake_trace.SliceSpec(args.start, args.max_requests, args.time_scale, args.max_input_tokens,
+                                    args.max_output_tokens, args.vocab, conversations=args.conversations)
+    requests = mooncake_trace.load(args.trace, spec)
+    fresh = mooncake_trace.load(args.trace, dataclasses.replace(spec, fresh=True))
     if args.saturated:  # every request at once: the engines' throughput, not the offered rate
         requests, fresh = ([dataclasses.replace(r, arrival_s=0.0) for r in rs] for rs in (requests, fresh))
     bench = Bench(args, model_dir, block_size, work, requests, fresh)
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> dict:
               "model_dir": model_dir, "N": block_size, "work_dir": str(work), "trace_name": Path(args.trace).stem,
               "slice_span_s": round(requests[-1].arrival_s, 2),
               "slice_prompt_tokens": sum(len(r.prompt) for r in requests),
-              "slice_reusable_tokens": trace.shared_prefix_tokens(requests)}
+              "slice_reusable_tokens": mooncake_trace.shared_prefix_tokens(requests)}
     print(f"{len(requests)} requests over {params['slice_span_s']} s, {params['slice_prompt_tokens']} prompt tokens, "
           f"{params['slice_reusable_tokens']} of them repeating an earlier prefix; {args.repeats} rounds of "
           f"{', '.join(arms)}; logs in {work}", file=sys.stderr)
@@ -145,8 +146,8 @@ def name_conversations(params: dict, runs: list[dict]) -> None:
     fields = ("start", "max_requests", "time_scale", "max_input_tokens", "max_output_tokens", "vocab", "conversations")
     if not unnamed or path is None or any(name not in params for name in fields):
         return
-    spec = trace.SliceSpec(*(params[name] for name in fields[:-1]), conversations=params["conversations"])
-    conversations = {r.index: trace.conversation(r.hash_ids) for r in trace.load(path, spec)}
+    spec = mooncake_trace.SliceSpec(*(params[name] for name in fields[:-1]), conversations=params["conversations"])
+    conversations = {r.index: mooncake_trace.conversation(r.hash_ids) for r in mooncake_trace.load(path, spec)}
     for outcome in unnamed:
         outcome["conversation"] = conversations.get(outcome["index"])
 

@@ -1,5 +1,5 @@
 """Fail when a CI run skipped a test that .ci/allowed-skips does not name: tests that need the trace, a tool or a
-mount must find them on the CI machine (`make install` and tests/data provide them), or be listed there with why.
+mount must find them on the CI machine (`make install` and testkit/traces provide them), or be listed there with why.
 
     python3 scripts/check_skips.py SKIPS_FILE ALLOWED_FILE
 SKIPS_FILE holds one JSON object per skip ({"test", "reason"}), written by tests/conftest.py when

@@ -17,6 +17,14 @@ SGLang's CPU engine, each in a process of its own (the engine tests' and benchma
   pure-torch `sgl_kernel`, the byte probe and planted faults); `sglang_models`: its tiny models;
 - `torchvision_stub`: an import-only torchvision for SGLang's storage pools beside the CPU torch.
 
+Routers reading tiercache's KV events, and the trace they are replayed on (tests/events, tests/dynamo, the lab's fleet):
+- `event_subscriber`: a router's end of a pod's event streams (live batches and replays, on real ZMQ sockets);
+- `llmd_index`: a router's prefix index following llm-d's rules; `checkpoint_index`: one that also reads tiercache's
+  checkpoint events; `llmd_subscriber`: pods' streams fed into either under llm-d's subscriber rules;
+- `saved_chunks`: the objects a connector saves for a prompt, made without an engine; `router_agreement`: a router
+  following a pod's stream, set against Lookup on a trace slice;
+- `mooncake_trace`: Mooncake-format traces turned into prompts; `traces/`: the slice of one that the tests read.
+
 The engine patches the tests and the lab's served engines load:
 - `cpu_stand_in`: an engine run as on another CPU (vLLM's capability checks answer for it);
 - `copy_on_write`: vLLM 0.32's copy of a partially hit hybrid block, fixed;

@@ -23,7 +23,7 @@ import xxhash
 from benchmarks.serving.engines import VLLM_COUNTERS
 from benchmarks.serving.prometheus import prometheus_sum
 from benchmarks.serving.replay import Outcome, complete
-from benchmarks.serving.trace import FIRST_TOKEN, TraceRequest
+from testkit.mooncake_trace import FIRST_TOKEN, TraceRequest
 
 SYSTEM, CONTEXT, QUESTION = 0, 1, 2  # the parts of a prompt, in the generators' seeds
 

@@ -1,7 +1,7 @@
 """Ideal hit tokens of a trace slice for a hybrid engine: what a pod whose cache never forgets could resume from.
 
-trace.shared_prefixes counts every token a prompt shares with an earlier one. A hybrid engine resumes only where
-a recurrent checkpoint was saved: at a multiple of N (the connector saves a state at each block boundary of a
+mooncake_trace.shared_prefixes counts every token a prompt shares with an earlier one. A hybrid engine resumes only
+where a recurrent checkpoint was saved: at a multiple of N (the connector saves a state at each block boundary of a
 prompt) or at an earlier prompt's end (a state and the tail there). So per request the shared prefix counts when it
 ends where an earlier prompt ended, and is rounded down to a multiple of N otherwise; at most the prompt's length - 1
 (the engine computes the last token).
@@ -9,7 +9,7 @@ ends where an earlier prompt ended, and is rounded down to a multiple of N other
 
 from __future__ import annotations
 
-from benchmarks.serving.trace import BLOCK_TOKENS, TraceRequest, shared_prefixes
+from testkit.mooncake_trace import BLOCK_TOKENS, TraceRequest, shared_prefixes
 
 
 def resumable_prefix(requests: list[TraceRequest], n: int) -> list[int]:

@@ -7,10 +7,10 @@ Policies:
   only attention kinds; an attention block without a checkpoint at or after it cannot be resumed from).
 - `restorable`: the longest prefix tiercache can restore, from its default events (docs/events.md).
 - `checkpoints`: tiercache's default events read by a router that also reads its checkpoints' `mamba` events
-  (benchmarks/fleet/checkpoint_index.py): the deepest restorable checkpoint whose tokens follow in the prompt, to the
+  (testkit/checkpoint_index.py): the deepest restorable checkpoint whose tokens follow in the prompt, to the
   token (a hit that ends mid-block included), at most the prompt's last token but one.
-The event policies keep an index following llm-d's rules (benchmarks/fleet/llmd_index.py: canonical 16-token keys)
-fed from every pod's real ZMQ sockets (benchmarks/fleet/llmd_subscriber.py), and send a request where it is expected
+The event policies keep an index following llm-d's rules (testkit/llmd_index.py: canonical 16-token keys)
+fed from every pod's real ZMQ sockets (testkit/llmd_subscriber.py), and send a request where it is expected
 to cost least, weighing the prefill a pod would still have to do against the work it already has (as cost-based KV
 routers do; Dynamo's weighs the blocks to prefill against a worker's load), in seconds of the simulated clock:
 cost = load_weight x the pod's backlog (queued work, benchmarks/fleet/clock.py) + the prompt tokens the index says it
@@ -33,9 +33,9 @@ from typing import Sequence
 
 import msgpack
 
-from benchmarks.fleet.checkpoint_index import CheckpointIndex
-from benchmarks.fleet.llmd_index import LlmdIndex
-from benchmarks.fleet.llmd_subscriber import Feeds, PodFeed
+from testkit.checkpoint_index import CheckpointIndex
+from testkit.llmd_index import LlmdIndex
+from testkit.llmd_subscriber import Feeds, PodFeed
 
 POLICIES = ("round-robin", "attention", "restorable", "checkpoints")
 EVENT_POLICIES = ("attention", "restorable", "checkpoints")

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.fleet.router import Router
-from benchmarks.serving import trace
+from testkit import mooncake_trace
 from benchmarks.serving.engines import EngineFailed, EngineSettings, VllmServer
 from benchmarks.serving.prometheus import prometheus_sum, scrape
 from benchmarks.serving.replay import complete, replay
@@ -100,7 +100,7 @@ async def _routed(requests, urls: dict[str, str], model: str, router: Router, pr
     async with aiohttp.ClientSession(connector=limits, timeout=aiohttp.ClientTimeout(total=600)) as session:
         started = time.perf_counter()
 
-        async def one(request: trace.TraceRequest) -> dict:
+        async def one(request: mooncake_trace.TraceRequest) -> dict:
             delay = request.arrival_s - (time.perf_counter() - started)
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -126,13 +126,14 @@ def _warm_up(url: str, model: str, vocab: int) -> None:
     import numpy as np
 
     for i, length in enumerate((300, 1000)):
-        prompt = tuple(int(t) for t in np.random.default_rng(900 + i).integers(trace.FIRST_TOKEN, vocab, length))
-        outcomes, _ = asyncio.run(replay([trace.TraceRequest(i, 0.0, prompt, 2, ())], [url], model))
+        rng = np.random.default_rng(900 + i)
+        prompt = tuple(int(t) for t in rng.integers(mooncake_trace.FIRST_TOKEN, vocab, length))
+        outcomes, _ = asyncio.run(replay([mooncake_trace.TraceRequest(i, 0.0, prompt, 2, ())], [url], model))
         if not outcomes[0].ok:
             raise EngineFailed(f"warm-up request failed on {url}: {outcomes[0].error}")
 
 
-def run_policy(policy: str, requests: list[trace.TraceRequest], args) -> dict:
+def run_policy(policy: str, requests: list[mooncake_trace.TraceRequest], args) -> dict:
     work = Path(getattr(args, "work_dir", None) or tempfile.mkdtemp(prefix="tiercache-fleet-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
     model_dir, block_size = _model(args, work)

@@ -16,11 +16,12 @@ import re
 import sys
 import time
 
-from benchmarks.serving import exact, trace
+from benchmarks.serving import exact
 from benchmarks.serving.engines import EngineFailed, VllmServer
 from benchmarks.serving.prometheus import prometheus_sum, scrape
 from benchmarks.serving.offloading import engine_figures, figures_change, summed, tier_activity
 from benchmarks.serving.replay import ROUTES, Outcome, replay, summary
+from testkit.mooncake_trace import FIRST_TOKEN, TraceRequest
 
 PUT_METHODS = re.compile(r'method="(Put|Commit|DataPut)"')  # the calls that store a chunk, however it travels
 TIERCACHE_COUNTERS = {"delivered": "tiercache_delivered_tokens_total", "loads": "tiercache_delivered_loads_total",
@@ -122,8 +123,7 @@ def warm_up(engine: VllmServer, bench) -> None:
     import numpy as np
 
     rng = np.random.default_rng()
-    warm = [trace.TraceRequest(i, 0.0, tuple(int(t) for t in rng.integers(trace.FIRST_TOKEN, bench.args.vocab,
-                                                                          length)), 2, ())
+    warm = [TraceRequest(i, 0.0, tuple(int(t) for t in rng.integers(FIRST_TOKEN, bench.args.vocab, length)), 2, ())
             for i, length in enumerate((300, 1000))]
     for request in warm:
         outcomes, _ = asyncio.run(replay([request], [engine.url], bench.model_dir))

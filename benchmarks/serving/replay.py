@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from benchmarks.serving import trace
-from benchmarks.serving.trace import TraceRequest
+from testkit import mooncake_trace
+from testkit.mooncake_trace import TraceRequest
 
 
 @dataclass
@@ -44,7 +44,7 @@ def round_robin(position: int, request: TraceRequest) -> int:
 
 def by_conversation(position: int, request: TraceRequest) -> int:
     """Session affinity: every turn of a conversation to the same server."""
-    return trace.conversation(request.hash_ids) & 0x7FFFFFFF
+    return mooncake_trace.conversation(request.hash_ids) & 0x7FFFFFFF
 
 
 ROUTES = {"round-robin": round_robin, "conversation": by_conversation}
@@ -100,7 +100,7 @@ async def complete(session, server: str, model: str, request: TraceRequest, xarg
         body["vllm_xargs"] = xargs
     sent = time.perf_counter()
     outcome = Outcome(request.index, server, ok=False,
-                      conversation=trace.conversation(request.hash_ids) if request.hash_ids else None)
+                      conversation=mooncake_trace.conversation(request.hash_ids) if request.hash_ids else None)
     try:
         async with session.post(server + "/v1/completions", json=body) as answer:
             if answer.status != 200:

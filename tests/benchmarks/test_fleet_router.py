@@ -13,8 +13,8 @@ from benchmarks.fleet.clock import PodClocks
 from benchmarks.fleet.ideal import resumable_prefix
 from benchmarks.fleet.pods import SimulatedPod
 from benchmarks.fleet.router import Router
-from benchmarks.serving import trace
-from tests.events.saves import N, spec_of
+from testkit import mooncake_trace
+from testkit.saved_chunks import N, spec_of
 from tests.prefix.chains import HYBRID
 
 MODEL = "tiny"
@@ -54,7 +54,7 @@ def test_the_ideal_resumes_at_block_boundaries_or_at_an_earlier_prompts_end(tmp_
             {"timestamp": 4, "input_length": 1800, "output_length": 5, "hash_ids": [0, 1, 2, 4]}]
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    requests = trace.load(path, trace.SliceSpec())
+    requests = mooncake_trace.load(path, mooncake_trace.SliceSpec())
     # The second shares the first's 512-token block 0 (no checkpoint there at N = 560); the third and fourth resume
     # at the previous prompt's end; the fifth shares 1,536 tokens with the fourth, which ended further on: 2 x 560.
     assert resumable_prefix(requests, 560) == [0, 0, 1200, 1500, 1120]

@@ -165,7 +165,7 @@ def test_reports_made_apart_merge_as_further_rounds(tmp_path, monkeypatch):
 
 def test_drain_says_whether_a_replay_kept_up():
     from benchmarks.serving.measure import drain_s
-    from benchmarks.serving.trace import TraceRequest
+    from testkit.mooncake_trace import TraceRequest
 
     requests = [TraceRequest(i, float(i), (1, 2), 1, ()) for i in range(5)]  # last arrival at 4 s
     assert drain_s(requests, 4.5) == 0.5

@@ -29,9 +29,9 @@ from collections import Counter
 
 import pytest
 
-from tests.events.agreement import HYBRID, MODEL, LlmdRouter, evicted_and_lost, pods_in, serve_slice, trace_slice
-from tests.events.saves import N, chunks, engine_hash, prompt, spec_of
-from tests.events.subscriber import Subscriber
+from testkit.event_subscriber import Subscriber
+from testkit.router_agreement import HYBRID, MODEL, LlmdRouter, evicted_and_lost, pods_in, serve_slice, trace_slice
+from testkit.saved_chunks import N, chunks, engine_hash, prompt, spec_of
 from tests.helpers import free_port
 from tests.prefix.chains import ATTENTION
 

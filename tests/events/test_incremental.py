@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from tests.events.saves import N, U, Router, prompt
+from testkit.saved_chunks import N, U, prompt
+from tests.events.strict_router import Router
 from tests.events.test_restorable import Saver, flush, make_store, pod_of
 from tests.prefix.chains import ATTENTION, HYBRID
 from tiercache.config import KiB

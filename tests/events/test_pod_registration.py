@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from tests.events.saves import chunks, prompt, spec_of
-from tests.events.subscriber import Subscriber
+from testkit.event_subscriber import Subscriber
+from testkit.saved_chunks import chunks, prompt, spec_of
 from tests.events.test_publisher import inventory, register, served  # noqa: F401 - a fixture
 from tests.helpers import ServerProcess, wait_for
 from tests.prefix.chains import HYBRID

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.events.saves import Router, chunks, engine_hash, prompt, spec_of
-from tests.events.subscriber import Subscriber
+from testkit.event_subscriber import Subscriber
+from testkit.saved_chunks import chunks, engine_hash, prompt, spec_of
+from tests.events.strict_router import Router
 from tests.helpers import ServerProcess
 from tests.prefix.chains import ATTENTION, HYBRID
 from tests.server.test_security import NS_A, NS_B, TOKEN_A, TOKEN_B, tenants_file  # noqa: F401 - a fixture

@@ -13,8 +13,9 @@ import urllib.request
 
 import pytest
 
-from tests.events.saves import N, Router, chunks, engine_hash, prompt, spec_of
-from tests.events.subscriber import Subscriber
+from testkit.event_subscriber import Subscriber
+from testkit.saved_chunks import N, chunks, engine_hash, prompt, spec_of
+from tests.events.strict_router import Router
 from tests.helpers import ServerProcess, free_port
 from tests.prefix.chains import ATTENTION, HYBRID
 from tests.server.test_security import SALT_A, TOKEN_A, TOKEN_B, TOKEN_OPS, tenants_file  # noqa: F401 - a fixture

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.events.saves import N, Router, chunks, engine_hash, prompt, refs, spec_of
+from testkit.saved_chunks import N, chunks, engine_hash, prompt, refs, spec_of
+from tests.events.strict_router import Router
 from tests.prefix.chains import ATTENTION, HYBRID, SLIDING
 from tiercache.config import Config, DiskTierConfig, HostTierConfig, KiB, MiB, RedisTierConfig
 from tiercache.events.blocks import AllBlocksCleared, BlockRemoved, Pod
@@ -26,7 +27,7 @@ def make_store(tmp_path, host=4 * MiB, disk=8 * MiB) -> TieredStore:
 
 
 class Saver:
-    """Saves a prompt's objects into the store as the connectors do (tests/events/saves.py), in each rank."""
+    """Saves a prompt's objects into the store as the connectors do (testkit/saved_chunks.py), in each rank."""
 
     def __init__(self, store: TieredStore, layout: ModelLayout, ranks: int = 1, payload_bytes: int = 1000) -> None:
         self.store = store

@@ -5,7 +5,7 @@ The saves are a connector's (tiercache.bench.SimulatedEngine through PrefixCache
 and of prompt + output, with tokens and the engine's block hashes on the anchor group's chunks, a state at every
 chunk boundary of the prompt, tail + state at the prompt's end and at the output's) into `tiercache serve --events`
 with host and disk tiers small enough that chains are demoted and lost during the slice. The router is
-benchmarks/fleet/llmd_index.py (llm-d's rules) fed from the pod's real ZMQ sockets; it has caught up when it holds a
+testkit/llmd_index.py (llm-d's rules) fed from the pod's real ZMQ sockets; it has caught up when it holds a
 marker chain whose last object was the last put (a flush takes every change noted before it).
 
 What must agree, and why (N: the events' block size; counts are whole N blocks, as the router's key matches inside
@@ -22,7 +22,7 @@ a block count nothing here: its partial keys are rounded down):
 - For an attention-only model there is no checkpoint to miss: the router's count equals Lookup's on every prompt.
 - A router fed what an engine's own events say (events.advertise: attention: every saved attention block) ignores
   the recurrent state: on the hybrid model it disagrees with Lookup on some prompts.
-- A router that also reads the checkpoints' `mamba` events (benchmarks/fleet/checkpoint_index.py: the deepest
+- A router that also reads the checkpoints' `mamba` events (testkit/checkpoint_index.py: the deepest
   checkpoint on the prompt's matched path whose tokens follow in the prompt) counts exactly Lookup's hit on every
   prompt, in tokens: it is asked of the prompt followed by the unknown token, as Lookup is, and stops one token short
   of that, as Lookup does. The same stream feeds both counts (the pods' router is CheckpointRouter, whose `matched`
@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.serving import trace
-from tests.events.agreement import (HYBRID, Agreement, CheckpointRouter, evicted_and_lost, pods_in, serve_slice,
-                                   trace_slice)
-from tests.events.saves import N
+from testkit import mooncake_trace
+from testkit.router_agreement import (HYBRID, Agreement, CheckpointRouter, evicted_and_lost, pods_in, serve_slice,
+                                      trace_slice)
+from testkit.saved_chunks import N
 from tests.prefix.chains import ATTENTION
 
 
@@ -48,7 +48,7 @@ def pods(tmp_path):
         yield start
 
 
-def check_hybrid(pods, requests: list[trace.TraceRequest]) -> tuple[Agreement, Agreement]:
+def check_hybrid(pods, requests: list[mooncake_trace.TraceRequest]) -> tuple[Agreement, Agreement]:
     restorable = pods(HYBRID)
     attention = pods(HYBRID, "--events-advertise", "attention")
     exact, ignorant = serve_slice(requests, restorable, attention)

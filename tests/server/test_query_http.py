@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import socket
 
-from tests.events.saves import chunks, prompt, spec_of
+from testkit.saved_chunks import chunks, prompt, spec_of
 from tests.events.test_query import post, register, served  # noqa: F401 - a fixture
 from tests.prefix.chains import HYBRID
 from tiercache.client import Client

@@ -12,8 +12,8 @@ import msgspec
 import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-from tests.events.saves import chunks, engine_hash, prompt, spec_of
-from tests.events.subscriber import Subscriber
+from testkit.event_subscriber import Subscriber
+from testkit.saved_chunks import chunks, engine_hash, prompt, spec_of
 from tests.helpers import ServerProcess, wait_for
 from tests.prefix.chains import ATTENTION, HYBRID
 from tests.vllm.engine import ATTENTION as ENGINE_ATTENTION

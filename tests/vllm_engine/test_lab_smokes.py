@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.chat import loop
-from benchmarks.serving import trace
+from testkit import mooncake_trace
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACE = ROOT / "tests" / "data" / "mooncake-conversation-slice.jsonl"  # its first 6 rows are the trace's
+TRACE = mooncake_trace.CONVERSATION_SLICE  # its first 6 rows are the trace's
 
 
 @pytest.mark.slow
@@ -47,8 +47,8 @@ def test_serve_trace_three_arms_on_a_few_requests(tmp_path):
         assert len(run["provenance"]["commit"]) == 40 and run["provenance"]["load"]["loadavg_1m"]["samples"] >= 1
     # Every served engine ran with the test kit's copy-on-write fix (engines.py refuses one that did not).
     assert "copy-on-write" in report["meta"]["engine"]
-    expected = trace.load(TRACE, trace.SliceSpec(max_requests=6, time_scale=0.02, max_input_tokens=1024,
-                                                 max_output_tokens=4))
+    spec = mooncake_trace.SliceSpec(max_requests=6, time_scale=0.02, max_input_tokens=1024, max_output_tokens=4)
+    expected = mooncake_trace.load(TRACE, spec)
     for run in report["runs"]:
         name, arm = run["arm"], run["result"]
         assert arm["requests"] == 6 and arm["errors"] == 0, (name, arm.get("error_kinds"))

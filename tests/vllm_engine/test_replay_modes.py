@@ -10,7 +10,7 @@ import json
 import pytest
 
 from benchmarks.serving.replay import replay
-from benchmarks.serving.trace import TraceRequest
+from testkit.mooncake_trace import TraceRequest
 
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402

@@ -23,7 +23,7 @@ It reads what llm-d's kvevents pool reads and keeps what it keeps:
   `DefaultKVCacheBackendConfig`). `score` also gives the plain matched token count per pod.
 
 The sequence rules of llm-d's ZMQ subscriber (replay on connect, gaps, resets) are in `Source`; a subscriber on
-real sockets that feeds this index is benchmarks/fleet/llmd_subscriber.py.
+real sockets that feeds this index is testkit/llmd_subscriber.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The checkpoint-aware index (benchmarks/fleet/checkpoint_index.py) on batches shaped as tiercache sends them: a
+"""The checkpoint-aware index (testkit/checkpoint_index.py) on batches shaped as tiercache sends them: a
 hybrid model's attention blocks and its checkpoints' `mamba` blocks (own hash, parent block, tokens since it). It
 scores the deepest checkpoint whose tokens follow in the prompt, to the token, on the pod's matched path, one token
 short of the prompt's end at most; refcounted removals by the checkpoint's hash; clears; the attention index stays
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.fleet.checkpoint_index import CheckpointIndex
-from tests.benchmarks.test_llmd_index import N, TOPIC, chain, payload, removed, stored, tokens
+from testkit.checkpoint_index import CheckpointIndex
+from tests.events.test_llmd_index import N, TOPIC, chain, payload, removed, stored, tokens
 
 STATE_GROUP = 1
 

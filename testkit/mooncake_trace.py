@@ -1,5 +1,6 @@
 """Mooncake-format traces (one JSON object per request: `timestamp` ms, `input_length`, `output_length`, `hash_ids`,
-one id per 512-token block) turned into token-id prompts.
+one id per 512-token block) turned into token-id prompts: what the lab's serving, chat and fleet benchmarks replay,
+and the router-agreement tests' prompts (testkit/router_agreement.py).
 
 Every hash id becomes the same 512 token ids wherever it appears (a generator seeded by the id), so requests whose
 ids agree on a prefix share exactly that many tokens of prompt, as in the service the trace came from. The last
@@ -19,8 +20,10 @@ import numpy as np
 import xxhash
 
 BLOCK_TOKENS = 512  # the trace's block size: one hash id per 512 prompt tokens
-FIRST_TOKEN = 3  # never BOS (1) or EOS (2) of the benchmark's models
+FIRST_TOKEN = 3  # never BOS (1) or EOS (2) of the models the prompts are for
 FRESH_IDS = 1 << 40  # ids of `fresh` prompts start here: no trace id is that large
+# The rows of the conversation trace the tests read (testkit/traces/README.md: which, and the trace's license).
+CONVERSATION_SLICE = Path(__file__).resolve().parent / "traces" / "mooncake-conversation-slice.jsonl"
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 that "learns to read them" (docs/events.md, "What is published") knows of where a hybrid model's prompt can resume,
 to the token.
 
-llm-d skips `kv_cache_spec_kind="mamba"` events and counts whole attention blocks (benchmarks/fleet/llmd_index.py,
+llm-d skips `kv_cache_spec_kind="mamba"` events and counts whole attention blocks (testkit/llmd_index.py,
 kept here as it is, in `attention`). On a hybrid model that overcounts where a prompt leaves a branch between a block
 and the branch's next restorable checkpoint, and it cannot see a hit that ends mid-block (tail + state at a prompt's
 end: every short chat turn). tiercache publishes each restorable checkpoint as a BlockStored of kind `mamba` (one per
@@ -23,10 +23,10 @@ its Lookup resumes at (their blocks with them), and the router only finds them i
 Why the path is not walked through llm-d's holders (LongestPrefixScorer's walk): the llm-d-rules index drops a pod
 from every request key of a removed engine block (llmd_index.py `_remove`), also from keys that other blocks of the
 pod still hold. With N = 560 (35 keys a block) every conversation's first block shares the 32 keys of the trace's
-512-token system prompt, so once one first block of a pod was evicted the walk stopped at key 0 for that pod: in the
-fleet benchmark (benchmarks/fleet_trace.py --max-requests 600 --host-mem 512MiB --diagnose) 32 of 1,200 (request,
-pod) pairs read 0 where the pod could restore 2,240 to 8,191 tokens (0 of 1,200 since). A checkpoint is withdrawn
-when it stops being restorable, so its own key is the path's proof.
+512-token system prompt, so once one first block of a pod is evicted the walk stops at key 0 for that pod, though
+the pod can still restore thousands of tokens of the prompt (`benchmarks/fleet_trace.py --diagnose` records, per
+request, what the router believed of each pod beside what the pod could restore; docs/benchmarks.md,
+"fleet_trace.py"). A checkpoint is withdrawn when it stops being restorable, so its own key is the path's proof.
 
 Keys are matched at an attention block's end, so N must be a multiple of the canonical block size (16), as llm-d's
 keys of consecutive blocks need too. A pod whose events carry no checkpoints (an attention-only model) scores 0
@@ -39,8 +39,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence as Seq
 
-from benchmarks.fleet.llmd_index import (OTHER_WEIGHT, Cleared, LlmdIndex, Removed, Stored, UndecodableBatch,
-                                         decode_batch, parse_topic)
+from testkit.llmd_index import (OTHER_WEIGHT, Cleared, LlmdIndex, Removed, Stored, UndecodableBatch, decode_batch,
+                                parse_topic)
 
 CHECKPOINT_KIND = "mamba"  # vLLM's kind for recurrent groups; tiercache's kind for its checkpoints
 

@@ -1,4 +1,4 @@
-"""The llm-d-rules index (benchmarks/fleet/llmd_index.py) on batches in both of vLLM's encodings: what it keeps and
+"""The llm-d-rules index (testkit/llmd_index.py) on batches in both of vLLM's encodings: what it keeps and
 skips, parents, canonical request keys, refcounted removals, clears, LongestPrefixScorer, and the subscriber's
 sequence rules (replay on connect, gaps, restarts, bad replays)."""
 
@@ -9,7 +9,7 @@ import random
 import msgpack
 import pytest
 
-from benchmarks.fleet.llmd_index import BLOCK_STORED_FIELDS, LlmdIndex, Source, parse_topic
+from testkit.llmd_index import BLOCK_STORED_FIELDS, LlmdIndex, Source, parse_topic
 
 N = 32  # the events' block size: two canonical (16-token) blocks each
 TOPIC = "kv@pod-a@tiny"

@@ -1,7 +1,7 @@
 """A router's end of pods' KV-event streams on real ZMQ sockets, feeding an LlmdIndex under llm-d's subscriber rules
-(benchmarks/fleet/llmd_index.py Source), or a CheckpointIndex (benchmarks/fleet/checkpoint_index.py: llm-d's index and
-the checkpoints' own events): per pod a SUB on its endpoint and a DEALER for replays on its replay endpoint, a replay
-from 0 on connect, gaps repaired, a publisher that went back to seq 0 rebuilt.
+(testkit/llmd_index.py Source), or a CheckpointIndex (testkit/checkpoint_index.py: llm-d's index and the checkpoints'
+own events): per pod a Subscriber (testkit/event_subscriber.py) on llm-d's topics, a replay from 0 on connect, gaps
+repaired, a publisher that went back to seq 0 rebuilt.
 
 Single-threaded on purpose: `pump` reads what has arrived and applies it, so a benchmark or a test decides when the
 index moves (no lock between the index and whoever scores with it).
@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Callable
 
 import zmq
 
-from benchmarks.fleet.llmd_index import LlmdIndex, Source, parse_topic
+from testkit.event_subscriber import MalformedReplay, Subscriber, raw
+from testkit.llmd_index import LlmdIndex, Source, parse_topic
 
 if TYPE_CHECKING:
-    from benchmarks.fleet.checkpoint_index import CheckpointIndex
+    from testkit.checkpoint_index import CheckpointIndex
 
-END_SEQ = -1
+LLMD_TOPICS = b"kv@"  # llm-d's topic filter
 
 
 class PodFeed:
@@ -29,16 +30,16 @@ class PodFeed:
     def __init__(self, index: LlmdIndex | CheckpointIndex, context: zmq.Context, endpoint: str, replay_endpoint: str,
                  replay_timeout_s: float = 10.0) -> None:
         self.index = index
-        self.context = context
-        self.replay_endpoint = replay_endpoint
+        self.subscriber = Subscriber(endpoint, replay_endpoint, decode=raw, topic=LLMD_TOPICS, context=context)
         self.replay_timeout_s = replay_timeout_s
-        self.sub = context.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"kv@")  # llm-d's topic filter
-        self.sub.connect(endpoint)
         self.pod: str | None = None
         self.source = Source(self._deliver, self._replay, self._reset)
         self.batches = 0  # batches applied (live and replayed)
+
+    @property
+    def sub(self) -> zmq.Socket:
+        """The live stream's socket (Feeds polls every pod's at once)."""
+        return self.subscriber.sub
 
     def connect(self) -> "PodFeed":
         self.source.connect()
@@ -47,9 +48,9 @@ class PodFeed:
     def pump(self, timeout_s: float = 0.0) -> int:
         """Apply the live batches that arrive within `timeout_s` (all that are waiting, at least); how many came."""
         came = 0
-        while self.sub.poll(int(timeout_s * 1000) if came == 0 else 0):
-            topic, seq, payload = self.sub.recv_multipart()
-            self.source.live(int.from_bytes(seq, "big"), (topic, payload))
+        while self.subscriber.waiting(timeout_s if came == 0 else 0):
+            topic, seq, payload = self.subscriber.next(0)
+            self.source.live(seq, (topic, payload))
             came += 1
         return came
 
@@ -64,27 +65,14 @@ class PodFeed:
             self.index.clear_pod(self.pod)
 
     def _replay(self, start: int) -> list | None:
-        dealer = self.context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(self.replay_endpoint)
         try:
-            dealer.send_multipart((b"", start.to_bytes(8, "big")))
-            frames = []
-            while True:
-                if not dealer.poll(int(self.replay_timeout_s * 1000)):
-                    return None  # llm-d gives an attempt 2 s idle and the whole replay 2 min; one attempt here
-                parts = dealer.recv_multipart()
-                if len(parts) != 4:
-                    return None
-                _, topic, seq, payload = parts
-                if int.from_bytes(seq, "big", signed=True) == END_SEQ:
-                    return frames
-                frames.append((int.from_bytes(seq, "big"), (topic, payload)))
-        finally:
-            dealer.close()
+            frames = self.subscriber.replay(start, self.replay_timeout_s)
+        except (TimeoutError, MalformedReplay):
+            return None  # llm-d gives an attempt 2 s idle and the whole replay 2 min; one attempt here
+        return [(seq, (topic, payload)) for topic, seq, payload in frames]
 
     def close(self) -> None:
-        self.sub.close()
+        self.subscriber.close()
 
 
 class Feeds:

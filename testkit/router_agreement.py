@@ -1,5 +1,6 @@
-"""What the router-agreement tests share (tests/events/test_router_agreement.py, tests/dynamo): a slice of the
-Mooncake conversation trace, a server publishing events with small tiers, a connector's saves into it
+"""A router following a pod's KV events, against Lookup: what the router-agreement tests (tests/events/
+test_router_agreement.py, tests/dynamo) run and benchmarks/events_shared_prefix.py times. A slice of the Mooncake
+conversation trace, a server publishing events with small tiers, a connector's saves into it
 (tiercache.bench.SimulatedEngine), a router following the pod's stream, and per prompt what Lookup and the router say
 and what the router should say (test_router_agreement's docstring: why)."""
 
@@ -11,34 +12,34 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.fleet.checkpoint_index import CheckpointIndex
-from benchmarks.fleet.llmd_subscriber import Feeds
-from benchmarks.serving import trace
-from tests.events.saves import chunks, prompt, spec_of
-from tests.helpers import ROOT, ServerProcess
-from tests.prefix.chains import layout
+from testkit import mooncake_trace
+from testkit.checkpoint_index import CheckpointIndex
+from testkit.llmd_subscriber import Feeds
+from testkit.saved_chunks import chunks, prompt, spec_of
 from tiercache.bench import SimulatedEngine
 from tiercache.client import Client
 from tiercache.connector.prefix_cache import PrefixCache
-from tiercache.prefix.layout import GroupKind, LayerGroup, StateTensor
+from tiercache.prefix.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
+from tiercache.process import ServerProcess
 
-TRACE = ROOT / "tests" / "data" / "mooncake-conversation-slice.jsonl"  # tests/data/README.md
 UNKNOWN = 2  # a token no saved sequence has: trace prompts' tokens start at 3, and so do the outputs made here
 MODEL = "tiny"
 # A hybrid model whose recurrent state (4 KiB) outweighs a chunk's kv (512 B), as real ones' do (Qwen3.5-0.8B: MiBs
 # of state, a few of kv per chunk): states then leave the tiers before the kv chunks beside them, and a router that
 # counts attention blocks alone counts blocks nothing can resume from.
-HYBRID = layout(LayerGroup(GroupKind.FULL_ATTENTION, (0,), kv_heads=1, head_dim=4),
-                LayerGroup(GroupKind.RECURRENT, (1, 2), state=(StateTensor("ssm", (2, 16, 16), "float32"),)))
+HYBRID = ModelLayout(MODEL, (
+    LayerGroup(GroupKind.FULL_ATTENTION, (0,), kv_heads=1, head_dim=4),
+    LayerGroup(GroupKind.RECURRENT, (1, 2), state=(StateTensor("ssm", (2, 16, 16), "float32"),))))
 
 
-def trace_slice(requests: int, one_in: int, max_input: int) -> list[trace.TraceRequest]:
-    return trace.load(TRACE, trace.SliceSpec(max_requests=requests, conversations=one_in, max_input_tokens=max_input,
-                                             max_output_tokens=48, vocab=1024))
+def trace_slice(requests: int, one_in: int, max_input: int) -> list[mooncake_trace.TraceRequest]:
+    spec = mooncake_trace.SliceSpec(max_requests=requests, conversations=one_in, max_input_tokens=max_input,
+                                    max_output_tokens=48, vocab=1024)
+    return mooncake_trace.load(mooncake_trace.CONVERSATION_SLICE, spec)
 
 
 class LlmdRouter:
-    """A router following llm-d's rules (benchmarks/fleet/llmd_index.py), fed from the pod's real ZMQ sockets."""
+    """A router following llm-d's rules (llmd_index.py), fed from the pod's real ZMQ sockets."""
 
     def __init__(self, endpoints, n: int) -> None:
         self.feeds = Feeds()
@@ -55,7 +56,7 @@ class LlmdRouter:
 
 
 class CheckpointRouter(LlmdRouter):
-    """The llm-d-rules router that also reads the checkpoints' `mamba` events (benchmarks/fleet/checkpoint_index.py)
+    """The llm-d-rules router that also reads the checkpoints' `mamba` events (checkpoint_index.py)
     from the same stream: `matched` is llm-d's count as before, `resumable` the checkpoint-aware one, in tokens."""
 
     def __init__(self, endpoints, n: int) -> None:
@@ -191,7 +192,7 @@ class Agreement:
         return sum(r == h for r, h in zip(self.router, self.lookup))
 
 
-def serve_slice(requests: list[trace.TraceRequest], *pods: Pod) -> list[Agreement]:
+def serve_slice(requests: list[mooncake_trace.TraceRequest], *pods: Pod) -> list[Agreement]:
     """Each request as a router meets it: once every pod's router has caught up, what Lookup and the router say of
     its prompt; then its saves on every pod's engine (the same saves in each)."""
     saved: list[np.ndarray] = []
@@ -201,7 +202,7 @@ def serve_slice(requests: list[trace.TraceRequest], *pods: Pod) -> list[Agreemen
         for pod, agreement in zip(pods, found):
             pod.caught_up()
             agreement.note(pod, tokens, saved)
-        output = np.random.default_rng(request.index).integers(trace.FIRST_TOKEN, 1024, request.max_tokens)
+        output = np.random.default_rng(request.index).integers(mooncake_trace.FIRST_TOKEN, 1024, request.max_tokens)
         for pod in pods:
             pod.engine.run(tokens, output)
         saved.append(np.concatenate([tokens, output]))
