@@ -18,14 +18,15 @@ Router (benchmarks/fleet/router.py), one per policy, on real ZMQ sockets, with a
 ties go to the least loaded pod, then in turn. Before each request is routed, the index has caught up with every
 request served before it (two batches stamped after its saves; router.py says why that suffices).
 
-Every policy replays the same slice (benchmarks/serving/trace.py: hash ids -> token ids, whole conversations kept
+Every policy replays the same slice (testkit/mooncake_trace.py: hash ids -> token ids, whole conversations kept
 one in --conversations, the clock x --time-scale), in arrival order, on fresh pods. Requests are served one after
 another, so when a request is routed every earlier one has saved (the caches and the router see the same past).
 
 TTFT, simulated (benchmarks/fleet/clock.py): lookup + load measured on the real servers, + the tokens not hit x
 --prefill-ms-per-token, with each pod a first-come-first-served queue on the trace's clock. The default, 0.078 ms a
-token, is vLLM CPU's cold prefill of a 4,096-token prompt on this project's 2-core machine (321.4 ms, tiny
-Qwen3-Next, docs/benchmarks.md "vllm_engine.py"): the engine serve_trace.py runs.
+token, is a cold prefill per token of the engine serve_trace.py runs (vLLM CPU, tiny Qwen3-Next) on this project's
+2-core machine: the 4,096-token prompt of benchmarks/vllm_engine.py, divided by its length (docs/benchmarks.md,
+"vllm_engine.py", holds the measurement).
 
 Ideal hit tokens: what one pod whose cache never forgets could reuse of the slice (mooncake_trace.shared_prefix_tokens:
 prompts sharing hash ids, whole or up to an earlier prompt's end), and the same per pod given each policy's routing.

@@ -16,8 +16,8 @@ attention blocks reach further than the recurrent states it still holds (its Mar
 that evicted part of a conversation splits that conversation's next prompt where its leftovers end. The reference
 holds everything and searches only up to the run's hit, so it sees no such junction and may split elsewhere: a
 request whose run had one can differ from the reference with no byte restored wrong (a false alarm, never a missed
-fault). In docs/runs/serve_trace-exact-2026-11-28-669b44c one request of vLLM alone with the small cache differs
-from the reference at the same hit, no tiercache involved: this is the suspected cause, not yet shown.
+fault). It is the suspected cause of a difference with no tiercache involved, not yet shown
+(docs/runs/serve_trace-exact-2026-11-28-669b44c, README: the request, and what is known of it).
 
 A request whose hit the reference could not reach (it lacks the blocks or the state there) is not checked and is
 counted apart. Faults planted in the run's connector (testkit.connector_faults.HashedFaults: which loads they went

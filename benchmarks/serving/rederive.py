@@ -1,6 +1,6 @@
-"""Every published set of the serving and chat benchmarks re-derived with today's statistics (benchmarks/serving/
-stats.py) from its stored runs: per comparison and figure, the cell the set's own report printed then and the one
-the report prints now, with what the set lacks (an A/A pair) or pools (code versions). Nothing is run again.
+"""Every published set of the serving and chat benchmarks re-derived with this checkout's statistics
+(benchmarks/serving/stats.py) from its stored runs: per comparison and figure, the cell the set's own report printed
+and the one the report prints now, with what the set lacks (an A/A pair) or pools (code versions). Nothing is run again.
 
     python benchmarks/serving/rederive.py --json rederived.json > rederived.txt
 """
