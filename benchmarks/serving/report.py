@@ -32,6 +32,7 @@ COMPARISONS = (
     ("two-offload-fs", "two-offload", "all", "two replicas, round robin: an fs tier per replica"),
     ("two-offload-fs-shared", "two-offload", "all", "two replicas, round robin: one fs directory shared"),
     ("two-offload-tiercache", "two-offload", "all", "two replicas, round robin: one tiercache shared as their tier"),
+    ("two-offload-tiercache", "two-offload-fs", "all", "two replicas: tiercache shared or an fs tier per replica"),
     ("two-offload-tiercache", "two-offload-fs-shared", "all", "two replicas: tiercache shared or one fs directory"),
     ("two-connector", "two-offload-fs-shared", "all", "two replicas: tiercache's connector or offloading + shared fs"),
     # A/A pairs: the same setup twice in each round (before its restart, `restart` runs tiercache's setup and
