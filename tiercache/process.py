@@ -1,6 +1,6 @@
 """`tiercache serve` as a real child process on a free loopback port, awaited for readiness through the gRPC health
 service (never a fixed sleep). Used by `tiercache bench`, `tiercache demo`, the benchmarks and the tests (their
-redis-server and Redis Cluster processes are in tests/redis_processes.py, not in the package).
+redis-server and Redis Cluster processes are in testkit/redis_processes.py, not in the package).
 """
 
 from __future__ import annotations
