@@ -1,9 +1,9 @@
 """A benchmark run from two checkouts of tiercache, interleaved, and the ratio after / before of each of its figures
 with a bootstrap interval: whether a change meant to change nothing (a restructuring) moved a benchmark.
 
-    .venv/bin/python benchmarks/before_after.py --before DIR --after DIR --case eviction [--repeats 3] [--json OUT]
+    .venv/bin/python -m benchmarks.before_after --before DIR --after DIR --case eviction [--repeats 3] [--json OUT]
 
-A case is a command run in a checkout (its own tiercache, its benchmarks: `python benchmarks/x.py` and `python -m
+A case is a command run in a checkout (its own tiercache, its benchmarks: `python -m benchmarks.x` and `python -m
 tiercache` find the checkout's package first) and a reader of its figures (name -> number). Runs alternate before,
 after, before, after... so that the machine's drift falls on both sides. Per figure: the median of each side, the
 median of the pairs' ratios after / before, and a 95% bootstrap interval of it (resampling pairs; with 3 pairs it is

@@ -5,7 +5,7 @@ compress somewhat differently), runs a prompt, cuts kv and state objects out of 
 does, and reports per codec: ratio, compression and decompression GB/s, and whether writing compressed bytes to
 disk would beat writing raw bytes at the file-write speed measured in the same run.
 
-    .venv/bin/python benchmarks/codec.py [--tokens 2048]
+    .venv/bin/python -m benchmarks.codec [--tokens 2048]
 """
 
 from __future__ import annotations

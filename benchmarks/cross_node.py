@@ -6,7 +6,7 @@ another suffix finds it in Redis (B's local tiers are empty), and a second one t
 (the first B hit promoted it). Prints hit tokens and TTFT of each step, against the model alone (baseline, measured
 in the same run) and against the same-node hit through A.
 
-    .venv/bin/python benchmarks/cross_node.py [--hidden 512] [--layers 8] [--prefixes 4] [--json]
+    .venv/bin/python -m benchmarks.cross_node [--hidden 512] [--layers 8] [--prefixes 4] [--json]
 """
 
 from __future__ import annotations

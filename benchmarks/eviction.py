@@ -15,7 +15,7 @@ Puts go through a store over the one tier (TieredStore.put_record: make room, pu
   host    the host tier in-process (ArenaTier over shared memory), 64 KiB pages
   server  a server process with only a host tier, client.put_many batches of 1,000 chunks (what a client sees)
 
-    .venv/bin/python benchmarks/eviction.py [--disk 1000,100000,1000000] [--host-gib 8] [--server-gib 2]
+    .venv/bin/python -m benchmarks.eviction [--disk 1000,100000,1000000] [--host-gib 8] [--server-gib 2]
                                             [--json-out docs/eviction.json]
 """
 

@@ -1,7 +1,7 @@
 """Draws benchmarks/hf_gpu.py's reports: per case, the model's own prefill against the cold pass and the hit through
 each tier (log scale: the cold pass and a 128K prompt are orders apart from an 8K hit).
 
-    python benchmarks/hf_gpu_plot.py hf_gpu.json [more.json ...] --out hf_gpu.png
+    python -m benchmarks.hf_gpu_plot hf_gpu.json [more.json ...] --out hf_gpu.png
 
 Several reports are drawn as one (a run whose later cases ran in another process writes several).
 """

@@ -6,7 +6,7 @@ compute only the rest. For each tier (host / disk / redis, one server with only 
 (the model alone, no cache), the cold request through tiercache, and the median warm TTFT, with warm/baseline ratios.
 TTFT = lookup + load + compute: the first token's logits exist then; the save that follows is reported apart.
 
-    .venv/bin/python benchmarks/hf_ttft.py [--hidden 512] [--layers 8] [--warm 5] [--json]
+    .venv/bin/python -m benchmarks.hf_ttft [--hidden 512] [--layers 8] [--warm 5] [--json]
 """
 
 from __future__ import annotations

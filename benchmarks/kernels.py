@@ -7,7 +7,7 @@ and the state copy of one slot of every Gated DeltaNet layer (conv bf16 + SSM fp
 device->device / device->host copy of the same number of bytes (torch `copy_`, i.e. cudaMemcpyAsync). Needs CUDA
 and CuPy (run it on a GPU machine):
 
-    .venv/bin/python benchmarks/kernels.py [--repeat 50] [--json]
+    .venv/bin/python -m benchmarks.kernels [--repeat 50] [--json]
 
 The connector rows time one engine step's saves and one request's load through `Saves` and `Loads` against a real
 tiercache server (same host): what vLLM's thread waits for in `wait_for_save` (the gathers are queued on a side

@@ -7,7 +7,7 @@ batch's bytes. This is what sets ARENA_MIN_BYTES: where the two paths' total CPU
 A CPU engine's saves run on the cores its scheduler needs (docs/vllm.md), so CPU per call, not only wall time, is
 what a connector's saves cost the engine.
 
-    .venv/bin/python benchmarks/path_cost.py [--sizes 64KiB,256KiB,512KiB,1MiB,4MiB] [--batch 4] [--calls 200] [--json]
+    .venv/bin/python -m benchmarks.path_cost [--sizes 64KiB,256KiB,512KiB,1MiB,4MiB] [--batch 4] [--calls 200] [--json]
 """
 
 from __future__ import annotations

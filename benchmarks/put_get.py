@@ -6,7 +6,7 @@ data channel (the remote path), `--path grpc` streams them over gRPC. Prints med
 ratio to the raw socket measured in the same run. For batched calls and every other baseline see
 benchmarks/throughput.py.
 
-    .venv/bin/python benchmarks/put_get.py [--path data|grpc|same-host] [--chunks 64] [--chunk-size 4MiB] [--repeat 3]
+    .venv/bin/python -m benchmarks.put_get [--path data|grpc|same-host] [--chunks 64] [--chunk-size 4MiB] [--repeat 3]
 """
 
 from __future__ import annotations

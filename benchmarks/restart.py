@@ -4,7 +4,7 @@ Fills a disk directory with `--chunks` records through the disk tier itself, the
 of that directory (scandir + stat + reading each file's first bytes: the floor any rebuild pays), (2) building the
 disk tier's index, and (3) `tiercache serve` on that directory from exec to answering health checks.
 
-    .venv/bin/python benchmarks/restart.py [--chunks 100000] [--chunk-bytes 4096]
+    .venv/bin/python -m benchmarks.restart [--chunks 100000] [--chunk-bytes 4096]
 """
 
 from __future__ import annotations

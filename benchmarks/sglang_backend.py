@@ -30,7 +30,7 @@ sequence (prefix included): a hit saves the projections and MLP of the cached to
 a hit's TTFT here keeps a cost that grows with the prompt, and the ratios understate what a hit saves.
 
     make install-sglang-engine
-    .venv-sglang/bin/python benchmarks/sglang_backend.py [--json out.json] [--smoke]
+    .venv-sglang/bin/python -m benchmarks.sglang_backend [--json out.json] [--smoke]
     make bench-sglang   (the same, JSON in sglang_backend.json)
 """
 

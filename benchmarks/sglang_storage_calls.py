@@ -5,7 +5,7 @@ Per backend: pages written from the host pool in 128-page batches (the controlle
 pages, or `batch_set_v1` by host index), the leading-run query (`batch_exists`), and pages read back into fresh
 host slots (`batch_get` into dummy pages + `set_from_flat_data_page`, or `batch_get_v1`). Needs .venv-sglang.
 
-    .venv-sglang/bin/python benchmarks/sglang_storage_calls.py [--pages 256] [--page-tokens 64] [--rounds 3] [--json]
+    .venv-sglang/bin/python -m benchmarks.sglang_storage_calls [--pages 256] [--page-tokens 64] [--rounds 3] [--json]
 """
 
 from __future__ import annotations

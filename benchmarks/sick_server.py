@@ -6,7 +6,7 @@ clients the way the vLLM connector builds them (one try, `--deadline` seconds): 
 (`tiercache.client.breaker`) and without it (the baseline, measured in the same run). For each: the first lookup,
 then `--lookups` more (p50 / p99 / max), and the ratio of the breaker's p50 to the healthy server's.
 
-    .venv/bin/python benchmarks/sick_server.py [--lookups 50] [--tokens 8192] [--deadline 0.5] [--json-out F]
+    .venv/bin/python -m benchmarks.sick_server [--lookups 50] [--tokens 8192] [--deadline 0.5] [--json-out F]
 """
 
 from __future__ import annotations

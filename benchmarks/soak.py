@@ -12,7 +12,7 @@ p50/p99 latency per operation, errors and wrong bytes of the well-behaved client
 evictions, and the server's RSS sampled every few seconds next to the configured tier capacity (plus a PNG of RSS
 and ops/s over time).
 
-    .venv/bin/python benchmarks/soak.py [--clients 8] [--seconds 600] [--host-mem 256MiB] [--disk-size 512MiB]
+    .venv/bin/python -m benchmarks.soak [--clients 8] [--seconds 600] [--host-mem 256MiB] [--disk-size 512MiB]
                                         [--stalled 8] [--slow 2] [--disconnecting 2]
                                         [--remote 4] [--stalled-data 4] [--unread-data 2]
 """

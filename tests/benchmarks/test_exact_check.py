@@ -1,12 +1,12 @@
-"""The exact replay's judgement (benchmarks/serving/exact.py) on made-up answers: identical answers at the same hit
+"""The exact replay's judgement (lab/serving/exact.py) on made-up answers: identical answers at the same hit
 pass; any other answer is wrong unless a fault went into that request's load (planted) or the request reused a
 planted request's blocks past the first position the fault made wrong (a dependant); a request the reference could
 not resume at the run's hit is unchecked, never passed; a planted request answered right is counted as missed.
-(On a real engine: tests/vllm_engine/test_lab_smokes.py.)"""
+(On a real engine: lab/tests/vllm_engine/test_lab_smokes.py.)"""
 
 from __future__ import annotations
 
-from benchmarks.serving.exact import by_arm, judge, read_planted, report_lines
+from lab.serving.exact import by_arm, judge, read_planted, report_lines
 from testkit.connector_faults import prompt_digest
 
 # Two conversations sharing a 64-token system prompt: 0, 2, 3 continue one another; 1 is another conversation.

@@ -1,4 +1,4 @@
-"""The fleet benchmark's router (benchmarks/fleet/router.py): round robin takes turns, ties go to the least loaded
+"""The fleet benchmark's router (lab/fleet/router.py): round robin takes turns, ties go to the least loaded
 pod, and once it has caught up with a request's saves (two batches stamped after them) its index of a real server's
 KV events holds every block the pod can restore of that request: it never counts less than Lookup's hit."""
 
@@ -9,10 +9,10 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.fleet.clock import PodClocks
-from benchmarks.fleet.ideal import resumable_prefix
-from benchmarks.fleet.pods import SimulatedPod
-from benchmarks.fleet.router import Router
+from lab.fleet.clock import PodClocks
+from lab.fleet.ideal import resumable_prefix
+from lab.fleet.pods import SimulatedPod
+from lab.fleet.router import Router
 from testkit import mooncake_trace
 from testkit.saved_chunks import N, spec_of
 from tests.prefix.chains import HYBRID

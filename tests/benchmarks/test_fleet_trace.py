@@ -1,4 +1,4 @@
-"""The fleet benchmark runs (benchmarks/fleet_trace.py, simulated engines, every policy) on a few requests of a
+"""The fleet benchmark runs (lab/fleet_trace.py, simulated engines, every policy) on a few requests of a
 conversation trace and writes its report: structure only, and that the event-driven routers find hits. Which policy
 hits more is a figure for docs/benchmarks.md, not an assertion."""
 
@@ -30,10 +30,10 @@ def conversations(path, count: int = 3, turns: int = 3) -> None:
 def test_every_policy_replays_the_slice_and_reports(tmp_path):
     trace, out, png = tmp_path / "trace.jsonl", tmp_path / "fleet.json", tmp_path / "fleet.png"
     conversations(trace)
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fleet_trace.py"), "--trace", str(trace),
+    result = subprocess.run([sys.executable, "-m", "lab.fleet_trace", "--trace", str(trace),
                              "--max-requests", "9", "--conversations", "1", "--pods", "2", "--host-mem", "64MiB",
                              "--json", str(out), "--plot", str(png), "--no-progress"],
-                            capture_output=True, text=True, env=python_env(), timeout=600)
+                            capture_output=True, text=True, env=python_env(), timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert set(report["policies"]) == {"round-robin", "attention", "restorable", "checkpoints"}

@@ -1,6 +1,6 @@
-"""The serving lab's arms with vLLM's own offloading (benchmarks/serving/offloading.py): what each name runs, the
+"""The serving lab's arms with vLLM's own offloading (lab/serving/offloading.py): what each name runs, the
 engine flags they give vLLM, and vLLM's offloading figures read from its /metrics text. (On real engines:
-tests/vllm_engine/test_lab_smokes.py.)"""
+lab/tests/vllm_engine/test_lab_smokes.py.)"""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from benchmarks.serving.engines import EngineSettings
-from benchmarks.serving.offloading import (OFFLOAD_ARMS, OffloadArm, figures_change, offload_figures, offloading,
+from lab.serving.engines import EngineSettings
+from lab.serving.offloading import (OFFLOAD_ARMS, OffloadArm, figures_change, offload_figures, offloading,
                                            summed)
 from testkit.offload_worker import STOOD_IN_LINE
 
@@ -72,7 +72,7 @@ def test_a_replays_figures_are_what_grew_summed_over_engines_and_phases():
 
 
 def test_every_engine_start_gets_a_pool_of_its_own():
-    from benchmarks.serving.offloading import own_pool
+    from lab.serving.offloading import own_pool
 
     base = EngineSettings(model_dir="/m", block_size=256, kv_cache_bytes=64 << 20, max_model_len=4096)
     settings = offloading(base, 1 << 30, [])
@@ -81,7 +81,7 @@ def test_every_engine_start_gets_a_pool_of_its_own():
 
 
 def test_an_fs_tiers_run_says_what_it_was_stored_on(tmp_path):
-    from benchmarks.serving.offloading import O_DIRECT_REFUSED, FsDirs, filesystem_of
+    from lab.serving.offloading import O_DIRECT_REFUSED, FsDirs, filesystem_of
 
     dirs = FsDirs(tmp_path, "offload-fs")
     dirs(0)

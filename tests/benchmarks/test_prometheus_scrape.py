@@ -5,7 +5,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from benchmarks.serving.prometheus import scrape
+from lab.serving.prometheus import scrape
 
 
 def server_answering_after(unanswered: int):

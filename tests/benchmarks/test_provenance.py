@@ -1,11 +1,11 @@
 """Each run of a set records the code it ran and the machine's load, arms run in a recorded random order per round,
-and a set stops when the code under it changes (benchmarks/serving/provenance.py, arms.interleaved)."""
+and a set stops when the code under it changes (lab/serving/provenance.py, arms.interleaved)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.serving import arms, provenance
+from lab.serving import arms, provenance
 
 
 def test_every_run_records_its_code_its_load_and_its_place_in_a_random_round(tmp_path):

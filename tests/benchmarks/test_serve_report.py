@@ -1,4 +1,4 @@
-"""The serving benchmark's report (benchmarks/serving/report.py, outputs.py, serve_trace's --merge) on made-up runs:
+"""The serving benchmark's report (lab/serving/report.py, outputs.py, serve_trace's --merge) on made-up runs:
 medians of runs, restart phases apart, ratios with their words, outputs compared and mismatches given a cause."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from benchmarks.serving import report as reports
-from benchmarks.serving.outputs import DIFFERENT_HIT, UNEXPLAINED
+from lab.serving import report as reports
+from lab.serving.outputs import DIFFERENT_HIT, UNEXPLAINED
 
 REQUESTS = 40
 
@@ -132,7 +132,7 @@ def test_outputs_are_compared_and_mismatches_classified():
 
 
 def test_reports_made_apart_merge_as_further_rounds(tmp_path, monkeypatch):
-    from benchmarks import serve_trace
+    from lab import serve_trace
 
     paths = []
     for i in range(2):  # the second stored as published (docs/runs): gzipped
@@ -164,7 +164,7 @@ def test_reports_made_apart_merge_as_further_rounds(tmp_path, monkeypatch):
 
 
 def test_drain_says_whether_a_replay_kept_up():
-    from benchmarks.serving.measure import drain_s
+    from lab.serving.measure import drain_s
     from testkit.mooncake_trace import TraceRequest
 
     requests = [TraceRequest(i, float(i), (1, 2), 1, ()) for i in range(5)]  # last arrival at 4 s
@@ -176,7 +176,7 @@ def test_drain_says_whether_a_replay_kept_up():
 
 
 def test_a_request_vllm_alone_itself_answers_differently_is_put_down_to_batching():
-    from benchmarks.serving.outputs import BATCHING
+    from lab.serving.outputs import BATCHING
 
     runs = _runs(2)
     reference = [o["token_ids"] for o in runs[0]["result"]["outcomes"]]
@@ -197,7 +197,7 @@ def test_a_request_vllm_alone_itself_answers_differently_is_put_down_to_batching
 def test_a_same_hit_mismatch_after_an_earlier_turn_hit_otherwise_is_put_down_to_that_turn():
     """A later turn resumes from the state an earlier turn of its conversation left; where that turn hit at another
     length than in vLLM alone's run, the state was computed in other steps (serve_trace --sequential showed it)."""
-    from benchmarks.serving.outputs import EARLIER_TURN
+    from lab.serving.outputs import EARLIER_TURN
 
     runs = _runs(1)
     reference = [o["token_ids"] for o in runs[0]["result"]["outcomes"]]
@@ -222,7 +222,7 @@ def test_a_same_hit_mismatch_beside_a_request_that_hit_otherwise_is_put_down_to_
     """A neighbour that hit at another length needs other prefill tokens, so the step budget is cut elsewhere: a
     request in flight beside it may be split otherwise (vLLM alone given more memory showed it in the saturated
     replay). Only a neighbour in flight counts: the same request sent after that one ended stays unexplained."""
-    from benchmarks.serving.outputs import SHARED_STEPS
+    from lab.serving.outputs import SHARED_STEPS
 
     runs = _runs(1)
     reference = [o["token_ids"] for o in runs[0]["result"]["outcomes"]]
@@ -240,7 +240,7 @@ def test_a_same_hit_mismatch_beside_a_request_that_hit_otherwise_is_put_down_to_
 
 
 def test_a_saturated_report_written_without_send_times_sends_every_request_at_once():
-    from benchmarks.serving.outputs import SHARED_STEPS
+    from lab.serving.outputs import SHARED_STEPS
 
     runs = _runs(1)
     reference = [o["token_ids"] for o in runs[0]["result"]["outcomes"]]
@@ -258,7 +258,7 @@ def test_a_same_hit_mismatch_the_engine_without_tiercache_also_gives_is_put_down
     """Request 7: tiercache's answer is one vLLM given the memory also gave, at the same hit length, in another round.
     Request 8: vLLM given the memory answered it two ways at that hit length. Request 9: its other answer came at
     another hit length only, which does not count: unexplained."""
-    from benchmarks.serving.outputs import ANSWERED_SO, ENGINE_VARIES
+    from lab.serving.outputs import ANSWERED_SO, ENGINE_VARIES
 
     runs = _runs(2)
     reference = [o["token_ids"] for o in runs[0]["result"]["outcomes"]]
@@ -281,7 +281,7 @@ def test_a_same_hit_mismatch_the_engine_without_tiercache_also_gives_is_put_down
 def test_a_restart_s_second_phase_is_placed_after_the_first_s_last_answer(last_e2e_s, wall_s, second_sent_s):
     """The report rounds a phase's wall time to 10 ms; the merged send times must still put the second phase after
     the first's last answer, or the output check would take the two phases for neighbours in flight."""
-    from benchmarks.serving.measure import merge
+    from lab.serving.measure import merge
 
     def phase(outcomes: list[dict], wall_s: float) -> dict:
         return {"wall_s": wall_s, "prompt_tokens": 1, "hit_tokens": 0, "preemptions": 0, "hits": {"delivered": 0},

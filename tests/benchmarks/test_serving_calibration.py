@@ -1,4 +1,4 @@
-"""The serving benchmarks' statistics on identical arms from the stored runs (benchmarks/serving/calibration.py): how
+"""The serving benchmarks' statistics on identical arms from the stored runs (lab/serving/calibration.py): how
 often they call a difference that is not there, and how often they find a true 1.25x one. Printed, so a CI log says
 what a verdict of this lab can and cannot resolve on the machine the runs came from."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.serving import calibration
+from lab.serving import calibration
 
 pytestmark = pytest.mark.slow
 

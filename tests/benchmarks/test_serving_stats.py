@@ -1,4 +1,4 @@
-"""The serving benchmarks' intervals (benchmarks/serving/stats.py) on made-up runs: a real difference is called
+"""The serving benchmarks' intervals (lab/serving/stats.py) on made-up runs: a real difference is called
 ahead or behind, noise is called level, and drift between rounds widens the interval."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.serving import stats
+from lab.serving import stats
 
 
 def _rounds(scale: float, rounds: int, requests: int = 200, seed: int = 0, drift=None) -> list[dict[int, float]]:

@@ -1,6 +1,6 @@
 """The replay's two modes against a stand-in OpenAI server (aiohttp, the vLLM venv's): open loop sends every request
 at its arrival whatever is in flight; sequential sends one at a time, so the output check can rely on one request per
-engine step (benchmarks/serving/outputs.py). The stand-in only answers; what is measured is the client's sending."""
+engine step (lab/serving/outputs.py). The stand-in only answers; what is measured is the client's sending."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from benchmarks.serving.replay import replay
+from lab.serving.replay import replay
 from testkit.mooncake_trace import TraceRequest
 
 aiohttp = pytest.importorskip("aiohttp")

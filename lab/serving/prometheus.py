@@ -31,7 +31,7 @@ def prometheus_sum(text: str, metric: str) -> float:
 
 def scrape(url: str, timeout_s: float = 30.0, attempts: int = 4) -> str:
     """The page at `url`, asked again after a failed attempt (up to `attempts`), each retry printed to stderr so a
-    set's run.log keeps it: one slow answer should not end a set of runs (tests/benchmarks/test_prometheus_scrape.py).
+    set's run.log keeps it: one slow answer should not end a set of runs (lab/tests/test_prometheus_scrape.py).
     On a 2-core machine, a tiercache server that shares its core with an engine's spinning compute threads (two
     replicas, one per core) has taken over 30 s to answer a scrape while taking the engines' saves."""
     for attempt in range(1, attempts):

@@ -13,7 +13,7 @@ The event policies keep an index following llm-d's rules (testkit/llmd_index.py:
 fed from every pod's real ZMQ sockets (testkit/llmd_subscriber.py), and send a request where it is expected
 to cost least, weighing the prefill a pod would still have to do against the work it already has (as cost-based KV
 routers do; Dynamo's weighs the blocks to prefill against a worker's load), in seconds of the simulated clock:
-cost = load_weight x the pod's backlog (queued work, benchmarks/fleet/clock.py) + the prompt tokens the index says it
+cost = load_weight x the pod's backlog (queued work, lab/fleet/clock.py) + the prompt tokens the index says it
 does not hold x the per-token prefill cost. Ties go to the least loaded pod, then in turn (a new conversation on idle
 pods). load_weight 0 is a longest-prefix router (llm-d's LongestPrefixScorer alone).
 

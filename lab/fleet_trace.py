@@ -2,13 +2,13 @@
 from those events, replaying the Mooncake conversation trace: hit tokens and TTFT per routing policy (results and
 how they were run: docs/benchmarks.md).
 
-Pods (benchmarks/fleet/pods.py): a SimulatedEngine of a hybrid layout (by default hybrid_soak.py's Qwen3.5-0.8B
+Pods (lab/fleet/pods.py): a SimulatedEngine of a hybrid layout (by default lab/layouts.py's Qwen3.5-0.8B
 shape scaled ~31x down in bytes: 24 layers, every 4th full attention, N = 560) runs each request through PrefixCache
 as a connector does (lookup -> load -> save, objects of the layout's real sizes, tokens and engine block hashes with
 the kv chunks) into its own `tiercache serve --events` process with a small host tier (--host-mem: eviction
-matters), registered as a pod. `--engine vllm` runs real vLLM CPU servers instead (benchmarks/fleet/vllm_fleet.py).
+matters), registered as a pod. `--engine vllm` runs real vLLM CPU servers instead (lab/fleet/vllm_fleet.py).
 
-Router (benchmarks/fleet/router.py), one per policy, on real ZMQ sockets, with an index following llm-d's rules:
+Router (lab/fleet/router.py), one per policy, on real ZMQ sockets, with an index following llm-d's rules:
   round-robin  the next pod in turn;
   attention    the longest prefix of attention blocks, from servers that advertise every saved attention block
                (events.advertise: attention): what a router sees from a hybrid engine's own events;
@@ -22,7 +22,7 @@ Every policy replays the same slice (testkit/mooncake_trace.py: hash ids -> toke
 one in --conversations, the clock x --time-scale), in arrival order, on fresh pods. Requests are served one after
 another, so when a request is routed every earlier one has saved (the caches and the router see the same past).
 
-TTFT, simulated (benchmarks/fleet/clock.py): lookup + load measured on the real servers, + the tokens not hit x
+TTFT, simulated (lab/fleet/clock.py): lookup + load measured on the real servers, + the tokens not hit x
 --prefill-ms-per-token, with each pod a first-come-first-served queue on the trace's clock. The default, 0.078 ms a
 token, is a cold prefill per token of the engine serve_trace.py runs (vLLM CPU, tiny Qwen3-Next) on this project's
 2-core machine: the 4,096-token prompt of benchmarks/vllm_engine.py, divided by its length (docs/benchmarks.md,
@@ -35,7 +35,7 @@ prompts sharing hash ids, whole or up to an earlier prompt's end), and the same 
 restored (`restorable`: the query API, which touches nothing), asked when it was routed; the report then counts the
 requests sent to a pod that could restore less than another ("missed": requests / tokens).
 
-    .venv/bin/python benchmarks/fleet_trace.py [--pods 2] [--max-requests 300] [--conversations 4]
+    .venv/bin/python -m lab.fleet_trace [--pods 2] [--max-requests 300] [--conversations 4]
         [--time-scale 0.4] [--host-mem 256MiB] [--json fleet.json] [--plot fleet.png] [--diagnose]
 """
 
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -51,12 +50,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from benchmarks.fleet.clock import PodClocks  # noqa: E402
-from benchmarks.fleet.ideal import resumable_prefix  # noqa: E402
-from benchmarks.fleet.router import POLICIES, Router  # noqa: E402
-from testkit import mooncake_trace  # noqa: E402
+from lab.fleet.clock import PodClocks
+from lab.fleet.ideal import resumable_prefix
+from lab.fleet.router import POLICIES, Router
+from testkit import mooncake_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake-conversation.jsonl"
@@ -73,7 +70,7 @@ def spec_for(args):
     from tiercache.prefix.presets import preset
 
     if args.preset == "small":
-        from benchmarks.hybrid_soak import small_layout
+        from lab.layouts import small_layout
 
         return CacheSpec.for_layout(small_layout())
     return CacheSpec.for_layout(preset(args.preset))
@@ -92,7 +89,7 @@ def block_tokens(args) -> int:
 
 def run_policy(policy: str, requests: list[mooncake_trace.TraceRequest], args) -> dict:
     """One policy on fresh simulated pods: a row per request, and the pods' tiers at the end."""
-    from benchmarks.fleet.pods import EventSettings, SimulatedPod
+    from lab.fleet.pods import EventSettings, SimulatedPod
 
     spec = spec_for(args)
     names = [f"pod-{k}" for k in range(args.pods)]
@@ -293,7 +290,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-input-tokens", type=int, default=8192, help="longer prompts keep their first tokens")
     parser.add_argument("--max-output-tokens", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--preset", default="small", help="'small' (hybrid_soak's layout) or a tiercache preset")
+    parser.add_argument("--preset", default="small", help="'small' (lab.layouts.small_layout) or a tiercache preset")
     parser.add_argument("--host-mem", default="256MiB", help="each pod's tiercache host tier")
     parser.add_argument("--disk-size", default="0", help="each pod's tiercache disk tier (0: none)")
     parser.add_argument("--prefill-ms-per-token", type=float, default=0.078,
@@ -340,7 +337,7 @@ def main(argv=None) -> int:
     ideal = sum(resumable_prefix(requests, n))
     pods = [f"pod-{k}" for k in range(args.pods)]
     if args.engine == "vllm":
-        from benchmarks.fleet.vllm_fleet import run_policy as run
+        from lab.fleet.vllm_fleet import run_policy as run
     else:
         run = run_policy
     runs = {}

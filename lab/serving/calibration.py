@@ -1,4 +1,4 @@
-"""How often benchmarks/serving/stats.py calls a difference between identical arms, and how often it finds a true
+"""How often lab/serving/stats.py calls a difference between identical arms, and how often it finds a true
 1.25x one: by simulation on the stored runs' own noise.
 
 The identical arms: before its restart, the `restart` arm runs exactly `tiercache`'s setup, and `alone-restart`
@@ -11,7 +11,7 @@ is the share of sets called ahead or behind; the power, the share called behind 
 slower (a percentile scales with its requests: the log ratio moves by log 1.25).
 
 Pools: "all" (every stored A/A round, quiet and loaded machines), "quiet" (the runs whose README says the machine
-was quiet). Run: `python benchmarks/serving/calibration.py` (prints the table); tests/benchmarks/
+was quiet). Run: `python -m lab.serving.calibration` (prints the table); lab/tests/
 test_serving_calibration.py holds the rates.
 """
 
@@ -19,16 +19,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.serving import stats  # noqa: E402
-from benchmarks.serving.stored import read_report  # noqa: E402
+from lab.serving import stats
+from lab.serving.stored import read_report
 
 RUNS = Path(__file__).resolve().parents[2] / "docs" / "runs"
 # (run folder, what its README says of the machine)
@@ -123,7 +119,7 @@ def main() -> None:
     if args.plot:
         plot(rows, args.plot)
     if args.json:
-        from benchmarks.serving.provenance import code
+        from lab.serving.provenance import code
 
         Path(args.json).write_text(json.dumps({"sets": args.sets, "block": BLOCK, "effect": EFFECT, "stored": STORED,
                                                "code": code(), "rows": rows}, indent=1))
@@ -154,7 +150,7 @@ def plot(rows: list[dict], path: str) -> None:
     for ax in (false_ax, power_ax):
         ax.set_xticks([3, 5, 8])
         ax.legend(fontsize=6)
-    fig.suptitle("benchmarks/serving/stats.py on the stored runs' A/A rounds (moving-block bootstrap, "
+    fig.suptitle("lab/serving/stats.py on the stored runs' A/A rounds (moving-block bootstrap, "
                  f"blocks of {BLOCK} requests)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -24,8 +24,8 @@ counted apart. Faults planted in the run's connector (testkit.connector_faults.H
 into, and the first prompt position each made wrong) must come out as wrong answers: each planted request is
 labelled so, and a later request reusing a planted request's blocks beyond that position (it shares that prompt and
 resumed past it) as depending on it. Any other wrong answer is tiercache's (or the reference's) fault: `wrong`.
-Shown in tests/vllm_engine/test_lab_smokes.py (vLLM alone against the reference: nothing wrong; tiercache with faults
-in half its requests: exactly those wrong), on made-up answers in tests/benchmarks/test_exact_check.py, and on the
+Shown in lab/tests/vllm_engine/test_lab_smokes.py (vLLM alone against the reference: nothing wrong; tiercache with
+faults in half its requests: exactly those wrong), on made-up answers in lab/tests/test_exact_check.py, and on the
 documented slice in docs/runs/serve_trace-exact-2026-11-28-669b44c.
 """
 
@@ -36,7 +36,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from benchmarks.serving.outputs import answer, first_difference
+from lab.serving.outputs import answer, first_difference
 from testkit.connector_faults import NAMED, PLANTED_LINE, prompt_digest
 from testkit.hit_cap import CAP, CAPPED_LINE
 
@@ -69,8 +69,8 @@ def planted_log(bench, name: str) -> Path:
 
 def check_run(bench, name: str, result: dict) -> dict:
     """Replay the run's requests on a fresh reference engine and judge every answer (the run's `exact` entry)."""
-    from benchmarks.serving.engines import VllmServer
-    from benchmarks.serving.replay import replay
+    from lab.serving.engines import VllmServer
+    from lab.serving.replay import replay
 
     outcomes = sorted((o for o in result.get("outcomes", ()) if o["ok"] and o.get("cached_tokens") is not None),
                       key=lambda o: o["index"])

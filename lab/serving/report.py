@@ -1,12 +1,12 @@
 """The serving benchmark's report: every run kept, per arm the median of its runs, for every comparison the table
-prints a ratio with its 95% interval and the word the docs may use (benchmarks/serving/stats.py), the outputs
-compared (benchmarks/serving/outputs.py), and a plot whose title and legend come from the run's parameters.
+prints a ratio with its 95% interval and the word the docs may use (lab/serving/stats.py), the outputs
+compared (lab/serving/outputs.py), and a plot whose title and legend come from the run's parameters.
 """
 
 from __future__ import annotations
 
-from benchmarks.serving import exact, offloading, stats
-from benchmarks.serving.outputs import compare_outputs
+from lab.serving import exact, offloading, stats
+from lab.serving.outputs import compare_outputs
 
 AA = "A/A: the baseline against itself (the set's noise)"
 VOID = "void: the set's A/A pair is not level"
@@ -20,7 +20,7 @@ COMPARISONS = (
     ("two-conv", "two-alone-conv", "all", "two instances, session affinity: the same, routed by conversation"),
     ("noreuse-tiercache", "noreuse-alone", "all", "the cost of the cache when nothing is reused"),
     ("noreuse-tiercache", "noreuse-alone-equal", "all", "the same, against vLLM given the memory"),
-    # Against vLLM's own offloading (benchmarks/serving/offloading.py), every engine with the same pool.
+    # Against vLLM's own offloading (lab/serving/offloading.py), every engine with the same pool.
     ("offload-fs", "offload", "all", "one engine, nothing restarted: vLLM's fs tier added to its CPU offloading"),
     ("offload-tiercache", "offload", "all", "one engine, nothing restarted: tiercache added as the secondary tier"),
     ("offload-tiercache", "offload-fs", "all", "one engine, nothing restarted: tiercache's tier or vLLM's fs tier"),

@@ -6,13 +6,13 @@ served, divided by the baseline's over the same requests (a request's latency in
 queue behind it, so requests are not resampled as if independent; a round's ratio carries that and its own noise).
 Its 95% interval is built for that statistic: on the log scale, the median plus or minus t(R-1) times the rounds'
 standard error (R rounds; one round has no interval: nothing measures the run-to-run spread). Calibrated by
-simulation on identical arms from the stored runs (benchmarks/serving/calibration.py; tests/benchmarks/
+simulation on identical arms from the stored runs (lab/serving/calibration.py; lab/tests/
 test_serving_calibration.py prints the false-verdict rate at 3, 5 and 8 rounds and the power at 5).
 
 Words, one rule (`verdict`): "ahead" / "behind" only where the interval excludes 1; "equivalent" only where the whole
 interval lies inside a margin fixed before the run (e.g. 1.10: within 10% either way); else "level", which says the
 run could not tell, never "as fast". A set whose A/A pair (the baseline against itself) is not level is void
-(benchmarks/serving/report.py applies it).
+(lab/serving/report.py applies it).
 """
 
 from __future__ import annotations

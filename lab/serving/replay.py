@@ -58,7 +58,7 @@ async def replay(requests: Sequence[TraceRequest], servers: Sequence[str], model
     told); the outcomes in request order and the wall time from the first send to the last answer.
 
     `sequential`: one request at a time, each sent when the one before it is answered, arrival times ignored. No
-    latency of such a replay is one a user sees; it exists for the output check (benchmarks/serving/outputs.py): an
+    latency of such a replay is one a user sees; it exists for the output check (lab/serving/outputs.py): an
     engine that computes one request per step splits a prefill only where the request's own hit ends, so two arms
     with the same hit length must then generate the same tokens.
 

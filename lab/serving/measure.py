@@ -16,11 +16,11 @@ import re
 import sys
 import time
 
-from benchmarks.serving import exact
-from benchmarks.serving.engines import EngineFailed, VllmServer
-from benchmarks.serving.prometheus import prometheus_sum, scrape
-from benchmarks.serving.offloading import engine_figures, figures_change, summed, tier_activity
-from benchmarks.serving.replay import ROUTES, Outcome, replay, summary
+from lab.serving import exact
+from lab.serving.engines import EngineFailed, VllmServer
+from lab.serving.prometheus import prometheus_sum, scrape
+from lab.serving.offloading import engine_figures, figures_change, summed, tier_activity
+from lab.serving.replay import ROUTES, Outcome, replay, summary
 from testkit.mooncake_trace import FIRST_TOKEN, TraceRequest
 
 PUT_METHODS = re.compile(r'method="(Put|Commit|DataPut)"')  # the calls that store a chunk, however it travels
@@ -104,7 +104,7 @@ def merge(first: dict, second: dict) -> dict:
 
 def first_phase_end(first: dict) -> float:
     """Seconds from the first phase's start to its last answer: its wall time, which the report rounds to 10 ms, or
-    its latest answer's end where rounding put that later (tests/vllm_engine/test_lab_smokes.py checks that
+    its latest answer's end where rounding put that later (lab/tests/vllm_engine/test_lab_smokes.py checks that
     the second phase is sent after it)."""
     ends = [o["sent_s"] + o["e2e_s"] for o in first["outcomes"] if o.get("sent_s") is not None]
     return max([first["wall_s"], *ends])

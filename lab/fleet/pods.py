@@ -55,7 +55,7 @@ class ServedRequest:
 class EventSettings:
     """The servers' events section. A flush at most every `flush_interval_s`, and a batch on every stream at least
     every `heartbeat_s`: a router knows it has caught up with a request's saves once it holds two batches stamped
-    after them (benchmarks/fleet/router.py), so short intervals keep that wait short."""
+    after them (lab/fleet/router.py), so short intervals keep that wait short."""
 
     flush_interval_s: float = 0.01
     heartbeat_s: float = 0.01

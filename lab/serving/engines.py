@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.serving.prometheus import prometheus_sum
+from lab.serving.prometheus import prometheus_sum
 from testkit.copy_on_write import FIXED_LINE as COPY_ON_WRITE_FIXED
 from tiercache.process import free_port
 
@@ -50,7 +50,7 @@ class EngineSettings:
     max_num_batched_tokens: int = 512
     connector: dict | None = None  # kv_connector_extra_config for TierCacheConnector, or None
     # vLLM's own OffloadingConnector: its TieringOffloadingSpec settings (cpu_bytes_to_use, secondary_tiers...), or
-    # None (benchmarks/serving/offloading.py); `offload_id` names its pool, /dev/shm/vllm_offload_<id>.mmap
+    # None (lab/serving/offloading.py); `offload_id` names its pool, /dev/shm/vllm_offload_<id>.mmap
     offload: dict | None = None
     offload_id: str = ""
     cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND (None: vLLM's auto)

@@ -1,6 +1,6 @@
 """The chat benchmark's report: the serving benchmark's per-arm medians, overall ratios and output comparison
-(benchmarks/serving/report.py, outputs.py), and per round: each run's TTFT percentiles and hit tokens per round, the
-median over runs per arm, and the ratios per round with their 95% intervals (benchmarks/serving/stats.py).
+(lab/serving/report.py, outputs.py), and per round: each run's TTFT percentiles and hit tokens per round, the
+median over runs per arm, and the ratios per round with their 95% intervals (lab/serving/stats.py).
 
 In a closed loop a round's prompt holds the replies before it, so one reply that differs changes every later prompt
 of that user: a mismatch whose prompt already differed from the reference's is counted as following an earlier one,
@@ -9,16 +9,16 @@ and the first differing (user, round) of each run is where to look.
 
 from __future__ import annotations
 
-from benchmarks.serving import offloading
-from benchmarks.serving import report as serving
-from benchmarks.serving import stats
-from benchmarks.serving.outputs import DIFFERENT_HIT, UNEXPLAINED, compare_outputs
+from lab.serving import offloading
+from lab.serving import report as serving
+from lab.serving import stats
+from lab.serving.outputs import DIFFERENT_HIT, UNEXPLAINED, compare_outputs
 
 FOLLOWS = "prompt differs: an earlier reply differed"
 # (arm, baseline, first round compared: None for all, "restart" for the rounds after the restart)
 ROUND_COMPARISONS = (("tiercache", "alone-equal", None), ("tiercache", "alone", None),
                      ("restart", "alone-restart", "restart"),
-                     # against vLLM's own offloading (benchmarks/serving/offloading.py)
+                     # against vLLM's own offloading (lab/serving/offloading.py)
                      ("connector", "offload", None), ("offload-tiercache", "offload-fs", None),
                      ("offload-tiercache-restart", "offload-fs-restart", "restart"),
                      ("connector-restart", "offload-fs-restart", "restart"))

@@ -1,23 +1,19 @@
 """Every published set of the serving and chat benchmarks re-derived with this checkout's statistics
-(benchmarks/serving/stats.py) from its stored runs: per comparison and figure, the cell the set's own report printed
+(lab/serving/stats.py) from its stored runs: per comparison and figure, the cell the set's own report printed
 and the one the report prints now, with what the set lacks (an A/A pair) or pools (code versions). Nothing is run again.
 
-    python benchmarks/serving/rederive.py --json rederived.json > rederived.txt
+    python -m lab.serving.rederive --json rederived.json > rederived.txt
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.chat import report as chat_report  # noqa: E402
-from benchmarks.serving import report as serving_report  # noqa: E402
-from benchmarks.serving.stored import read_report  # noqa: E402
+from lab.chat import report as chat_report
+from lab.serving import report as serving_report
+from lab.serving.stored import read_report
 
 RUNS = Path(__file__).resolve().parents[2] / "docs" / "runs"
 # (the set as the docs name it, its stored report, which report builds it)
