@@ -63,9 +63,9 @@ def read_cliff(out: str, _: Path) -> tuple[Figures, dict]:
 
 # name -> (command after the interpreter, with {out} for a file it writes; reader of (stdout, that file))
 CASES: dict[str, tuple[list[str], Callable[[str, Path], tuple[Figures, dict]]]] = {
-    "path_cost": (["benchmarks/path_cost.py", "--sizes", "64KiB,1MiB,4MiB", "--calls", "100", "--megabytes", "64",
+    "path_cost": (["-m", "benchmarks.path_cost", "--sizes", "64KiB,1MiB,4MiB", "--calls", "100", "--megabytes", "64",
                    "--json"], read_path_cost),
-    "eviction": (["benchmarks/eviction.py", "--disk", "1000,100000", "--host-gib", "1", "--server-gib", "0.5",
+    "eviction": (["-m", "benchmarks.eviction", "--disk", "1000,100000", "--host-gib", "1", "--server-gib", "0.5",
                   "--json-out", "{out}"], read_eviction),
     "cliff": (["-m", "tiercache", "bench", "cliff", "--quick", "--json", "--no-progress"], read_cliff),
 }

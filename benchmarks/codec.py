@@ -11,19 +11,15 @@ disk would beat writing raw bytes at the file-write speed measured in the same r
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from tiercache.connector.hf.cache import attention_payload, derive_layout, state_payload  # noqa: E402
-from tiercache.demo import qwen35_model  # noqa: E402
-from tiercache.record import codec  # noqa: E402
+from tiercache.connector.hf.cache import attention_payload, derive_layout, state_payload
+from tiercache.demo import qwen35_model
+from tiercache.record import codec
 
 
 def write_gbps(data: bytes) -> float:

@@ -13,22 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np
 
-import numpy as np  # noqa: E402
+from testkit.redis_processes import RedisClusterProcess, RedisProcess
+from tiercache.client import Client
+from tiercache.connector.hf.prefill import CachedPrefill
+from tiercache.demo import qwen35_model
+from tiercache.process import ServerProcess
 
-from testkit.redis_processes import RedisClusterProcess, RedisProcess  # noqa: E402
-from tiercache.client import Client  # noqa: E402
-from tiercache.connector.hf.prefill import CachedPrefill  # noqa: E402
-from tiercache.demo import qwen35_model  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
-from hf_ttft import add_model_arguments, baseline_ms, describe_model  # noqa: E402
+from benchmarks.hf_ttft import add_model_arguments, baseline_ms, describe_model
 
 STEPS = ("A cold", "A warm (same node)", "B first (from Redis)", "B again (B's host tier)")
 

@@ -24,18 +24,15 @@ import dataclasses
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from tiercache.client import Client  # noqa: E402
-from tiercache.connector.hf.prefill import CachedPrefill  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
+from tiercache.client import Client
+from tiercache.connector.hf.prefill import CachedPrefill
+from tiercache.process import ServerProcess
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,21 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from testkit.redis_processes import RedisProcess  # noqa: E402
-from tiercache.client import Client  # noqa: E402
-from tiercache.connector.hf.prefill import CachedPrefill  # noqa: E402
-from tiercache.demo import qwen35_model  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
+from testkit.redis_processes import RedisProcess
+from tiercache.client import Client
+from tiercache.connector.hf.prefill import CachedPrefill
+from tiercache.demo import qwen35_model
+from tiercache.process import ServerProcess
 
 TIERS = {
     "host": ["--host-mem", "2GiB", "--disk-size", "0"],

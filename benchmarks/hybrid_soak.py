@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -51,16 +50,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from lab.layouts import small_layout  # noqa: E402
-from tiercache.bench import VOCAB, SimulatedEngine  # noqa: E402
-from tiercache.client import Client  # noqa: E402
-from tiercache.connector.prefix_cache import PrefixCache  # noqa: E402
-from tiercache.prefix.hit import required_objects  # noqa: E402
-from tiercache.prefix.objects import CacheSpec, ObjectKind  # noqa: E402
-from tiercache.prefix.presets import preset  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
+from lab.layouts import small_layout
+from tiercache.bench import VOCAB, SimulatedEngine
+from tiercache.client import Client
+from tiercache.connector.prefix_cache import PrefixCache
+from tiercache.prefix.hit import required_objects
+from tiercache.prefix.objects import CacheSpec, ObjectKind
+from tiercache.prefix.presets import preset
+from tiercache.process import ServerProcess
 
 KINDS = ("chat", "doc", "branch", "repeat")
 

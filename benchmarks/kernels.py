@@ -22,18 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.throughput import rate  # noqa: E402
-from tiercache import kernels  # noqa: E402
-from tiercache.prefix.objects import CacheSpec  # noqa: E402
-from tiercache.prefix.presets import preset  # noqa: E402
+from benchmarks.throughput import rate
+from tiercache import kernels
+from tiercache.prefix.objects import CacheSpec
+from tiercache.prefix.presets import preset
 
 
 def timed_gbps(action, size: int, repeat: int) -> float:

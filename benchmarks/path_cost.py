@@ -15,17 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from tiercache.client import Client  # noqa: E402
-from tiercache.client.chooser import ARENA_MIN_BYTES  # noqa: E402
-from tiercache.config import format_size, parse_size  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
+from tiercache.client import Client
+from tiercache.client.chooser import ARENA_MIN_BYTES
+from tiercache.config import format_size, parse_size
+from tiercache.process import ServerProcess
 
 HOST_BYTES = 2 << 30
 PATHS = {"arena": {"same_host": True}, "data channel": {"same_host": False}, "chosen": {}}

@@ -15,17 +15,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from benchmarks.throughput import loopback_socket  # noqa: E402
-from tiercache.client import Client  # noqa: E402
-from tiercache.config import format_size, parse_size  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
+from benchmarks.throughput import loopback_socket
+from tiercache.client import Client
+from tiercache.config import format_size, parse_size
+from tiercache.process import ServerProcess
 
 
 def loopback_socket_gbps(size: int, count: int) -> float:

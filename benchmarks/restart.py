@@ -13,18 +13,15 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from tiercache.config import DiskTierConfig  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
-from tiercache.record import encoding  # noqa: E402
-from tiercache.record.keys import ChunkKey  # noqa: E402
-from tiercache.store.tiered import TieredStore  # noqa: E402
-from tiercache.tiers.disk import DiskTier  # noqa: E402
+from tiercache.config import DiskTierConfig
+from tiercache.process import ServerProcess
+from tiercache.record import encoding
+from tiercache.record.keys import ChunkKey
+from tiercache.store.tiered import TieredStore
+from tiercache.tiers.disk import DiskTier
 
 
 def fill(path: str, chunks: int, chunk_bytes: int) -> None:

@@ -38,19 +38,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from testkit.prompts import prompt  # noqa: E402
-from testkit.sglang_engine import EngineProcess, Timed, engine_settings, start_together  # noqa: E402
-from testkit.sglang_models import TinyModel  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
+from testkit.prompts import prompt
+from testkit.sglang_engine import EngineProcess, Timed, engine_settings, start_together
+from testkit.sglang_models import TinyModel
+from tiercache.process import ServerProcess
 
 ARMS = ("alone", "file", "tiercache")
 QUESTION = 32  # tokens of a question about a document

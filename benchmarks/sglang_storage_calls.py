@@ -12,25 +12,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from testkit import torchvision_stub  # noqa: F401 - before SGLang's pool modules (see tests/sglang)
 
-from testkit import torchvision_stub  # noqa: E402,F401 - before SGLang's pool modules (see tests/sglang)
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-import torch  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
-from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
-
-from tiercache.malloc import tune_allocator  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
+from tiercache.malloc import tune_allocator
+from tiercache.process import ServerProcess
 
 BATCH = 128  # the controller's storage batch (STORAGE_BATCH_SIZE)
 

@@ -17,18 +17,15 @@ import logging
 import os
 import signal
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from tiercache.client import BreakerPolicy, Client, RetryPolicy  # noqa: E402
-from tiercache.connector import PrefixCache  # noqa: E402
-from tiercache.prefix.objects import CacheSpec  # noqa: E402
-from tiercache.prefix.presets import preset  # noqa: E402
-from tiercache.process import ServerProcess, free_port  # noqa: E402
+from tiercache.client import BreakerPolicy, Client, RetryPolicy
+from tiercache.connector import PrefixCache
+from tiercache.prefix.objects import CacheSpec
+from tiercache.prefix.presets import preset
+from tiercache.process import ServerProcess, free_port
 
 
 def lookup_ms(url: str, breaker: bool, prompts: list, deadline_s: float) -> dict:

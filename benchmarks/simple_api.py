@@ -11,17 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import tiercache  # noqa: E402
-from tiercache.client import Client  # noqa: E402
-from tiercache.config import parse_size  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
+import tiercache
+from tiercache.client import Client
+from tiercache.config import parse_size
+from tiercache.process import ServerProcess
 
 
 def main() -> None:

@@ -23,27 +23,23 @@ import argparse
 import collections
 import hashlib
 import json
-import os
 import random
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import grpc
 
-import grpc  # noqa: E402
-
-from tiercache.client import Client  # noqa: E402
-from tiercache.client.retry import RetryPolicy  # noqa: E402
-from tiercache.config import parse_size  # noqa: E402
-from tiercache.errors import TierCacheError  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
-from tiercache.protocol import data_channel  # noqa: E402
-from tiercache.protocol.wire import pb, pb_grpc  # noqa: E402
-from tiercache.record.encoding import ChunkMeta  # noqa: E402
+from tiercache.client import Client
+from tiercache.client.retry import RetryPolicy
+from tiercache.config import parse_size
+from tiercache.errors import TierCacheError
+from tiercache.process import ServerProcess
+from tiercache.protocol import data_channel
+from tiercache.protocol.wire import pb, pb_grpc
+from tiercache.record.encoding import ChunkMeta
 
 NS = "soak"
 SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)

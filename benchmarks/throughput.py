@@ -38,26 +38,23 @@ import os
 import shutil
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from typing import Callable
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np
+import redis
 
-import numpy as np  # noqa: E402
-import redis  # noqa: E402
-
-from testkit.redis_processes import RedisProcess  # noqa: E402
-from tiercache.client import Client  # noqa: E402
-from tiercache.config import DiskTierConfig, MiB, RedisTierConfig  # noqa: E402
-from tiercache.malloc import tune_allocator  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
-from tiercache.record import encoding  # noqa: E402
-from tiercache.record.keys import ChunkKey  # noqa: E402
-from tiercache.tiers.disk import DiskTier  # noqa: E402
-from tiercache.tiers.redis import RedisTier  # noqa: E402
+from testkit.redis_processes import RedisProcess
+from tiercache.client import Client
+from tiercache.config import DiskTierConfig, MiB, RedisTierConfig
+from tiercache.malloc import tune_allocator
+from tiercache.process import ServerProcess
+from tiercache.record import encoding
+from tiercache.record.keys import ChunkKey
+from tiercache.tiers.disk import DiskTier
+from tiercache.tiers.redis import RedisTier
 
 
 def rate(total_bytes: int, action: Callable[[], None], repeat: int) -> float:

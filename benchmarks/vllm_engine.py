@@ -18,18 +18,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from testkit.prompts import prompt  # noqa: E402
-from testkit.vllm_engine import EngineProcess  # noqa: E402
-from testkit.vllm_models import FOUR_LAYER  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
+from testkit.prompts import prompt
+from testkit.vllm_engine import EngineProcess
+from testkit.vllm_models import FOUR_LAYER
+from tiercache.process import ServerProcess
 
 LENGTHS = [32, 128, 255, 512, 1000, 2048, 4096]
 

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.slow
 
 def test_throughput_quick(tmp_path):
     out, png = tmp_path / "t.json", tmp_path / "t.png"
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--quick", "--sizes", "1,4",
+    result = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--quick", "--sizes", "1,4",
                              "--json-out", str(out), "--plot", str(png)], capture_output=True, text=True,
-                            env=python_env(), timeout=300)
+                            env=python_env(), cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [r["chunk_bytes"] for r in rows] == [1 << 20, 4 << 20]
@@ -26,16 +26,16 @@ def test_throughput_quick(tmp_path):
 
 
 def test_grpc_modes_and_kernels_scripts_run():
-    for script, args in (("grpc_modes.py", ["--rounds", "1"]), ("kernels.py", [])):
-        result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
-                                text=True, env=python_env(), timeout=300)
+    for script, args in (("grpc_modes", ["--rounds", "1"]), ("kernels", [])):
+        result = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", *args], capture_output=True,
+                                text=True, env=python_env(), cwd=ROOT, timeout=300)
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip()
 
 
 def _run_json(script: str, *args: str) -> dict:
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args, "--json"], capture_output=True,
-                            text=True, env=python_env(), timeout=600)
+    result = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", *args, "--json"], capture_output=True,
+                            text=True, env=python_env(), cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -43,7 +43,7 @@ def _run_json(script: str, *args: str) -> dict:
 def test_soak_short_run(tmp_path):
     config = tmp_path / "server.yaml"
     config.write_text("server:\n  stream_idle_timeout_s: 1\n")
-    report = _run_json("soak.py", "--seconds", "8", "--baseline-seconds", "3", "--sample-s", "1", "--keys", "400",
+    report = _run_json("soak", "--seconds", "8", "--baseline-seconds", "3", "--sample-s", "1", "--keys", "400",
                        "--host-mem", "32MiB", "--disk-size", "64MiB", "--plot", str(tmp_path / "rss.png"),
                        "--stalled", "2", "--disconnecting", "1", "--server-config", str(config), "--remote", "2",
                        "--stalled-data", "2", "--unread-data", "1", "--unread-hold-s", "2.5")
@@ -57,12 +57,12 @@ def test_soak_short_run(tmp_path):
 
 
 def test_restart_small():
-    report = _run_json("restart.py", "--chunks", "2000", "--chunk-bytes", "1024")
+    report = _run_json("restart", "--chunks", "2000", "--chunk-bytes", "1024")
     assert report["indexed"] == 2000 and report["server_start_to_serving_s"] > 0
 
 
 def test_cross_node_tiny():
-    report = _run_json("cross_node.py", "--hidden", "64", "--layers", "4", "--prefix", "300", "--suffix", "8",
+    report = _run_json("cross_node", "--hidden", "64", "--layers", "4", "--prefix", "300", "--suffix", "8",
                        "--prefixes", "1")
     for result in report["results"]:
         b_first = result["steps"]["B first (from Redis)"]
@@ -71,24 +71,24 @@ def test_cross_node_tiny():
 
 def test_eviction_and_hybrid_soak_scripts_run(tmp_path):
     evicted = tmp_path / "e.json"
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "eviction.py"), "--disk", "2000",
-                             "--host-gib", "0.0625", "--server-gib", "0.0625", "--window", "500",
-                             "--json-out", str(evicted)], capture_output=True, text=True, env=python_env(), timeout=300)
+    result = subprocess.run([sys.executable, "-m", "benchmarks.eviction", "--disk", "2000", "--host-gib", "0.0625",
+                             "--server-gib", "0.0625", "--window", "500", "--json-out", str(evicted)],
+                            capture_output=True, text=True, env=python_env(), cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
     assert [row["tier"] for row in json.loads(evicted.read_text())] == ["disk", "host", "server"]
     soak, png = tmp_path / "s.json", tmp_path / "s.png"
-    command = [sys.executable, str(ROOT / "benchmarks" / "hybrid_soak.py"), "--requests", "300", "--host-mem", "32MiB",
+    command = [sys.executable, "-m", "benchmarks.hybrid_soak", "--requests", "300", "--host-mem", "32MiB",
                "--disk-size", "64MiB", "--json-out", str(soak), "--plot", str(png)]
-    result = subprocess.run(command, capture_output=True, text=True, env=python_env(), timeout=300)
+    result = subprocess.run(command, capture_output=True, text=True, env=python_env(), cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
     assert png.stat().st_size > 10_000 and soak.stat().st_size > 1000
 
 
 def test_sick_server_script_runs(tmp_path):
     out = tmp_path / "sick.json"
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sick_server.py"), "--lookups", "5",
+    result = subprocess.run([sys.executable, "-m", "benchmarks.sick_server", "--lookups", "5",
                              "--tokens", "2048", "--deadline", "0.2", "--json-out", str(out)], capture_output=True,
-                            text=True, env=python_env(), timeout=300)
+                            text=True, env=python_env(), cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
     reached = {name: r["reached"] for name, r in json.loads(out.read_text())["results"].items()}
     assert reached == {"healthy/breaker": 6, "healthy/none": 6, "hung/breaker": 0, "hung/none": 0,
@@ -96,8 +96,8 @@ def test_sick_server_script_runs(tmp_path):
 
 
 def test_simple_api_script_runs():
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "simple_api.py"), "--chunks", "2",
+    result = subprocess.run([sys.executable, "-m", "benchmarks.simple_api", "--chunks", "2",
                              "--chunk-size", "1MiB", "--rounds", "1", "--tune-allocator"], capture_output=True,
-                            text=True, env=python_env(), timeout=300)
+                            text=True, env=python_env(), cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("x memcpy") == 3  # put, get, get into a reused buffer
