@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from lab.common import write_report
+
 Figures = dict[str, float]
 
 
@@ -132,7 +134,7 @@ def main() -> int:
               "commits": {side: _commit(path) for side, path in (("before", args.before), ("after", args.after))},
               "runs": runs, **compare(runs)}
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_report(result, args.json)
     if args.plot:
         plot(result, args.plot)
     for name, row in result["figures"].items():
@@ -144,10 +146,9 @@ def main() -> int:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
+    from lab.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(result["figures"])
     rows = [result["figures"][name] for name in names]

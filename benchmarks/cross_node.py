@@ -12,11 +12,11 @@ in the same run) and against the same-node hit through A.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import numpy as np
 
+from lab.common import write_report
 from testkit.redis_processes import RedisClusterProcess, RedisProcess
 from tiercache.client import Client
 from tiercache.connector.hf.prefill import CachedPrefill
@@ -81,7 +81,7 @@ def main() -> None:
     report = {"model": describe_model(args), "prompt_tokens": args.prefix + args.suffix, "baseline_ttft_ms": baseline,
               "results": results}
     if args.json:
-        print(json.dumps(report, indent=2))
+        write_report(report)
         return
     print(f"{report['model']}; {args.prefixes} prefixes of {args.prefix} tokens + {args.suffix}-token suffixes; "
           f"N = {results[0]['chunk_tokens']}; medians over prefixes")

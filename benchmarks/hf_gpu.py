@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from lab.common import write_report
 from tiercache.client import Client
 from tiercache.connector.hf.prefill import CachedPrefill
 from tiercache.process import ServerProcess
@@ -211,7 +210,7 @@ def main(argv=None) -> None:
         except torch.OutOfMemoryError as error:  # said, and the smaller cases kept
             case = {"shape": shape_name, "prompt_tokens": length, "error": f"out of memory: {error}"[:300]}
         report["cases"].append(case)
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        write_report(report, args.json)
         print(summary_line(case), flush=True)
 
 

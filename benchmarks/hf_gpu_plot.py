@@ -19,9 +19,9 @@ def load_cases(paths: list[str]) -> list[dict]:
 
 
 def draw(cases: list[dict], out: str, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from lab.common import pyplot
+
+    plt = pyplot()
 
     tiers = sorted({tier for case in cases for tier in case["tiers"]})
     bars = [("alone", lambda case: case["model_alone_ttft_s"])]

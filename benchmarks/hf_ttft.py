@@ -12,13 +12,13 @@ TTFT = lookup + load + compute: the first token's logits exist then; the save th
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import numpy as np
 import torch
 
+from lab.common import write_report
 from testkit.redis_processes import RedisProcess
 from tiercache.client import Client
 from tiercache.connector.hf.prefill import CachedPrefill
@@ -92,7 +92,7 @@ def main() -> None:
     report = {"model": describe_model(args), "prompt_tokens": args.prefix + args.suffix, "baseline_ttft_ms": baseline,
               "tiers": results}
     if args.json:
-        print(json.dumps(report, indent=2))
+        write_report(report)
         return
     print(f"{report['model']}; {args.prefix}-token shared prefix + {args.suffix}-token suffixes; "
           f"N = {results[0]['chunk_tokens']}")

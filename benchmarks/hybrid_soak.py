@@ -352,10 +352,9 @@ def print_report(result: dict) -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
+    from lab.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(9, 5.2))
     windows = result["windows"]

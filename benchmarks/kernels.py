@@ -21,12 +21,12 @@ memcpy of the same bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
 
 from benchmarks.throughput import rate
+from lab.common import write_report
 from tiercache import kernels
 from tiercache.prefix.objects import CacheSpec
 from tiercache.prefix.presets import preset
@@ -200,7 +200,7 @@ def _print(rows: list[dict], device: str, as_json: bool) -> None:
     for r in rows:
         r["ratio"] = r["gbps"] / r["memcpy_gbps"] if r.get("memcpy_gbps") else None
     if as_json:
-        print(json.dumps({"device": device, "rows": rows}, indent=2))
+        write_report({"device": device, "rows": rows})
         return
     print(f"device: {device}")
     print(f"{'preset':<14}{'copy':<38}{'MiB':>8}{'ms':>9}{'GB/s':>9}{'memcpy GB/s':>13}{'ratio':>7}")

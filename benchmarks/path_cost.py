@@ -13,12 +13,12 @@ what a connector's saves cost the engine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 import numpy as np
 
+from lab.common import write_report
 from tiercache.client import Client
 from tiercache.client.chooser import ARENA_MIN_BYTES
 from tiercache.config import format_size, parse_size
@@ -89,7 +89,7 @@ def main() -> None:
                 row[name] = measure(server.url, server.process.pid, options, size, args.batch, calls)
             rows.append(row)
     if args.json:
-        print(json.dumps({"arena_min_bytes": ARENA_MIN_BYTES, "rows": rows}, indent=2))
+        write_report({"arena_min_bytes": ARENA_MIN_BYTES, "rows": rows})
         return
     print(f"per call of {args.batch} chunks: client CPU + server CPU = total (wall) in ms; ratio: total CPU / arena's; "
           f"chosen: data channel below {format_size(ARENA_MIN_BYTES)} a call")

@@ -12,7 +12,6 @@ benchmarks/throughput.py.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -20,6 +19,7 @@ import time
 import numpy as np
 
 from benchmarks.throughput import loopback_socket
+from lab.common import write_report
 from tiercache.client import Client
 from tiercache.config import format_size, parse_size
 from tiercache.process import ServerProcess
@@ -78,7 +78,7 @@ def main() -> None:
     result = {"path": args.path, "chunk_bytes": args.chunk_size, "chunks": args.chunks, "repeat": args.repeat,
               "gbps": medians, "ratio_to_socket": {k: medians[k] / medians["socket"] for k in ("put", "get")}}
     if args.json:
-        print(json.dumps(result, indent=2))
+        write_report(result)
         return
     print(f"{args.chunks} chunks of {format_size(args.chunk_size)}, median of {args.repeat} rounds")
     print(f"{'path':<28}{'GB/s':>8}{'x socket':>10}")

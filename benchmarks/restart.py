@@ -10,12 +10,12 @@ disk tier's index, and (3) `tiercache serve` on that directory from exec to answ
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
 import time
 
+from lab.common import write_report
 from tiercache.config import DiskTierConfig
 from tiercache.process import ServerProcess
 from tiercache.record import encoding
@@ -75,7 +75,7 @@ def main() -> None:
               "raw_walk_s": round(walk_s, 2), "index_rebuild_s": round(index_s, 2),
               "server_start_to_serving_s": round(serve_s, 2), "rebuild_over_raw_walk": round(index_s / walk_s, 2)}
     if args.json:
-        print(json.dumps(report, indent=2))
+        write_report(report)
         return
     print(f"{args.chunks} chunks of {args.chunk_bytes} B on disk (filled in {fill_s:.1f} s); {indexed} indexed")
     print(f"raw walk (scandir + stat + 512 B read per file): {walk_s:.2f} s")

@@ -37,12 +37,12 @@ a hit's TTFT here keeps a cost that grows with the prompt, and the ratios unders
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from lab.common import write_report
 from testkit.prompts import prompt
 from testkit.sglang_engine import EngineProcess, Timed, engine_settings, start_together
 from testkit.sglang_models import TinyModel
@@ -237,7 +237,7 @@ def main() -> None:
     report["ratios"] = ratios(report)
     report["seconds"] = round(time.monotonic() - started, 1)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_report(report, args.json)
     print_table(report)
     print(f"({report['seconds']} s)")
 

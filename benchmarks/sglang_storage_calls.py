@@ -11,7 +11,6 @@ host slots (`batch_get` into dummy pages + `set_from_flat_data_page`, or `batch_
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -25,6 +24,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
+from lab.common import write_report
 from tiercache.malloc import tune_allocator
 from tiercache.process import ServerProcess
 
@@ -132,7 +132,7 @@ def main() -> None:
               **{name: {field: statistics.median(r[field] for r in runs) for field in runs[0]}
                  for name, runs in results.items()}}
     if args.json:
-        print(json.dumps(report, indent=2))
+        write_report(report)
         return
     print(f"{args.pages} pages of {page_bytes / (1 << 20):.2f} MiB (MHA page_first), medians of {args.rounds} rounds")
     print(f"{'':<14}{'put GB/s':>10}{'get GB/s':>10}{'exists ms':>11}")

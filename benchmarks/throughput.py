@@ -46,6 +46,7 @@ from typing import Callable
 import numpy as np
 import redis
 
+from lab.common import write_report
 from testkit.redis_processes import RedisProcess
 from tiercache.client import Client
 from tiercache.config import DiskTierConfig, MiB, RedisTierConfig
@@ -318,10 +319,9 @@ def print_table(rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
+    from lab.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(12, 5))
     width = 0.8 / len(rows)
@@ -362,8 +362,7 @@ def main() -> None:
         remote.kill()
         redis_proc.stop()
     print_table(rows)
-    with open(args.json_out, "w") as f:
-        json.dump({"set_bytes": set_bytes, "repeat": repeat, "rows": rows}, f, indent=2)
+    write_report({"set_bytes": set_bytes, "repeat": repeat, "rows": rows}, args.json_out)
     if args.plot:
         plot(rows, args.plot)
     print(f"\nwrote {args.json_out}" + (f" and {args.plot}" if args.plot else ""))

@@ -83,10 +83,9 @@ def document(alone, first, fresh, tokens: int, questions: int) -> list[dict]:
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
+    from lab.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = report["by_length"]
     lengths = [r["prompt_tokens"] for r in rows]

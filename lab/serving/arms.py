@@ -254,15 +254,16 @@ def work_and_model(args, prefix: str) -> tuple[Path, str, int, str]:
 def interleaved(arms: list[str], repeats: int, run_one, build, json_path: str | None, seed: int | None = None,
                 drop_caches: bool = False) -> dict:
     """Every arm `repeats` times in rounds, each round in its own random order (recorded: a run's `position`), each run
-    kept with its provenance (the code it ran and the machine's load: lab/serving/provenance.py); the report
-    rebuilt and written after every run, so an interrupted benchmark keeps what it measured. `run_one(name) ->
+    kept with its provenance (the code it ran, lab.common.code; the machine's load: lab/serving/provenance.py); the
+    report rebuilt and written after every run, so an interrupted benchmark keeps what it measured. `run_one(name) ->
     result`, `build(runs) -> report`. The code may not change while a set runs: a run whose code differs from the
     first's stops the set. `drop_caches`: the page cache dropped before every run (provenance.drop_page_cache; a
     system-wide step, so only when asked), recorded either way."""
     import random
     import time
 
-    from lab.serving.provenance import LoadSampler, code, drop_page_cache
+    from lab.common import code
+    from lab.serving.provenance import LoadSampler, drop_page_cache
 
     order = random.Random(seed)
     runs, first_code = [], code()

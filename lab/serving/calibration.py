@@ -17,7 +17,6 @@ test_serving_calibration.py holds the rates.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -119,10 +118,9 @@ def main() -> None:
     if args.plot:
         plot(rows, args.plot)
     if args.json:
-        from lab.serving.provenance import code
+        from lab.common import write_report
 
-        Path(args.json).write_text(json.dumps({"sets": args.sets, "block": BLOCK, "effect": EFFECT, "stored": STORED,
-                                               "code": code(), "rows": rows}, indent=1))
+        write_report({"sets": args.sets, "block": BLOCK, "effect": EFFECT, "stored": STORED, "rows": rows}, args.json)
     print(f"{'pool':<7}{'figure':<10}{'stored':>7}{'rounds':>7}{'false verdicts':>16}{'power at 1.25x':>16}"
           f"{'sd of a round':>15}")
     for row in rows:
@@ -131,10 +129,9 @@ def main() -> None:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
+    from lab.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (false_ax, power_ax) = plt.subplots(1, 2, figsize=(11, 4))
     for name, style in (("all", "-"), ("quiet", "--")):

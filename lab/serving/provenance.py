@@ -1,6 +1,6 @@
 """What code and what machine each run of an arm came from, recorded in the run (a set's figures may only pool runs of
 one code version, and "the machine was quiet" is read from the data, not from prose):
-- the commit, and a digest of any uncommitted change to tracked files plus the names of untracked ones (`code`);
+- the commit, and a digest of any uncommitted change in the checkout, lab/ included (lab.common.code);
 - the load while the arm ran: the 1-minute load average sampled every few seconds, and the processes outside this
   benchmark's own tree that used the most CPU over the run (`LoadSampler`);
 - whether the page cache was dropped before it (`drop_page_cache`: a disk tier read back from the page cache is a
@@ -10,35 +10,12 @@ one code version, and "the machine was quiet" is read from the data, not from pr
 
 from __future__ import annotations
 
-import hashlib
 import os
-import subprocess
 import threading
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_S = 2.0
 BUSIEST = 5
-
-
-def code() -> dict:
-    """{"commit": the checkout's HEAD, "dirty": None, or a digest of what differs from it}."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout
-
-    commit = git("rev-parse", "HEAD").strip() or "unknown"
-    diff = git("diff", "HEAD", "--binary")
-    untracked = git("ls-files", "--others", "--exclude-standard").splitlines()
-    if not diff and not untracked:
-        return {"commit": commit, "dirty": None}
-    digest = hashlib.sha256(diff.encode())
-    for name in untracked:  # by content too: an untracked module edited while a set runs is a change of code
-        digest.update(name.encode() + b"\0")
-        try:
-            digest.update((ROOT / name).read_bytes())
-        except OSError:  # removed since git listed it
-            pass
-    return {"commit": commit, "dirty": digest.hexdigest()[:16]}
 
 
 def drop_page_cache() -> dict:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from lab.common import percentiles
 from testkit import mooncake_trace
 from testkit.mooncake_trace import TraceRequest
 
@@ -135,16 +135,8 @@ def summary(outcomes: Sequence[Outcome], wall_s: float) -> dict:
     in an open-loop replay that the engines keep up with: a throughput figure comes from a saturated replay)."""
     good = [o for o in outcomes if o.ok]
     return {"requests": len(outcomes), "errors": len(outcomes) - len(good),
-            "ttft_ms": percentiles([o.ttft_s for o in good], (50, 90, 99)),
-            "e2e_ms": percentiles([o.e2e_s for o in good], (50, 90)),
+            "ttft_ms": percentiles([o.ttft_s for o in good], (50, 90, 99), scale=1e3),
+            "e2e_ms": percentiles([o.e2e_s for o in good], (50, 90), scale=1e3),
             "throughput_rps": round(len(good) / wall_s, 3) if wall_s > 0 else 0.0,
             "wall_s": round(wall_s, 2)}
 
-
-def percentiles(seconds: Sequence[float], points: Sequence[int]) -> dict[str, float]:
-    if not seconds:
-        return {f"p{p}": None for p in points}
-    if len(seconds) == 1:
-        return {f"p{p}": round(seconds[0] * 1e3, 2) for p in points}
-    cuts = statistics.quantiles(seconds, n=100, method="inclusive")
-    return {f"p{p}": round(cuts[p - 1] * 1e3, 2) for p in points}

@@ -236,10 +236,9 @@ def _ratio(cell: dict) -> str:
 # -- plot ----------------------------------------------------------------------------------------------------------
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
+    from lab.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     arms = {name: arm for name, arm in report["arms"].items() if "unavailable" not in arm}
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))

@@ -29,16 +29,6 @@ _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 
          20: 2.086, 25: 2.060, 30: 2.042}
 
 
-def percentile(values: Sequence[float], p: float) -> float | None:
-    """The p-th percentile (inclusive method, as replay.summary's) of the values, None when there are none."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return None
-    if len(values) == 1:
-        return float(values[0])
-    return float(np.percentile(values, p, method="linear"))
-
-
 def median_of_runs(runs: Sequence[dict], read: Callable[[dict], float | None]) -> float | None:
     """Descriptive: the median over runs of one arm's figure (the tables' per-arm columns; no verdict comes from
     it: verdicts come from paired ratios)."""

@@ -1,10 +1,11 @@
 """Each run of a set records the code it ran and the machine's load, arms run in a recorded random order per round,
-and a set stops when the code under it changes (lab/serving/provenance.py, arms.interleaved)."""
+and a set stops when the code under it changes (lab/common.py, lab/serving/provenance.py, arms.interleaved)."""
 
 from __future__ import annotations
 
 import pytest
 
+from lab import common
 from lab.serving import arms, provenance
 
 
@@ -21,14 +22,14 @@ def test_every_run_records_its_code_its_load_and_its_place_in_a_random_round(tmp
         orders.append(tuple(r["arm"] for r in ordered))
     assert len(set(orders)) > 1  # not the same order every round
     record = runs[0]["provenance"]
-    assert record["commit"] == provenance.code()["commit"] and len(record["commit"]) == 40
+    assert record["commit"] == common.code()["commit"] and len(record["commit"]) == 40
     assert record["load"]["loadavg_1m"]["samples"] >= 1 and record["load"]["cores"] >= 1
     assert all(p["pid"] not in provenance._own_tree() for p in record["load"]["busiest_others"])
 
 
 def test_a_set_stops_when_the_code_under_it_changes(monkeypatch, tmp_path):
     versions = iter([{"commit": "x", "dirty": None}, {"commit": "x", "dirty": None}, {"commit": "x", "dirty": "d1"}])
-    monkeypatch.setattr(provenance, "code", lambda: next(versions))
+    monkeypatch.setattr(common, "code", lambda: next(versions))
     with pytest.raises(SystemExit, match="code changed"):
         arms.interleaved(["a", "b"], 2, lambda name: {}, lambda runs: {"runs": runs}, str(tmp_path / "set.json"))
 
@@ -49,12 +50,12 @@ def test_the_code_digest_changes_with_an_untracked_files_content(tmp_path, monke
     (tmp_path / "tracked.py").write_text("a = 1\n")
     git("add", "tracked.py")
     git("commit", "-q", "-m", "one")
-    monkeypatch.setattr(provenance, "ROOT", tmp_path)
-    assert provenance.code()["dirty"] is None
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    assert common.code()["dirty"] is None
     (tmp_path / "new.py").write_text("b = 1\n")
-    first = provenance.code()["dirty"]
+    first = common.code()["dirty"]
     (tmp_path / "new.py").write_text("b = 2\n")
-    assert first is not None and provenance.code()["dirty"] not in (None, first)
+    assert first is not None and common.code()["dirty"] not in (None, first)
 
 
 def test_a_run_says_whether_the_page_cache_was_dropped_before_it(tmp_path):
