@@ -5,12 +5,10 @@ hits more is a figure for docs/benchmarks.md, not an assertion."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import ROOT, python_env
+from lab.tests.commands import run_module
 
 pytestmark = pytest.mark.slow
 
@@ -30,10 +28,9 @@ def conversations(path, count: int = 3, turns: int = 3) -> None:
 def test_every_policy_replays_the_slice_and_reports(tmp_path):
     trace, out, png = tmp_path / "trace.jsonl", tmp_path / "fleet.json", tmp_path / "fleet.png"
     conversations(trace)
-    result = subprocess.run([sys.executable, "-m", "lab.fleet_trace", "--trace", str(trace),
-                             "--max-requests", "9", "--conversations", "1", "--pods", "2", "--host-mem", "64MiB",
-                             "--json", str(out), "--plot", str(png), "--no-progress"],
-                            capture_output=True, text=True, env=python_env(), timeout=600, cwd=ROOT)
+    result = run_module("lab.fleet_trace", "--trace", str(trace), "--max-requests", "9", "--conversations", "1",
+                        "--pods", "2", "--host-mem", "64MiB", "--json", str(out), "--plot", str(png), "--no-progress",
+                        timeout_s=600)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert set(report["policies"]) == {"round-robin", "attention", "restorable", "checkpoints"}

@@ -15,10 +15,14 @@ from lab.fleet.pods import SimulatedPod
 from lab.fleet.router import Router
 from testkit import mooncake_trace
 from testkit.saved_chunks import N, spec_of
-from tests.prefix.chains import HYBRID
+from tiercache.prefix.layout import GroupKind, LayerGroup, ModelLayout, StateTensor
 
 MODEL = "tiny"
 UNKNOWN = 2  # no prompt here holds it: Lookup of prompt + UNKNOWN is what the router may count of the prompt
+# One attention layer beside two recurrent ones, their state small: the chains a hybrid pod saves, at N = 32.
+STATE = (StateTensor("ssm", (2, 4, 4), "float32"),)
+HYBRID = ModelLayout(MODEL, (LayerGroup(GroupKind.FULL_ATTENTION, (0,), kv_heads=1, head_dim=4),
+                             LayerGroup(GroupKind.RECURRENT, (1, 2), state=STATE)))
 
 
 def test_round_robin_takes_turns_and_reads_no_events():

@@ -1,43 +1,41 @@
-"""The benchmark scripts still run (CI smoke; slow suite). Their figures go to the notes, not into assertions."""
+"""The micro-benchmarks still run (benchmarks/, as `python -m benchmarks.<name>`: `make lab-smoke`). Their figures go
+to the notes, not into assertions."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import ROOT, python_env
+from lab.tests.commands import run_module
 
 pytestmark = pytest.mark.slow
 
 
+def _run(name: str, *args: str, timeout_s: float = 300) -> str:
+    result = run_module(f"benchmarks.{name}", *args, timeout_s=timeout_s)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def _run_json(name: str, *args: str) -> dict:
+    return json.loads(_run(name, *args, "--json", timeout_s=600))
+
+
 def test_throughput_quick(tmp_path):
     out, png = tmp_path / "t.json", tmp_path / "t.png"
-    result = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--quick", "--sizes", "1,4",
-                             "--json-out", str(out), "--plot", str(png)], capture_output=True, text=True,
-                            env=python_env(), cwd=ROOT, timeout=300)
-    assert result.returncode == 0, result.stderr
-    rows = json.loads(out.read_text())["rows"]
+    _run("throughput", "--quick", "--sizes", "1,4", "--json-out", str(out), "--plot", str(png))
+    report = json.loads(out.read_text())
+    rows = report["rows"]
     assert [r["chunk_bytes"] for r in rows] == [1 << 20, 4 << 20]
     assert all(r["same_host_put"] > 0 and r["remote_get"] > 0 and "same_host_vs_memcpy" in r["ratios"] for r in rows)
+    assert len(report["meta"]["commit"]) == 12  # the code it ran (lab.common.write_report)
     assert png.stat().st_size > 10_000
 
 
 def test_grpc_modes_and_kernels_scripts_run():
-    for script, args in (("grpc_modes", ["--rounds", "1"]), ("kernels", [])):
-        result = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", *args], capture_output=True,
-                                text=True, env=python_env(), cwd=ROOT, timeout=300)
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.strip()
-
-
-def _run_json(script: str, *args: str) -> dict:
-    result = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", *args, "--json"], capture_output=True,
-                            text=True, env=python_env(), cwd=ROOT, timeout=600)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    for name, args in (("grpc_modes", ["--rounds", "1"]), ("kernels", [])):
+        assert _run(name, *args).strip()
 
 
 def test_soak_short_run(tmp_path):
@@ -71,33 +69,23 @@ def test_cross_node_tiny():
 
 def test_eviction_and_hybrid_soak_scripts_run(tmp_path):
     evicted = tmp_path / "e.json"
-    result = subprocess.run([sys.executable, "-m", "benchmarks.eviction", "--disk", "2000", "--host-gib", "0.0625",
-                             "--server-gib", "0.0625", "--window", "500", "--json-out", str(evicted)],
-                            capture_output=True, text=True, env=python_env(), cwd=ROOT, timeout=300)
-    assert result.returncode == 0, result.stderr
+    _run("eviction", "--disk", "2000", "--host-gib", "0.0625", "--server-gib", "0.0625", "--window", "500",
+         "--json-out", str(evicted))
     assert [row["tier"] for row in json.loads(evicted.read_text())] == ["disk", "host", "server"]
     soak, png = tmp_path / "s.json", tmp_path / "s.png"
-    command = [sys.executable, "-m", "benchmarks.hybrid_soak", "--requests", "300", "--host-mem", "32MiB",
-               "--disk-size", "64MiB", "--json-out", str(soak), "--plot", str(png)]
-    result = subprocess.run(command, capture_output=True, text=True, env=python_env(), cwd=ROOT, timeout=300)
-    assert result.returncode == 0, result.stderr
+    _run("hybrid_soak", "--requests", "300", "--host-mem", "32MiB", "--disk-size", "64MiB", "--json-out", str(soak),
+         "--plot", str(png))
     assert png.stat().st_size > 10_000 and soak.stat().st_size > 1000
 
 
 def test_sick_server_script_runs(tmp_path):
     out = tmp_path / "sick.json"
-    result = subprocess.run([sys.executable, "-m", "benchmarks.sick_server", "--lookups", "5",
-                             "--tokens", "2048", "--deadline", "0.2", "--json-out", str(out)], capture_output=True,
-                            text=True, env=python_env(), cwd=ROOT, timeout=300)
-    assert result.returncode == 0, result.stderr
+    _run("sick_server", "--lookups", "5", "--tokens", "2048", "--deadline", "0.2", "--json-out", str(out))
     reached = {name: r["reached"] for name, r in json.loads(out.read_text())["results"].items()}
     assert reached == {"healthy/breaker": 6, "healthy/none": 6, "hung/breaker": 0, "hung/none": 0,
                        "dead/breaker": 0, "dead/none": 0}
 
 
 def test_simple_api_script_runs():
-    result = subprocess.run([sys.executable, "-m", "benchmarks.simple_api", "--chunks", "2",
-                             "--chunk-size", "1MiB", "--rounds", "1", "--tune-allocator"], capture_output=True,
-                            text=True, env=python_env(), cwd=ROOT, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count("x memcpy") == 3  # put, get, get into a reused buffer
+    stdout = _run("simple_api", "--chunks", "2", "--chunk-size", "1MiB", "--rounds", "1", "--tune-allocator")
+    assert stdout.count("x memcpy") == 3  # put, get, get into a reused buffer

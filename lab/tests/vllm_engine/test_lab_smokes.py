@@ -1,27 +1,24 @@
 """The lab's two serving benchmarks still run end to end, each a smoke run with real OpenAI-compatible vLLM servers
-and a real tiercache server: lab/serve_trace.py (three arms, a few requests of the real trace, streamed
-completions) and lab/chat_rounds.py (2 users, 3 rounds, tiny prompts, three arms: a closed loop whose prompts
-carry the model's replies). Their figures go to the notes. And the sequential run's exact replay
+and a real tiercache server: `python -m lab.serve_trace` (three arms, a few requests of the real trace, streamed
+completions) and `python -m lab.chat_rounds` (2 users, 3 rounds, tiny prompts, three arms: a closed loop whose
+prompts carry the model's replies). Their figures go to the notes. And the sequential run's exact replay
 (lab/serving/exact.py), on vLLM alone and on tiercache with faults planted in its loads.
 
-They share one module so that `make test-vllm-engine`'s workers (one module each at a time) never run both at once:
-each starts a vLLM server and cache servers of its own, and the two together beside the other worker's engines once
-used all of this 24 GiB machine's memory. Their cache servers' host tiers are 256 MiB (committed at start; these
-slices need a few MiB), not the lab's documented 2 GiB."""
+They share one module so that pytest-xdist workers (one module each at a time) never run two at once: each starts a
+vLLM server and cache servers of its own, and two together beside another worker's engines once used all of a
+24 GiB machine's memory (`make lab-smoke` runs them one after another). Their cache servers' host tiers are 256 MiB
+(committed at start; these slices need a few MiB), not the lab's documented 2 GiB."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from lab.chat import loop
+from lab.tests.commands import run_module
 from testkit import mooncake_trace
 
-ROOT = Path(__file__).resolve().parents[2]
 TRACE = mooncake_trace.CONVERSATION_SLICE  # its first 6 rows are the trace's
 
 
@@ -29,13 +26,13 @@ TRACE = mooncake_trace.CONVERSATION_SLICE  # its first 6 rows are the trace's
 @pytest.mark.timeout(1200)  # engines started in a subprocess, on a loaded machine too: its own limit decides
 def test_serve_trace_three_arms_on_a_few_requests(tmp_path):
     report_path, plot_path = tmp_path / "report.json", tmp_path / "plot.png"
-    command = [sys.executable, "-m", "lab.serve_trace", "--arms", "alone,tiercache,restart",
+    command = ["lab.serve_trace", "--arms", "alone,tiercache,restart",
                "--trace", str(TRACE),
                "--max-requests", "6", "--conversations", "1", "--time-scale", "0.02", "--max-input-tokens", "1024",
                "--max-output-tokens", "4", "--host-mib", "256", "--work-dir", str(tmp_path / "work"),
                "--json", str(report_path),
                "--plot", str(plot_path), "--no-progress"]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    result = run_module(*command, timeout_s=900)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(report_path.read_text())
     assert set(report["arms"]) == {"alone", "tiercache", "restart"}
@@ -91,12 +88,12 @@ def test_serve_trace_offloading_arms_resume_after_a_restart_from_vllms_fs_tier_a
     with vLLM's fs tier, and with tiercache as the secondary tier. After the restart the new engine's pool is empty:
     what vLLM counted as cached from the disk (fs) or from an external tier (tiercache) came from the tier."""
     report_path = tmp_path / "report.json"
-    command = [sys.executable, "-m", "lab.serve_trace",
+    command = ["lab.serve_trace",
                "--arms", "offload-fs-restart,offload-tiercache-restart", "--trace", str(TRACE),
                "--max-requests", "6", "--conversations", "1", "--time-scale", "0.02", "--max-input-tokens", "1024",
                "--max-output-tokens", "4", "--host-mib", "128", "--work-dir", str(tmp_path / "work"),
                "--json", str(report_path), "--no-progress"]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=1100)
+    result = run_module(*command, timeout_s=1100)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(report_path.read_text())
     for run in report["runs"]:
@@ -125,12 +122,12 @@ def test_exact_replay_finds_vllm_alone_exact_and_flags_exactly_the_planted_resto
     a state from an earlier position planted in half its requests' loads: each planted request wrong, every other
     request identical or labelled as reusing a planted request's blocks; none wrong otherwise."""
     report_path = tmp_path / "report.json"
-    command = [sys.executable, "-m", "lab.serve_trace", "--sequential",
+    command = ["lab.serve_trace", "--sequential",
                "--arms", "alone-equal,tiercache", "--trace", str(TRACE), "--max-requests", "40",
                "--conversations", "1", "--max-input-tokens", "1024", "--max-output-tokens", "8", "--kv-cache-mib", "4",
                "--host-mib", "256", "--plant-fault", "previous_state", "--plant-one-in", "2",
                "--work-dir", str(tmp_path / "work"), "--json", str(report_path), "--no-progress"]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=1400)
+    result = run_module(*command, timeout_s=1400)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(report_path.read_text())
     checks = {run["arm"]: run["result"]["exact"] for run in report["runs"]}
@@ -148,13 +145,13 @@ def test_exact_replay_finds_vllm_alone_exact_and_flags_exactly_the_planted_resto
 @pytest.mark.timeout(900)  # engines started in a subprocess, on a loaded machine too: its own limit decides
 def test_chat_rounds_three_arms_two_users_three_rounds(tmp_path):
     report_path, plot_path = tmp_path / "report.json", tmp_path / "plot.png"
-    command = [sys.executable, "-m", "lab.chat_rounds", "--arms", "alone,tiercache,restart",
+    command = ["lab.chat_rounds", "--arms", "alone,tiercache,restart",
                "--users", "2", "--rounds", "3", "--system-tokens", "256", "--context-tokens", "300",
                "--question-tokens", "32", "--answer-tokens", "8", "--gap-s", "0.2", "--stagger-s", "0.1",
                "--host-mib", "256",
                "--work-dir", str(tmp_path / "work"), "--json", str(report_path), "--plot", str(plot_path),
                "--no-progress"]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    result = run_module(*command, timeout_s=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(report_path.read_text())
     params = report["params"]
