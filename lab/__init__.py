@@ -8,7 +8,9 @@ own tiercache, lab and testkit are imported (`python -m` puts the working direct
     python -m lab.tier_bandwidth  vLLM's offloading tiers' store and load bandwidth, vLLM's fs tier against tiercache
 
 Their parts: `serving/` (engines, arms, the replay, the report and its statistics, the runs' provenance), `chat/`
-(the closed loop and its report), `fleet/` (router, pods, their clocks); `layouts`: the small model shape simulated
-engines run. The package's micro-benchmarks are benchmarks/ (`python -m benchmarks.<name>`); what the lab shares with
-the tests is testkit/; the lab's own tests are lab/tests. docs/benchmarks.md has the commands and the results.
+(the closed loop and its report), `fleet/` (router, pods, their clocks); `common`: what every benchmark writes the
+same way (percentiles, a report's provenance and JSON, plots), the package's micro-benchmarks too; `layouts`: the
+small model shape simulated engines run. The micro-benchmarks are benchmarks/ (`python -m benchmarks.<name>`); what
+the lab shares with the tests is testkit/; the lab's own tests are lab/tests (`make lab-smoke`). docs/benchmarks.md
+has the commands and the results.
 """
