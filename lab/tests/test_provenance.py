@@ -39,23 +39,37 @@ def test_uncommitted_changes_are_a_version_of_their_own():
     assert not provenance.same_code([{"commit": "x", "dirty": None}, {"commit": "x", "dirty": "d1"}])
 
 
-def test_the_code_digest_changes_with_an_untracked_files_content(tmp_path, monkeypatch):
+def _checkout(path, monkeypatch) -> None:
+    """A git checkout at `path` with lab/arms.py committed, taken as the lab's own (common.ROOT)."""
     import subprocess
 
     def git(*args: str) -> None:
-        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+        subprocess.run(["git", "-C", str(path), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
                        capture_output=True)
 
     git("init", "-q")
-    (tmp_path / "tracked.py").write_text("a = 1\n")
-    git("add", "tracked.py")
+    (path / "lab").mkdir()
+    (path / "lab" / "arms.py").write_text("a = 1\n")
+    git("add", "lab/arms.py")
     git("commit", "-q", "-m", "one")
-    monkeypatch.setattr(common, "ROOT", tmp_path)
+    monkeypatch.setattr(common, "ROOT", path)
+
+
+def test_the_code_digest_changes_with_an_untracked_files_content(tmp_path, monkeypatch):
+    _checkout(tmp_path, monkeypatch)
     assert common.code()["dirty"] is None
     (tmp_path / "new.py").write_text("b = 1\n")
     first = common.code()["dirty"]
     (tmp_path / "new.py").write_text("b = 2\n")
     assert first is not None and common.code()["dirty"] not in (None, first)
+
+
+def test_an_edit_to_the_lab_itself_is_a_change_of_code(tmp_path, monkeypatch):
+    """A set stops when the lab's own code changes under it, not only the product's (an edit to an arm or to the
+    report changes what a run measures or how it is read): the digest covers the whole checkout, lab/ included."""
+    _checkout(tmp_path, monkeypatch)
+    (tmp_path / "lab" / "arms.py").write_text("a = 2\n")
+    assert common.code()["dirty"] is not None
 
 
 def test_a_run_says_whether_the_page_cache_was_dropped_before_it(tmp_path):
