@@ -16,14 +16,13 @@ import statistics
 
 import numpy as np
 
+from benchmarks.hf_ttft import add_model_arguments, baseline_ms, describe_model
 from lab.common import write_report
 from testkit.redis_processes import RedisClusterProcess, RedisProcess
 from tiercache.client import Client
 from tiercache.connector.hf.prefill import CachedPrefill
 from tiercache.demo import qwen35_model
 from tiercache.process import ServerProcess
-
-from benchmarks.hf_ttft import add_model_arguments, baseline_ms, describe_model
 
 STEPS = ("A cold", "A warm (same node)", "B first (from Redis)", "B again (B's host tier)")
 

@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 from lab.fleet.router import Router
-from testkit import mooncake_trace
 from lab.serving.engines import EngineFailed, EngineSettings, VllmServer
 from lab.serving.prometheus import prometheus_sum, scrape
 from lab.serving.replay import complete, replay
+from testkit import mooncake_trace
 
 MiB = 1 << 20
 
