@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.common import percentiles
+from lab.common import meta, percentiles, pyplot
 from lab.fleet.clock import PodClocks
 from lab.fleet.ideal import resumable_prefix
 from lab.fleet.router import POLICIES, Router
@@ -238,8 +238,6 @@ def print_report(result: dict) -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    from lab.common import pyplot
-
     plt = pyplot()
 
     policies = list(result["policies"].values())
@@ -348,7 +346,7 @@ def main(argv=None) -> int:
                   "span_s": requests[-1].arrival_s, "max_input_tokens": args.max_input_tokens,
                   "prompt_tokens": prompt_tokens, "N": n, "shared_tokens": shared, "ideal_tokens": ideal,
                   "ideal_share": ideal / prompt_tokens if prompt_tokens else 0.0},
-        "load_weight": args.load_weight,
+        "load_weight": args.load_weight, "meta": meta(),
         "policies": {policy: summarize(policy, run, requests, pods, n) for policy, run in runs.items()},
         "rows": {policy: run["rows"] for policy, run in runs.items()},
     }

@@ -35,6 +35,7 @@ def test_every_policy_replays_the_slice_and_reports(tmp_path):
     report = json.loads(out.read_text())
     assert set(report["policies"]) == {"round-robin", "attention", "restorable", "checkpoints"}
     assert report["slice"]["requests"] == 9 and report["slice"]["ideal_tokens"] > 0
+    assert report["meta"]["commit"]  # the code it ran (lab.common.meta)
     for name, policy in report["policies"].items():
         assert policy["requests"] == 9 and sum(policy["requests_per_pod"].values()) == 9
         assert set(policy["requests_per_pod"]) == {"pod-0", "pod-1"}
