@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import shutil
 import sys
 import tempfile
@@ -50,6 +49,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lab.common import write_report
 from lab.layouts import small_layout
 from tiercache.bench import VOCAB, SimulatedEngine
 from tiercache.client import Client
@@ -316,9 +316,7 @@ def write_json(result: dict, path: str) -> None:
     rows = out.pop("rows")
     out["short_rows"] = [r for r in rows if r["hit_tokens"] < r["ideal_tokens"]]
     out["rows"] = {"columns": ROW_COLUMNS, "values": [[r[c] for c in ROW_COLUMNS] for r in rows]}
-    with open(path, "w") as f:
-        f.write("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}"
-                                   for k, v in out.items()) + "\n}\n")
+    write_report(out, path, compact=True)
 
 
 def print_report(result: dict) -> None:

@@ -76,9 +76,16 @@ def meta(**fields) -> dict:
             **fields, "cores": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()}
 
 
-def write_report(report: dict, path: str | os.PathLike | None = None) -> None:
-    """The report as JSON at `path` (stdout without one), its provenance (`meta`) added when it has none."""
-    text = json.dumps(report if "meta" in report else {**report, "meta": meta()}, indent=1)
+def write_report(report: dict, path: str | os.PathLike | None = None, compact: bool = False) -> None:
+    """The report as JSON at `path` (stdout without one), its provenance (`meta`) added when it has none. `compact`:
+    one line per top-level key, each value on its line without spaces (a report of thousands of per-request rows
+    stays small, and a diff of two says which key changed)."""
+    report = report if "meta" in report else {**report, "meta": meta()}
+    if compact:
+        text = "{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}"
+                                  for k, v in report.items()) + "\n}"
+    else:
+        text = json.dumps(report, indent=1)
     if path is None:
         print(text)
     else:

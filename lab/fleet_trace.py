@@ -42,7 +42,6 @@ requests sent to a pod that could restore less than another ("missed": requests 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -50,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.common import meta, percentiles, pyplot
+from lab.common import meta, percentiles, pyplot, write_report
 from lab.fleet.clock import PodClocks
 from lab.fleet.ideal import resumable_prefix
 from lab.fleet.router import POLICIES, Router
@@ -208,9 +207,7 @@ def write_json(result: dict, path: str) -> None:
     for policy, rows in result["rows"].items():
         columns = ROW_COLUMNS + (DIAGNOSIS_COLUMNS if rows and "restorable" in rows[0] else ())
         out["rows"][policy] = {"columns": columns, "values": [[r[c] for c in columns] for r in rows]}
-    with open(path, "w") as f:
-        f.write("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}"
-                                   for k, v in out.items()) + "\n}\n")
+    write_report(out, path, compact=True)
 
 
 def print_report(result: dict) -> None:
