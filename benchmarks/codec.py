@@ -5,25 +5,21 @@ compress somewhat differently), runs a prompt, cuts kv and state objects out of 
 does, and reports per codec: ratio, compression and decompression GB/s, and whether writing compressed bytes to
 disk would beat writing raw bytes at the file-write speed measured in the same run.
 
-    .venv/bin/python benchmarks/codec.py [--tokens 2048]
+    .venv/bin/python -m benchmarks.codec [--tokens 2048]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from tiercache.connector.hf.cache import attention_payload, derive_layout, state_payload  # noqa: E402
-from tiercache.demo import qwen35_model  # noqa: E402
-from tiercache.record import codec  # noqa: E402
+from tiercache.connector.hf.cache import attention_payload, derive_layout, state_payload
+from tiercache.demo import qwen35_model
+from tiercache.record import codec
 
 
 def write_gbps(data: bytes) -> float:

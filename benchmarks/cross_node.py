@@ -6,29 +6,23 @@ another suffix finds it in Redis (B's local tiers are empty), and a second one t
 (the first B hit promoted it). Prints hit tokens and TTFT of each step, against the model alone (baseline, measured
 in the same run) and against the same-node hit through A.
 
-    .venv/bin/python benchmarks/cross_node.py [--hidden 512] [--layers 8] [--prefixes 4] [--json]
+    .venv/bin/python -m benchmarks.cross_node [--hidden 512] [--layers 8] [--prefixes 4] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from testkit.redis_processes import RedisClusterProcess, RedisProcess  # noqa: E402
-from tiercache.client import Client  # noqa: E402
-from tiercache.connector.hf.prefill import CachedPrefill  # noqa: E402
-from tiercache.demo import qwen35_model  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
-from hf_ttft import add_model_arguments, baseline_ms, describe_model  # noqa: E402
+from benchmarks.hf_ttft import add_model_arguments, baseline_ms, describe_model
+from lab.common import write_report
+from testkit.redis_processes import RedisClusterProcess, RedisProcess
+from tiercache.client import Client
+from tiercache.connector.hf.prefill import CachedPrefill
+from tiercache.demo import qwen35_model
+from tiercache.process import ServerProcess
 
 STEPS = ("A cold", "A warm (same node)", "B first (from Redis)", "B again (B's host tier)")
 
@@ -86,7 +80,7 @@ def main() -> None:
     report = {"model": describe_model(args), "prompt_tokens": args.prefix + args.suffix, "baseline_ttft_ms": baseline,
               "results": results}
     if args.json:
-        print(json.dumps(report, indent=2))
+        write_report(report)
         return
     print(f"{report['model']}; {args.prefixes} prefixes of {args.prefix} tokens + {args.suffix}-token suffixes; "
           f"N = {results[0]['chunk_tokens']}; medians over prefixes")

@@ -15,7 +15,7 @@ Puts go through a store over the one tier (TieredStore.put_record: make room, pu
   host    the host tier in-process (ArenaTier over shared memory), 64 KiB pages
   server  a server process with only a host tier, client.put_many batches of 1,000 chunks (what a client sees)
 
-    .venv/bin/python benchmarks/eviction.py [--disk 1000,100000,1000000] [--host-gib 8] [--server-gib 2]
+    .venv/bin/python -m benchmarks.eviction [--disk 1000,100000,1000000] [--host-gib 8] [--server-gib 2]
                                             [--json-out docs/eviction.json]
 """
 
@@ -29,18 +29,16 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from tiercache.client import Chunk, Client  # noqa: E402
-from tiercache.config import DiskTierConfig, GiB, HostTierConfig, KiB  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
-from tiercache.record import encoding  # noqa: E402
-from tiercache.record.encoding import CLASS_KV, CLASS_STATE, ChunkMeta  # noqa: E402
-from tiercache.record.keys import ChunkKey  # noqa: E402
-from tiercache.store.tiered import TieredStore  # noqa: E402
-from tiercache.tiers.disk import DiskTier  # noqa: E402
-from tiercache.tiers.host import host_tier  # noqa: E402
-from tiercache.tiers.index import ChunkIndex  # noqa: E402
+from tiercache.client import Chunk, Client
+from tiercache.config import DiskTierConfig, GiB, HostTierConfig, KiB
+from tiercache.process import ServerProcess
+from tiercache.record import encoding
+from tiercache.record.encoding import CLASS_KV, CLASS_STATE, ChunkMeta
+from tiercache.record.keys import ChunkKey
+from tiercache.store.tiered import TieredStore
+from tiercache.tiers.disk import DiskTier
+from tiercache.tiers.host import host_tier
+from tiercache.tiers.index import ChunkIndex
 
 NS = "bench-eviction"
 PAYLOAD = bytes(64)

@@ -4,7 +4,7 @@ The remote data path streams chunks in 1 MiB frames; this measures what grpcio i
 for 4 MiB chunks (4 frames per call) and 64 MiB streams (64 frames per call), so the choice of server mode is made
 with numbers (docs/performance.md).
 
-    .venv/bin/python benchmarks/grpc_modes.py [--rounds 3]
+    .venv/bin/python -m benchmarks.grpc_modes [--rounds 3]
 """
 
 from __future__ import annotations

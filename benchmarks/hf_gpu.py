@@ -13,35 +13,31 @@ configs, in SHAPES) and prompt length (8K, 32K, 128K tokens), smallest first so 
 - `pinned H2D`: the same number of bytes copied from pinned host memory to the GPU (the bound a load can approach).
 The JSON is rewritten after every case, with torch's version and the device's name.
 
-    python3 benchmarks/hf_gpu.py --json hf_gpu.json                 # on a GPU machine (make bench-gpu runs it)
-    .venv/bin/python benchmarks/hf_gpu.py --device cpu --dtype float32 --shapes tiny --lengths 1024 --json x.json
+    python3 -m benchmarks.hf_gpu --json hf_gpu.json                 # on a GPU machine (make bench-gpu runs it)
+    .venv/bin/python -m benchmarks.hf_gpu --device cpu --dtype float32 --shapes tiny --lengths 1024 --json x.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from tiercache.client import Client  # noqa: E402
-from tiercache.connector.hf.prefill import CachedPrefill  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
+from lab.common import write_report
+from tiercache.client import Client
+from tiercache.connector.hf.prefill import CachedPrefill
+from tiercache.process import ServerProcess
 
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """A Qwen3.5 text model's sizes. layers / kv_heads / value_heads are the preset's (tiercache.prefix.presets);
-    tests/benchmarks/test_hf_gpu.py checks the built model's cache layout against it."""
+    lab/tests/test_hf_gpu.py checks the built model's cache layout against it."""
     preset: str | None
     hidden: int
     intermediate: int
@@ -60,7 +56,7 @@ SHAPES = {
                           value_heads=16),
     "qwen3.5-4b": Shape("qwen3.5-4b", hidden=2560, intermediate=9216, layers=32, heads=16, kv_heads=4,
                         value_heads=32),
-    # The smoke run's (tests/benchmarks/test_hf_gpu.py): the same pattern, small enough for a CPU.
+    # The smoke run's (lab/tests/test_hf_gpu.py): the same pattern, small enough for a CPU.
     "tiny": Shape(None, hidden=128, intermediate=256, layers=4, heads=2, kv_heads=1, value_heads=2, key_heads=1,
                   head_dim=64, linear_dim=32, vocab=1024),
 }
@@ -214,7 +210,7 @@ def main(argv=None) -> None:
         except torch.OutOfMemoryError as error:  # said, and the smaller cases kept
             case = {"shape": shape_name, "prompt_tokens": length, "error": f"out of memory: {error}"[:300]}
         report["cases"].append(case)
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        write_report(report, args.json)
         print(summary_line(case), flush=True)
 
 

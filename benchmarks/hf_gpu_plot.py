@@ -1,7 +1,7 @@
 """Draws benchmarks/hf_gpu.py's reports: per case, the model's own prefill against the cold pass and the hit through
 each tier (log scale: the cold pass and a 128K prompt are orders apart from an 8K hit).
 
-    python benchmarks/hf_gpu_plot.py hf_gpu.json [more.json ...] --out hf_gpu.png
+    python -m benchmarks.hf_gpu_plot hf_gpu.json [more.json ...] --out hf_gpu.png
 
 Several reports are drawn as one (a run whose later cases ran in another process writes several).
 """
@@ -19,9 +19,9 @@ def load_cases(paths: list[str]) -> list[dict]:
 
 
 def draw(cases: list[dict], out: str, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from lab.common import pyplot
+
+    plt = pyplot()
 
     tiers = sorted({tier for case in cases for tier in case["tiers"]})
     bars = [("alone", lambda case: case["model_alone_ttft_s"])]

@@ -6,28 +6,24 @@ compute only the rest. For each tier (host / disk / redis, one server with only 
 (the model alone, no cache), the cold request through tiercache, and the median warm TTFT, with warm/baseline ratios.
 TTFT = lookup + load + compute: the first token's logits exist then; the save that follows is reported apart.
 
-    .venv/bin/python benchmarks/hf_ttft.py [--hidden 512] [--layers 8] [--warm 5] [--json]
+    .venv/bin/python -m benchmarks.hf_ttft [--hidden 512] [--layers 8] [--warm 5] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from testkit.redis_processes import RedisProcess  # noqa: E402
-from tiercache.client import Client  # noqa: E402
-from tiercache.connector.hf.prefill import CachedPrefill  # noqa: E402
-from tiercache.demo import qwen35_model  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
+from lab.common import write_report
+from testkit.redis_processes import RedisProcess
+from tiercache.client import Client
+from tiercache.connector.hf.prefill import CachedPrefill
+from tiercache.demo import qwen35_model
+from tiercache.process import ServerProcess
 
 TIERS = {
     "host": ["--host-mem", "2GiB", "--disk-size", "0"],
@@ -96,7 +92,7 @@ def main() -> None:
     report = {"model": describe_model(args), "prompt_tokens": args.prefix + args.suffix, "baseline_ttft_ms": baseline,
               "tiers": results}
     if args.json:
-        print(json.dumps(report, indent=2))
+        write_report(report)
         return
     print(f"{report['model']}; {args.prefix}-token shared prefix + {args.suffix}-token suffixes; "
           f"N = {results[0]['chunk_tokens']}")

@@ -25,7 +25,7 @@ The default layout is Qwen3.5-0.8B's shape scaled down ~31x in bytes (24 layers,
 state : kv-chunk ratio of 2.9, N = 560), so that a few thousand requests run in minutes on two cores; --preset takes
 a real one (then raise --host-mem / --disk-size with it).
 
-    .venv/bin/python benchmarks/hybrid_soak.py [--requests 6000] [--seconds 0] [--seed 0] [--preset small]
+    .venv/bin/python -m benchmarks.hybrid_soak [--requests 6000] [--seconds 0] [--seed 0] [--preset small]
                                                [--host-mem 512MiB] [--disk-size 4GiB] [--conversations 48]
                                                [--documents 16] [--window 200] [--progress]
                                                [--json-out docs/hybrid_soak.json] [--plot docs/hybrid_soak.png]
@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import os
 import shutil
 import sys
 import tempfile
@@ -51,25 +49,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from tiercache.bench import VOCAB, SimulatedEngine  # noqa: E402
-from tiercache.client import Client  # noqa: E402
-from tiercache.connector.prefix_cache import PrefixCache  # noqa: E402
-from tiercache.prefix.hit import required_objects  # noqa: E402
-from tiercache.prefix.layout import ModelLayout  # noqa: E402
-from tiercache.prefix.objects import CacheSpec, ObjectKind  # noqa: E402
-from tiercache.prefix.presets import gated_deltanet_layout, preset  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
+from lab.common import write_report
+from lab.layouts import small_layout
+from tiercache.bench import VOCAB, SimulatedEngine
+from tiercache.client import Client
+from tiercache.connector.prefix_cache import PrefixCache
+from tiercache.prefix.hit import required_objects
+from tiercache.prefix.objects import CacheSpec, ObjectKind
+from tiercache.prefix.presets import preset
+from tiercache.process import ServerProcess
 
 KINDS = ("chat", "doc", "branch", "repeat")
-
-
-def small_layout() -> ModelLayout:
-    """Qwen3.5-0.8B's pattern (24 layers, every 4th full attention) with small heads: state 617 KiB, kv chunk 210 KiB
-    at N = 560 (Qwen3.5-0.8B: 18.6 MiB and 6.4 MiB at N = 544; the same ratio)."""
-    return gated_deltanet_layout("soak/qwen3.5-shape-small", layers=24, full_attention_interval=4, kv_heads=1,
-                                 head_dim=16, key_heads=2, value_heads=2, key_dim=64, value_dim=64, conv_kernel=4)
 
 
 @dataclass
@@ -326,9 +316,7 @@ def write_json(result: dict, path: str) -> None:
     rows = out.pop("rows")
     out["short_rows"] = [r for r in rows if r["hit_tokens"] < r["ideal_tokens"]]
     out["rows"] = {"columns": ROW_COLUMNS, "values": [[r[c] for c in ROW_COLUMNS] for r in rows]}
-    with open(path, "w") as f:
-        f.write("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}"
-                                   for k, v in out.items()) + "\n}\n")
+    write_report(out, path, compact=True)
 
 
 def print_report(result: dict) -> None:
@@ -362,10 +350,9 @@ def print_report(result: dict) -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
+    from lab.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(9, 5.2))
     windows = result["windows"]

@@ -7,7 +7,7 @@ and the state copy of one slot of every Gated DeltaNet layer (conv bf16 + SSM fp
 device->device / device->host copy of the same number of bytes (torch `copy_`, i.e. cudaMemcpyAsync). Needs CUDA
 and CuPy (run it on a GPU machine):
 
-    .venv/bin/python benchmarks/kernels.py [--repeat 50] [--json]
+    .venv/bin/python -m benchmarks.kernels [--repeat 50] [--json]
 
 The connector rows time one engine step's saves and one request's load through `Saves` and `Loads` against a real
 tiercache server (same host): what vLLM's thread waits for in `wait_for_save` (the gathers are queued on a side
@@ -21,19 +21,15 @@ memcpy of the same bytes.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.throughput import rate  # noqa: E402
-from tiercache import kernels  # noqa: E402
-from tiercache.prefix.objects import CacheSpec  # noqa: E402
-from tiercache.prefix.presets import preset  # noqa: E402
+from benchmarks.throughput import rate
+from lab.common import write_report
+from tiercache import kernels
+from tiercache.prefix.objects import CacheSpec
+from tiercache.prefix.presets import preset
 
 
 def timed_gbps(action, size: int, repeat: int) -> float:
@@ -204,7 +200,7 @@ def _print(rows: list[dict], device: str, as_json: bool) -> None:
     for r in rows:
         r["ratio"] = r["gbps"] / r["memcpy_gbps"] if r.get("memcpy_gbps") else None
     if as_json:
-        print(json.dumps({"device": device, "rows": rows}, indent=2))
+        write_report({"device": device, "rows": rows})
         return
     print(f"device: {device}")
     print(f"{'preset':<14}{'copy':<38}{'MiB':>8}{'ms':>9}{'GB/s':>9}{'memcpy GB/s':>13}{'ratio':>7}")

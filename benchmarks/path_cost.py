@@ -7,25 +7,22 @@ batch's bytes. This is what sets ARENA_MIN_BYTES: where the two paths' total CPU
 A CPU engine's saves run on the cores its scheduler needs (docs/vllm.md), so CPU per call, not only wall time, is
 what a connector's saves cost the engine.
 
-    .venv/bin/python benchmarks/path_cost.py [--sizes 64KiB,256KiB,512KiB,1MiB,4MiB] [--batch 4] [--calls 200] [--json]
+    .venv/bin/python -m benchmarks.path_cost [--sizes 64KiB,256KiB,512KiB,1MiB,4MiB] [--batch 4] [--calls 200] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from tiercache.client import Client  # noqa: E402
-from tiercache.client.chooser import ARENA_MIN_BYTES  # noqa: E402
-from tiercache.config import format_size, parse_size  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
+from lab.common import write_report
+from tiercache.client import Client
+from tiercache.client.chooser import ARENA_MIN_BYTES
+from tiercache.config import format_size, parse_size
+from tiercache.process import ServerProcess
 
 HOST_BYTES = 2 << 30
 PATHS = {"arena": {"same_host": True}, "data channel": {"same_host": False}, "chosen": {}}
@@ -92,7 +89,7 @@ def main() -> None:
                 row[name] = measure(server.url, server.process.pid, options, size, args.batch, calls)
             rows.append(row)
     if args.json:
-        print(json.dumps({"arena_min_bytes": ARENA_MIN_BYTES, "rows": rows}, indent=2))
+        write_report({"arena_min_bytes": ARENA_MIN_BYTES, "rows": rows})
         return
     print(f"per call of {args.batch} chunks: client CPU + server CPU = total (wall) in ms; ratio: total CPU / arena's; "
           f"chosen: data channel below {format_size(ARENA_MIN_BYTES)} a call")

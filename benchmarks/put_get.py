@@ -6,26 +6,23 @@ data channel (the remote path), `--path grpc` streams them over gRPC. Prints med
 ratio to the raw socket measured in the same run. For batched calls and every other baseline see
 benchmarks/throughput.py.
 
-    .venv/bin/python benchmarks/put_get.py [--path data|grpc|same-host] [--chunks 64] [--chunk-size 4MiB] [--repeat 3]
+    .venv/bin/python -m benchmarks.put_get [--path data|grpc|same-host] [--chunks 64] [--chunk-size 4MiB] [--repeat 3]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from benchmarks.throughput import loopback_socket  # noqa: E402
-from tiercache.client import Client  # noqa: E402
-from tiercache.config import format_size, parse_size  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
+from benchmarks.throughput import loopback_socket
+from lab.common import write_report
+from tiercache.client import Client
+from tiercache.config import format_size, parse_size
+from tiercache.process import ServerProcess
 
 
 def loopback_socket_gbps(size: int, count: int) -> float:
@@ -81,7 +78,7 @@ def main() -> None:
     result = {"path": args.path, "chunk_bytes": args.chunk_size, "chunks": args.chunks, "repeat": args.repeat,
               "gbps": medians, "ratio_to_socket": {k: medians[k] / medians["socket"] for k in ("put", "get")}}
     if args.json:
-        print(json.dumps(result, indent=2))
+        write_report(result)
         return
     print(f"{args.chunks} chunks of {format_size(args.chunk_size)}, median of {args.repeat} rounds")
     print(f"{'path':<28}{'GB/s':>8}{'x socket':>10}")

@@ -4,27 +4,24 @@ Fills a disk directory with `--chunks` records through the disk tier itself, the
 of that directory (scandir + stat + reading each file's first bytes: the floor any rebuild pays), (2) building the
 disk tier's index, and (3) `tiercache serve` on that directory from exec to answering health checks.
 
-    .venv/bin/python benchmarks/restart.py [--chunks 100000] [--chunk-bytes 4096]
+    .venv/bin/python -m benchmarks.restart [--chunks 100000] [--chunk-bytes 4096]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from tiercache.config import DiskTierConfig  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
-from tiercache.record import encoding  # noqa: E402
-from tiercache.record.keys import ChunkKey  # noqa: E402
-from tiercache.store.tiered import TieredStore  # noqa: E402
-from tiercache.tiers.disk import DiskTier  # noqa: E402
+from lab.common import write_report
+from tiercache.config import DiskTierConfig
+from tiercache.process import ServerProcess
+from tiercache.record import encoding
+from tiercache.record.keys import ChunkKey
+from tiercache.store.tiered import TieredStore
+from tiercache.tiers.disk import DiskTier
 
 
 def fill(path: str, chunks: int, chunk_bytes: int) -> None:
@@ -78,7 +75,7 @@ def main() -> None:
               "raw_walk_s": round(walk_s, 2), "index_rebuild_s": round(index_s, 2),
               "server_start_to_serving_s": round(serve_s, 2), "rebuild_over_raw_walk": round(index_s / walk_s, 2)}
     if args.json:
-        print(json.dumps(report, indent=2))
+        write_report(report)
         return
     print(f"{args.chunks} chunks of {args.chunk_bytes} B on disk (filled in {fill_s:.1f} s); {indexed} indexed")
     print(f"raw walk (scandir + stat + 512 B read per file): {walk_s:.2f} s")

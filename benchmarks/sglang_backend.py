@@ -30,27 +30,23 @@ sequence (prefix included): a hit saves the projections and MLP of the cached to
 a hit's TTFT here keeps a cost that grows with the prompt, and the ratios understate what a hit saves.
 
     make install-sglang-engine
-    .venv-sglang/bin/python benchmarks/sglang_backend.py [--json out.json] [--smoke]
+    .venv-sglang/bin/python -m benchmarks.sglang_backend [--json out.json] [--smoke]
     make bench-sglang   (the same, JSON in sglang_backend.json)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from testkit.prompts import prompt  # noqa: E402
-from testkit.sglang_engine import EngineProcess, Timed, engine_settings, start_together  # noqa: E402
-from testkit.sglang_models import TinyModel  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
+from lab.common import write_report
+from testkit.prompts import prompt
+from testkit.sglang_engine import EngineProcess, Timed, engine_settings, start_together
+from testkit.sglang_models import TinyModel
+from tiercache.process import ServerProcess
 
 ARMS = ("alone", "file", "tiercache")
 QUESTION = 32  # tokens of a question about a document
@@ -241,7 +237,7 @@ def main() -> None:
     report["ratios"] = ratios(report)
     report["seconds"] = round(time.monotonic() - started, 1)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_report(report, args.json)
     print_table(report)
     print(f"({report['seconds']} s)")
 

@@ -5,32 +5,28 @@ Per backend: pages written from the host pool in 128-page batches (the controlle
 pages, or `batch_set_v1` by host index), the leading-run query (`batch_exists`), and pages read back into fresh
 host slots (`batch_get` into dummy pages + `set_from_flat_data_page`, or `batch_get_v1`). Needs .venv-sglang.
 
-    .venv-sglang/bin/python benchmarks/sglang_storage_calls.py [--pages 256] [--page-tokens 64] [--rounds 3] [--json]
+    .venv-sglang/bin/python -m benchmarks.sglang_storage_calls [--pages 256] [--page-tokens 64] [--rounds 3] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from testkit import torchvision_stub  # noqa: F401 - before SGLang's pool modules (see tests/sglang)
 
-from testkit import torchvision_stub  # noqa: E402,F401 - before SGLang's pool modules (see tests/sglang)
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-import torch  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
-from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
-
-from tiercache.malloc import tune_allocator  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
+from lab.common import write_report
+from tiercache.malloc import tune_allocator
+from tiercache.process import ServerProcess
 
 BATCH = 128  # the controller's storage batch (STORAGE_BATCH_SIZE)
 
@@ -136,7 +132,7 @@ def main() -> None:
               **{name: {field: statistics.median(r[field] for r in runs) for field in runs[0]}
                  for name, runs in results.items()}}
     if args.json:
-        print(json.dumps(report, indent=2))
+        write_report(report)
         return
     print(f"{args.pages} pages of {page_bytes / (1 << 20):.2f} MiB (MHA page_first), medians of {args.rounds} rounds")
     print(f"{'':<14}{'put GB/s':>10}{'get GB/s':>10}{'exists ms':>11}")

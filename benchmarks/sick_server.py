@@ -6,29 +6,25 @@ clients the way the vLLM connector builds them (one try, `--deadline` seconds): 
 (`tiercache.client.breaker`) and without it (the baseline, measured in the same run). For each: the first lookup,
 then `--lookups` more (p50 / p99 / max), and the ratio of the breaker's p50 to the healthy server's.
 
-    .venv/bin/python benchmarks/sick_server.py [--lookups 50] [--tokens 8192] [--deadline 0.5] [--json-out F]
+    .venv/bin/python -m benchmarks.sick_server [--lookups 50] [--tokens 8192] [--deadline 0.5] [--json-out F]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
-import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from tiercache.client import BreakerPolicy, Client, RetryPolicy  # noqa: E402
-from tiercache.connector import PrefixCache  # noqa: E402
-from tiercache.prefix.objects import CacheSpec  # noqa: E402
-from tiercache.prefix.presets import preset  # noqa: E402
-from tiercache.process import ServerProcess, free_port  # noqa: E402
+from lab.common import percentile, write_report
+from tiercache.client import BreakerPolicy, Client, RetryPolicy
+from tiercache.connector import PrefixCache
+from tiercache.prefix.objects import CacheSpec
+from tiercache.prefix.presets import preset
+from tiercache.process import ServerProcess, free_port
 
 
 def lookup_ms(url: str, breaker: bool, prompts: list, deadline_s: float) -> dict:
@@ -45,7 +41,7 @@ def lookup_ms(url: str, breaker: bool, prompts: list, deadline_s: float) -> dict
             times.append((time.perf_counter() - start) * 1e3)
             reached.append(lookup.reached)
     rest = sorted(times[1:])
-    return {"first_ms": times[0], "p50_ms": statistics.median(rest), "p99_ms": rest[int(0.99 * (len(rest) - 1))],
+    return {"first_ms": times[0], "p50_ms": percentile(rest, 50), "p99_ms": percentile(rest, 99),
             "max_ms": rest[-1], "reached": sum(reached), "lookups": len(times)}
 
 
@@ -86,8 +82,7 @@ def main() -> None:
         print(f"{name:<18}{r['first_ms']:>10.1f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['max_ms']:>10.2f}"
               f"{r['reached']:>9}{r['p50_ms'] / healthy:>15.2f}")
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"tokens": args.tokens, "deadline_s": args.deadline, "results": results}, f, indent=1)
+        write_report({"tokens": args.tokens, "deadline_s": args.deadline, "results": results}, args.json_out)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ per get), `client.get(..., into=buffer)` into one reused buffer, next to memcpy 
 `--tune-allocator` the client process first calls `tiercache.tune_allocator()` (glibc keeps freed large buffers for
 reuse: no page faults on the next get's bytes). `put_many` / `get_many` into buffers are benchmarks/throughput.py's.
 
-    .venv/bin/python benchmarks/simple_api.py [--chunks 32] [--chunk-size 16MiB] [--rounds 3] [--tune-allocator]
+    .venv/bin/python -m benchmarks.simple_api [--chunks 32] [--chunk-size 16MiB] [--rounds 3] [--tune-allocator]
 """
 
 from __future__ import annotations
@@ -11,17 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import tiercache  # noqa: E402
-from tiercache.client import Client  # noqa: E402
-from tiercache.config import parse_size  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
+import tiercache
+from tiercache.client import Client
+from tiercache.config import parse_size
+from tiercache.process import ServerProcess
 
 
 def main() -> None:

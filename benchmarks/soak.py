@@ -12,7 +12,7 @@ p50/p99 latency per operation, errors and wrong bytes of the well-behaved client
 evictions, and the server's RSS sampled every few seconds next to the configured tier capacity (plus a PNG of RSS
 and ops/s over time).
 
-    .venv/bin/python benchmarks/soak.py [--clients 8] [--seconds 600] [--host-mem 256MiB] [--disk-size 512MiB]
+    .venv/bin/python -m benchmarks.soak [--clients 8] [--seconds 600] [--host-mem 256MiB] [--disk-size 512MiB]
                                         [--stalled 8] [--slow 2] [--disconnecting 2]
                                         [--remote 4] [--stalled-data 4] [--unread-data 2]
 """
@@ -22,28 +22,23 @@ from __future__ import annotations
 import argparse
 import collections
 import hashlib
-import json
-import os
 import random
 import socket
-import statistics
-import sys
 import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import grpc
 
-import grpc  # noqa: E402
-
-from tiercache.client import Client  # noqa: E402
-from tiercache.client.retry import RetryPolicy  # noqa: E402
-from tiercache.config import parse_size  # noqa: E402
-from tiercache.errors import TierCacheError  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
-from tiercache.protocol import data_channel  # noqa: E402
-from tiercache.protocol.wire import pb, pb_grpc  # noqa: E402
-from tiercache.record.encoding import ChunkMeta  # noqa: E402
+from lab.common import percentiles, write_report
+from tiercache.client import Client
+from tiercache.client.retry import RetryPolicy
+from tiercache.config import parse_size
+from tiercache.errors import TierCacheError
+from tiercache.process import ServerProcess
+from tiercache.protocol import data_channel
+from tiercache.protocol.wire import pb, pb_grpc
+from tiercache.record.encoding import ChunkMeta
 
 NS = "soak"
 SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)
@@ -198,10 +193,6 @@ def _drained_to_close(sock: socket.socket, budget_s: float = 3600) -> bool:
     return True
 
 
-def percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100)[q - 1] if len(values) >= 100 else max(values, default=0.0)
-
-
 def run_load(args, host_mem: str, seconds: float):
     """One server process under the load for `seconds`: (peak RSS, RSS samples, tally, final stats, elapsed)."""
     tally = Tally()
@@ -271,8 +262,7 @@ def main() -> None:
     ops = sum(len(v) for v in tally.latency.values())
     report = {
         "clients": args.clients, "seconds": round(elapsed, 1), "ops": ops, "ops_per_s": round(ops / elapsed, 1),
-        "latency_ms": {op: {"p50": round(1000 * percentile(v, 50), 2), "p99": round(1000 * percentile(v, 99), 2),
-                            "count": len(v)} for op, v in tally.latency.items()},
+        "latency_ms": {op: {**percentiles(v, (50, 99), scale=1e3), "count": len(v)} for op, v in tally.latency.items()},
         "errors": len(tally.errors), "first_errors": tally.errors[:5], "wrong_bytes": tally.wrong,
         "get_hits": tally.hits, "get_misses": tally.misses,
         "evictions": {name: t["evictions"] for name, t in tiers.items()},
@@ -289,9 +279,9 @@ def main() -> None:
                         "outcomes": {kind: dict(c) for kind, c in tally.misbehaving.items()}},
     }
     if args.plot and samples:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from lab.common import pyplot
+
+        plt = pyplot()
 
         fig, ax = plt.subplots(figsize=(7, 3.5))
         ax.plot([t for t, _, _ in samples], [r / 2**20 for _, r, _ in samples], label="server RSS")
@@ -308,7 +298,7 @@ def main() -> None:
         fig.tight_layout()
         fig.savefig(args.plot, dpi=100)
     if args.json:
-        print(json.dumps(report, indent=2))
+        write_report(report)
         return
     print(f"{args.clients} clients x {elapsed:.0f} s, host tier {args.host_mem}, disk tier {args.disk_size}, "
           f"{args.keys} keys of 16 KiB..4 MiB")
@@ -316,8 +306,9 @@ def main() -> None:
           f"get hits {tally.hits} misses {tally.misses}; checksum failures {report['checksum_failures']}")
     if tally.misbehaving:
         print(f"misbehaving streams, how they ended: {report['misbehaving']['outcomes']}")
-    for op, lat in report["latency_ms"].items():
-        print(f"  {op:<7} p50 {lat['p50']:>8.2f} ms   p99 {lat['p99']:>8.2f} ms   ({lat['count']} calls)")
+    for op, lat in report["latency_ms"].items():  # an operation no client made has no percentiles
+        if lat["count"]:
+            print(f"  {op:<7} p50 {lat['p50']:>8.2f} ms   p99 {lat['p99']:>8.2f} ms   ({lat['count']} calls)")
     print(f"evictions per tier: {report['evictions']}")
     print(f"RSS: fixed overhead {overhead / 2**20:.0f} MiB (same load, no host tier), idle {samples[0][1] / 2**20:.0f} "
           f"MiB, peak {peak_rss / 2**20:.0f} MiB, final {report['final_rss_bytes'] / 2**20:.0f} MiB; "

@@ -19,7 +19,7 @@ interleaved (redis-py SET, tiercache put, redis-py GET, tiercache get, round aft
 drifts between phases, so `remote_vs_redis_py` is the median of the per-round ratios (`remote_vs_redis_py_rounds`), each
 taken under the same conditions. Writes JSON (--json-out) and a PNG chart (--plot).
 
-    .venv/bin/python benchmarks/throughput.py [--quick] [--sizes 1,4,16] [--set-mib 256] [--repeat 3]
+    .venv/bin/python -m benchmarks.throughput [--quick] [--sizes 1,4,16] [--set-mib 256] [--repeat 3]
                                               [--lmcache-venv /path/to/venv]
 
 An LMCache venv that worked here (kept out of the project's dependencies; it pins other protobuf/torch builds):
@@ -38,26 +38,24 @@ import os
 import shutil
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from typing import Callable
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np
+import redis
 
-import numpy as np  # noqa: E402
-import redis  # noqa: E402
-
-from testkit.redis_processes import RedisProcess  # noqa: E402
-from tiercache.client import Client  # noqa: E402
-from tiercache.config import DiskTierConfig, MiB, RedisTierConfig  # noqa: E402
-from tiercache.malloc import tune_allocator  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
-from tiercache.record import encoding  # noqa: E402
-from tiercache.record.keys import ChunkKey  # noqa: E402
-from tiercache.tiers.disk import DiskTier  # noqa: E402
-from tiercache.tiers.redis import RedisTier  # noqa: E402
+from lab.common import write_report
+from testkit.redis_processes import RedisProcess
+from tiercache.client import Client
+from tiercache.config import DiskTierConfig, MiB, RedisTierConfig
+from tiercache.malloc import tune_allocator
+from tiercache.process import ServerProcess
+from tiercache.record import encoding
+from tiercache.record.keys import ChunkKey
+from tiercache.tiers.disk import DiskTier
+from tiercache.tiers.redis import RedisTier
 
 
 def rate(total_bytes: int, action: Callable[[], None], repeat: int) -> float:
@@ -321,10 +319,9 @@ def print_table(rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
+    from lab.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(12, 5))
     width = 0.8 / len(rows)
@@ -365,8 +362,7 @@ def main() -> None:
         remote.kill()
         redis_proc.stop()
     print_table(rows)
-    with open(args.json_out, "w") as f:
-        json.dump({"set_bytes": set_bytes, "repeat": repeat, "rows": rows}, f, indent=2)
+    write_report({"set_bytes": set_bytes, "repeat": repeat, "rows": rows}, args.json_out)
     if args.plot:
         plot(rows, args.plot)
     print(f"\nwrote {args.json_out}" + (f" and {args.plot}" if args.plot else ""))

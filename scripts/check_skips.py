@@ -2,7 +2,7 @@
 mount must find them on the CI machine (`make install` and testkit/traces provide them), or be listed there with why.
 
     python3 scripts/check_skips.py SKIPS_FILE ALLOWED_FILE
-SKIPS_FILE holds one JSON object per skip ({"test", "reason"}), written by tests/conftest.py when
+SKIPS_FILE holds one JSON object per skip ({"test", "reason"}), written by testkit/pytest_session.py when
 TIERCACHE_SKIPS_FILE names it.
 """
 

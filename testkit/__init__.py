@@ -1,5 +1,8 @@
-"""What the tests and the lab (benchmarks/) both need, in one place: never shipped (the package never imports it;
-tests/test_architecture.py holds that line), imported by tests/ and benchmarks/ alike; it imports neither.
+"""What the tests and the lab (lab/, benchmarks/) both need, in one place: never shipped (the package never imports it;
+tests/test_architecture.py holds that line), imported by tests/, lab/ and benchmarks/ alike; it imports none of them.
+
+The pytest plugin both suites load (tests/conftest.py, lab/tests/conftest.py): `pytest_session`, a home of the
+session's own and its skips recorded for CI.
 
 Processes the tests and the lab start:
 - `redis_processes`: real redis-servers and Redis Clusters on free loopback ports; `polling`: waiting on them.

@@ -24,9 +24,9 @@ Why the path is not walked through llm-d's holders (LongestPrefixScorer's walk):
 from every request key of a removed engine block (llmd_index.py `_remove`), also from keys that other blocks of the
 pod still hold. With N = 560 (35 keys a block) every conversation's first block shares the 32 keys of the trace's
 512-token system prompt, so once one first block of a pod is evicted the walk stops at key 0 for that pod, though
-the pod can still restore thousands of tokens of the prompt (`benchmarks/fleet_trace.py --diagnose` records, per
+the pod can still restore thousands of tokens of the prompt (`lab/fleet_trace.py --diagnose` records, per
 request, what the router believed of each pod beside what the pod could restore; docs/benchmarks.md,
-"fleet_trace.py"). A checkpoint is withdrawn when it stops being restorable, so its own key is the path's proof.
+"lab.fleet_trace"). A checkpoint is withdrawn when it stops being restorable, so its own key is the path's proof.
 
 Keys are matched at an attention block's end, so N must be a multiple of the canonical block size (16), as llm-d's
 keys of consecutive blocks need too. A pod whose events carry no checkpoints (an attention-only model) scores 0

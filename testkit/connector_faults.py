@@ -16,7 +16,7 @@ The faults, and where each one is planted:
 
 `HashedFaults` plants `swapped_blocks` or `previous_state` in a served engine (testkit/site: TIERCACHE_PLANT_FAULT), in
 the requests whose prompt's digest falls in one in K, and writes each load it went into to a file: the lab's exact
-replay (benchmarks/serving/exact.py) must report exactly those requests as wrong, and their dependants.
+replay (lab/serving/exact.py) must report exactly those requests as wrong, and their dependants.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """vLLM's own prefix hit held to a length the client names, per request: the reference engine of the lab's exact
-replay (benchmarks/serving/exact.py) computes each request of a run resuming from exactly where that run's engine
+replay (lab/serving/exact.py) computes each request of a run resuming from exactly where that run's engine
 resumed, so the two computations are split at the same positions and must agree by `==`.
 
 A request names its cap as `vllm_xargs: {"tiercache_hit_cap": H}` (vLLM passes it to the engine as the sampling

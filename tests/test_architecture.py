@@ -2,7 +2,8 @@
 every module belongs to a documented layer and says what it is, and an engine process importing the client loads no
 server-side code. And the "one of each" claims the code makes: errors.WIRE_CODES is the only table of error codes,
 client.settings the only reader of tiercache's environment variables, prefix.objects the only module that takes an
-object key apart; no two modules import each other, however indirectly, and none is over 350 lines."""
+object key apart; no two modules import each other, however indirectly, and none is over 350 lines. And the rooms
+of the repository (ROOMS: the product, testkit, tests and the lab) import one another only as that table allows."""
 
 from __future__ import annotations
 
@@ -213,17 +214,25 @@ def test_no_module_is_over_350_lines():
     assert long == []
 
 
-# -- the product, the lab and the tests stand apart ---------------------------------------------------------------
-# tiercache (the product) imports neither the tests, the lab (benchmarks) nor the test kit; the test kit (testkit:
-# engine patches both tests and served benchmark engines need) imports neither tests nor benchmarks; and no import
-# between tests and benchmarks is added beyond those listed in tests/architecture_crossings.txt, which only shrinks
-# (the lab's own tests, tests/benchmarks/, import the lab they test).
+# -- the rooms: the product, the test kit, the tests and the lab stand apart --------------------------------------
+# tiercache (the product) imports none of the others; testkit (what the tests and the lab both need: engine harnesses,
+# Redis processes, the trace reader, router indexes) imports the product alone; the tests (tests/) import the product
+# and the test kit, never the lab; the lab (lab/, its own tests in lab/tests, and the package's micro-benchmarks in
+# benchmarks/) imports no tests. The micro-benchmarks may use the lab (lab.common); the lab imports no micro-benchmark
+# but in its tests, which test them too. What two rooms both need goes to testkit/.
 
-CROSSINGS = ROOT / "tests" / "architecture_crossings.txt"
+ROOMS = {  # room -> the rooms it must not import
+    "tiercache": {"testkit", "tests", "lab", "benchmarks"},
+    "testkit": {"tests", "lab", "benchmarks"},
+    "tests": {"lab", "benchmarks"},
+    "lab": {"tests", "benchmarks"},
+    "benchmarks": {"tests"},
+}
+LAB_TESTS = ROOT / "lab" / "tests"
 
 
 def _top_imports(path: Path) -> set[str]:
-    """The top-level names (tests, benchmarks, testkit, ...) a file imports, lazy imports too."""
+    """The top-level names (tests, lab, testkit, ...) a file imports, lazy imports too."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -233,38 +242,27 @@ def _top_imports(path: Path) -> set[str]:
     return found
 
 
-def _files(top: str) -> list[Path]:
-    return sorted((ROOT / top).rglob("*.py"))
+def _files(room: str) -> list[Path]:
+    return sorted(p for p in (ROOT / room).rglob("*.py") if "_proto" not in p.parts)
 
 
-def test_the_product_imports_no_test_lab_or_test_kit_code():
-    wrong = [f"{p.relative_to(ROOT)} imports {sorted(names)}" for p in _files("tiercache") if "_proto" not in p.parts
-             for names in [_top_imports(p) & {"tests", "benchmarks", "testkit"}] if names]
-    assert not wrong, wrong
+def _not_imported(room: str, path: Path) -> set[str]:
+    return ROOMS[room] - {"benchmarks"} if LAB_TESTS in path.parents else ROOMS[room]
 
 
-def test_the_test_kit_imports_neither_tests_nor_the_lab():
-    wrong = [f"{p.relative_to(ROOT)} imports {sorted(names)}" for p in _files("testkit")
-             for names in [_top_imports(p) & {"tests", "benchmarks"}] if names]
-    assert not wrong, wrong
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_each_room_imports_no_room_it_must_not(room):
+    wrong = [f"{p.relative_to(ROOT)} imports {sorted(names)}" for p in _files(room)
+             for names in [_top_imports(p) & _not_imported(room, p)] if names]
+    assert not wrong, f"{room} may not import {sorted(ROOMS[room])} (move what both need to testkit/): {wrong}"
 
 
-LAB_TESTS = ROOT / "tests" / "benchmarks"  # the lab's own tests: they import the lab they test
-
-
-def crossings() -> set[str]:
-    """`file -> top` for every file of tests/ (but the lab's own tests) importing benchmarks and of benchmarks/
-    importing tests."""
-    found = set()
-    for top, other in (("tests", "benchmarks"), ("benchmarks", "tests")):
-        found.update(f"{p.relative_to(ROOT)} -> {other}" for p in _files(top)
-                     if other in _top_imports(p) and LAB_TESTS not in p.parents)
-    return found
-
-
-def test_no_new_import_between_tests_and_the_lab():
-    listed = {line.strip() for line in CROSSINGS.read_text().splitlines() if line.strip() and line[0] != "#"}
-    new = sorted(crossings() - listed)
-    assert not new, f"new imports between tests and benchmarks (move what both need to testkit/): {new}"
-    gone = sorted(listed - crossings())
-    assert not gone, f"remove these from {CROSSINGS.name}, they are gone: {gone}"
+@pytest.mark.parametrize("room", ["lab", "benchmarks"])
+def test_the_lab_runs_as_modules_and_changes_no_import_path(room):
+    """Every lab entry and micro-benchmark runs as `python -m <room>.<name>` from the checkout's root, which puts the
+    checkout first on sys.path, in every venv: a module that edits sys.path decides for itself which code it imports."""
+    editing = [f"{p.relative_to(ROOT)}:{node.lineno}" for p in _files(room)
+               for node in ast.walk(ast.parse(p.read_text()))
+               if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "sys.path"
+               and node.attr in ("insert", "append", "extend")]
+    assert editing == []

@@ -1,5 +1,6 @@
 """`.ci/run` fails on a skip that .ci/allowed-skips does not name (scripts/check_skips.py), from the file every
-suite's tests/conftest.py writes: shown here on a planted skip, and by a pytest run that records its own."""
+suite's pytest plugin (testkit/pytest_session.py) writes: shown here on a planted skip, and by a pytest run that records
+its own."""
 
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ def test_a_pytest_run_writes_its_skips(tmp_path):
     test.write_text("import pytest\n\ndef test_skipped():\n    pytest.skip('planted: no such tool')\n\n"
                     "@pytest.mark.xfail(reason='an expected failure is not a skip')\ndef test_xfail():\n    assert 0\n")
     skips = tmp_path / "skips.jsonl"
-    # The repository's conftest is what writes the file: loaded as a plugin into a run of the planted test alone.
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+    # The suites' plugin is what writes the file: loaded into a run of the planted test alone.
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "testkit.pytest_session",
                     "--rootdir", str(tmp_path), str(test)], cwd=tmp_path, capture_output=True,
                    env={**os.environ, "TIERCACHE_SKIPS_FILE": str(skips), "PYTHONPATH": str(ROOT)})
     written = [json.loads(line) for line in skips.read_text().splitlines()]

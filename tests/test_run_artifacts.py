@@ -1,5 +1,5 @@
 """The published runs (docs/runs) stay light in every clone and stay where the docs point: each run folder has its
-README and at most 1.5 MB; per-request data is stored gzipped (benchmarks/serving/stored.py reads it back); every
+README and at most 1.5 MB; per-request data is stored gzipped (lab/serving/stored.py reads it back); every
 run file the docs name exists."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_per_request_data_is_stored_gzipped():
 
 def test_every_run_file_the_docs_name_exists():
     texts = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *RUNS.glob("*/README.md"),
-             ROOT / "benchmarks" / "serving" / "rederive.py"]
+             ROOT / "lab" / "serving" / "rederive.py"]
     missing = set()
     for text in texts:
         body = text.read_text()

@@ -30,7 +30,7 @@ def test_the_wheel_holds_the_generated_stubs_and_the_kernel_sources(wheel):
         metadata = Parser().parsestr(archive.read(f"tiercache_llm-{__version__}.dist-info/METADATA").decode())
     assert set(STUBS) <= names
     assert {"tiercache/kernels/native/paged_kv.cu", "tiercache/kernels/native/state_copy.cu"} <= names
-    assert not any(name.startswith(("tests/", "benchmarks/")) for name in names)
+    assert not any(name.startswith(("tests/", "lab/", "benchmarks/", "testkit/")) for name in names)  # never shipped
     assert metadata["Name"] == "tiercache-llm"
     base = [r for r in metadata.get_all("Requires-Dist") if "extra ==" not in r]
     assert not any(r.startswith(("torch", "transformers", "cupy")) for r in base), base

@@ -441,9 +441,9 @@ def test_settings_take_sglangs_keys_and_ours():
 def test_the_benchmark_script_runs():
     from tests.helpers import python_env
     root = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, str(root / "benchmarks" / "sglang_storage_calls.py"), "--pages", "8",
+    result = subprocess.run([sys.executable, "-m", "benchmarks.sglang_storage_calls", "--pages", "8",
                              "--page-tokens", "4", "--layers", "2", "--heads", "2", "--head-dim", "8", "--rounds", "1",
-                             "--json"], capture_output=True, text=True, env=python_env(), timeout=300)
+                             "--json"], capture_output=True, text=True, env=python_env(), cwd=root, timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert all(report[name]["get_gbps"] > 0 for name in ("file", "tiercache_v0", "tiercache_v1"))

@@ -16,9 +16,9 @@ from testkit.sglang_engine import ROOT
 @pytest.mark.timeout(660)  # the benchmark's own limit (600 s, below) decides, not the suite's 300 s per test
 def test_the_real_engine_benchmark_runs(tmp_path):
     report_path = tmp_path / "report.json"
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sglang_backend.py"), "--smoke", "--arms",
+    result = subprocess.run([sys.executable, "-m", "benchmarks.sglang_backend", "--smoke", "--arms",
                              "tiercache", "--json", str(report_path), "--logs", str(tmp_path / "logs")],
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(report_path.read_text())
     settings, tiercache = report["settings"], report["arms"]["tiercache"]

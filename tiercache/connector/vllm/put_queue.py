@@ -3,7 +3,7 @@
 Each engine step hands over the objects it gathered (one staging buffer). Sent one step at a time, a put costs
 the same fixed work whatever its size — a Reserve and a Commit (same host) or a stream (remote), and the server's
 handling of each — and on a host whose CPUs the engine's scheduler also needs, that fixed work, a dozen times a
-second, is what a cache costs an engine that reuses nothing (docs/benchmarks.md, serve_trace.py). So the thread
+second, is what a cache costs an engine that reuses nothing (docs/benchmarks.md, lab.serve_trace). So the thread
 lets puts gather for up to `batch_s` (or until `batch_bytes` wait), then sends everything waiting as one put per
 namespace. A save is then visible to lookups up to `batch_s` later: a cache may lag, never the engine.
 `flush` sends at once (shutdown, tests).
