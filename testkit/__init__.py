@@ -11,6 +11,7 @@ vLLM's CPU engine, each in a process of its own (the engine tests' and benchmark
 - `vllm_engine`: an engine driven from the tests and the lab (`EngineProcess`), over the line protocol of
   `engine_lines`; `vllm_engine_process`: the engine's process, with what it loads there (`vllm_engine_bytes`: the
   bytes a request computes from, digested; `vllm_async_scheduling`; `offload_stats`: vLLM's offloading counters);
+  `vllm_zygote`: engines forked from one process that imported vLLM once (`vllm_zygote_process`), for a test session;
 - `vllm_models`: the tiny random-weight models the vLLM engines run (written, never downloaded), N from the
   prediction for the engines' CPU; `prompts`: prompts for them.
 

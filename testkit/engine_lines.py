@@ -30,3 +30,16 @@ def ask(process: subprocess.Popen, lock: threading.Lock, command: dict | None, t
             raise RuntimeError(f"the {engine} engine did not answer in {timeout_s}s (exit {process.poll()}):\n"
                                f"{log_tail()}")
         return json.loads(result[0])
+
+
+def ask_to_exit(process: subprocess.Popen, kill: Callable[[], None], timeout_s: float = 60) -> None:
+    """Send the exit command and wait for the process to end; one that does not (hung, or its pipe gone) is killed
+    with `kill`. An engine that exits cleanly removes what it holds (vLLM unlinks its offloading pool file)."""
+    if process.poll() is not None:
+        return
+    try:
+        process.stdin.write(json.dumps({"op": "exit"}) + "\n")
+        process.stdin.flush()
+        process.wait(timeout=timeout_s)
+    except (BrokenPipeError, subprocess.TimeoutExpired):
+        kill()

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from testkit.engine_lines import ask
+from testkit.engine_lines import ask, ask_to_exit
 
 HERE = Path(__file__).parent
 SITE = HERE / "sglang_site"  # sitecustomize.py + the sgl_kernel stand-in: on PYTHONPATH of every engine process
@@ -156,13 +156,7 @@ class EngineProcess:
         assert answer["success"], f"SGLang's flush_cache did not succeed in {timeout_s}s:\n{self.log_tail()}"
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            try:
-                self.process.stdin.write(json.dumps({"op": "exit"}) + "\n")
-                self.process.stdin.flush()
-                self.process.wait(timeout=60)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self._kill_group()
+        ask_to_exit(self.process, self._kill_group)
         self._kill_group()  # SGLang's scheduler and detokenizer, should one outlive the engine's process
         self._log.close()
 

