@@ -1,14 +1,18 @@
-"""A benchmark run from two checkouts of tiercache, interleaved, and the ratio after / before of each of its figures
-with a bootstrap interval: whether a change meant to change nothing (a restructuring) moved a benchmark.
+"""A benchmark run from two checkouts of tiercache, interleaved, with the code before run twice per round (an A/A
+pair), and the ratio after / before of each of its figures with its 95% interval: whether a change meant to change
+nothing (a restructuring) moved a benchmark.
 
-    .venv/bin/python -m benchmarks.before_after --before DIR --after DIR --case eviction [--repeats 3] [--json OUT]
+    .venv/bin/python -m benchmarks.before_after --before DIR --after DIR --case eviction --equivalence-margin 1.10
+                                                [--repeats 5] [--json OUT] [--plot OUT.png]
 
 A case is a command run in a checkout (its own tiercache, its benchmarks: `python -m benchmarks.x` and `python -m
-tiercache` find the checkout's package first) and a reader of its figures (name -> number). Runs alternate before,
-after, before, after... so that the machine's drift falls on both sides. Per figure: the median of each side, the
-median of the pairs' ratios after / before, and a 95% bootstrap interval of it (resampling pairs; with 3 pairs it is
-about their range). "level" when the interval holds 1. Figures that must not move at all (hit tokens) are compared
-for equality instead, run by run.
+tiercache` find the checkout's package first) and a reader of its figures (name -> number). Each round runs before,
+before again and after, in an order drawn per round (seeded), so that the machine's drift falls on every side. Per
+figure: the median of each side, and for after / before and again / before the median of the per-round ratios with
+the interval lab.serving.stats builds for that statistic (calibrated there). Words as the lab's: "equivalent" only
+where the whole interval lies inside the margin given before the run; "higher" / "lower" where it excludes 1; else
+"level" (the run could not tell). A figure whose A/A pair is not level or equivalent voids the set. Figures that must
+not move at all (hit tokens) are compared for equality instead, run by run.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import math
 import random
 import statistics
 import subprocess
@@ -26,6 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from lab.common import write_report
+from lab.serving.stats import interval
 
 Figures = dict[str, float]
 
@@ -87,26 +93,29 @@ def run_once(checkout: Path, case: str, python: str) -> dict:
     return {"figures": figures, "exact": exact, "wall_s": time.monotonic() - started}
 
 
-def bootstrap(ratios: list[float], rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(rounds))
-    return medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
+SIDES = ("before", "again", "after")  # "again": the before checkout, run a second time in the same round
+WORDS = {"ahead": "lower", "behind": "higher"}  # the lab's words for a time ratio, said of any figure
 
 
-def compare(runs: list[dict]) -> dict:
-    before = [r for r in runs if r["side"] == "before"]
-    after = [r for r in runs if r["side"] == "after"]
-    pairs = list(zip(before, after))
+def ratio(runs: list[dict], name: str, side: str, margin: float) -> dict:
+    """side / before of one figure: the median of the per-round ratios, its interval and its word."""
+    by_round = {(r["repeat"], r["side"]): r["figures"].get(name) for r in runs}
+    logs = [math.log(by_round[(k, side)] / by_round[(k, "before")]) for k in sorted({r["repeat"] for r in runs})
+            if by_round.get((k, side)) and by_round.get((k, "before"))]
+    cell = interval(logs, margin)
+    return {**cell, "verdict": WORDS.get(cell["verdict"], cell["verdict"])}
+
+
+def compare(runs: list[dict], margin: float) -> dict:
     table = {}
-    for name in before[0]["figures"]:
-        ratios = [a["figures"][name] / b["figures"][name] for b, a in pairs if b["figures"].get(name)]
-        low, high = bootstrap(ratios)
-        table[name] = {"before": statistics.median(r["figures"][name] for r in before),
-                       "after": statistics.median(r["figures"][name] for r in after),
-                       "ratio": statistics.median(ratios), "low": low, "high": high,
-                       "verdict": "level" if low <= 1 <= high else "higher" if low > 1 else "lower"}
+    for name in next(r for r in runs if r["side"] == "before")["figures"]:
+        table[name] = {side: statistics.median(r["figures"][name] for r in runs if r["side"] == side
+                                               and name in r["figures"]) for side in SIDES}
+        table[name].update(after_before=ratio(runs, name, "after", margin),
+                           again_before=ratio(runs, name, "again", margin))
+    void = [name for name, row in table.items() if row["again_before"]["verdict"] in ("higher", "lower")]
     exact_equal = all(r["exact"] == runs[0]["exact"] for r in runs)
-    return {"figures": table, "exact_equal_in_every_run": exact_equal}
+    return {"figures": table, "void_by": void, "exact_equal_in_every_run": exact_equal}
 
 
 def main() -> int:
@@ -114,7 +123,10 @@ def main() -> int:
     parser.add_argument("--before", required=True, type=Path, help="a checkout of the code before the change")
     parser.add_argument("--after", required=True, type=Path, help="a checkout of the code after it")
     parser.add_argument("--case", required=True, choices=sorted(CASES))
-    parser.add_argument("--repeats", type=int, default=3, help="pairs of runs, interleaved")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds (before, again and after, in a drawn order)")
+    parser.add_argument("--equivalence-margin", type=float, default=1.10,
+                        help="a ratio inside [1/M, M] with its whole interval is 'equivalent'; fixed before the run")
+    parser.add_argument("--seed", type=int, default=0, help="of each round's order")
     parser.add_argument("--python", default=sys.executable, help="the interpreter both sides run with")
     parser.add_argument("--json", help="write every run and the comparison here")
     parser.add_argument("--plot", help="plot each figure's ratio and interval to this PNG")
@@ -123,26 +135,44 @@ def main() -> int:
     if args.plot_from:
         plot(json.loads(Path(args.plot_from).read_text()), args.plot)
         return 0
+    rng = random.Random(args.seed)
+    checkouts = {"before": args.before, "again": args.before, "after": args.after}
     runs = []
     for repeat in range(args.repeats):
-        for side, checkout in (("before", args.before), ("after", args.after)):
-            run = {"side": side, "repeat": repeat, "checkout": str(checkout), **run_once(checkout, args.case,
-                                                                                          args.python)}
+        for position, side in enumerate(rng.sample(SIDES, len(SIDES))):
+            run = {"side": side, "repeat": repeat, "position": position, "checkout": str(checkouts[side]),
+                   **run_once(checkouts[side], args.case, args.python)}
             runs.append(run)
             print(f"{args.case} {side} {repeat}: {run['wall_s']:.0f} s", file=sys.stderr, flush=True)
     result = {"case": args.case, "command": CASES[args.case][0], "repeats": args.repeats,
+              "equivalence_margin": args.equivalence_margin,
               "commits": {side: _commit(path) for side, path in (("before", args.before), ("after", args.after))},
-              "runs": runs, **compare(runs)}
+              "runs": runs, **compare(runs, args.equivalence_margin)}
     if args.json:
         write_report(result, args.json)
     if args.plot:
         plot(result, args.plot)
-    for name, row in result["figures"].items():
-        print(f"{name:40s} {row['before']:>12.4g} {row['after']:>12.4g}  x{row['ratio']:.3f} "
-              f"[{row['low']:.3f}, {row['high']:.3f}] {row['verdict']}")
-    if result["exact_equal_in_every_run"] is False:
-        print("the figures that must not move differ between runs (see the JSON's runs: exact)")
+    print(table(result))
     return 0
+
+
+def table(result: dict) -> str:
+    lines = [f"{'figure':40s} {'before':>10s} {'after':>10s}  after / before [95%]        again / before [95%]"]
+    for name, row in result["figures"].items():
+        lines.append(f"{name:40s} {row['before']:>10.4g} {row['after']:>10.4g}  "
+                     f"{_cell(row['after_before']):28s}{_cell(row['again_before'])}")
+    lines.append(f"equivalence margin {result['equivalence_margin']} (fixed before the run)")
+    if result["void_by"]:
+        lines.append(f"VOID: the A/A pair is not level on {', '.join(result['void_by'])}")
+    if result["exact_equal_in_every_run"] is False:
+        lines.append("the figures that must not move differ between runs (see the JSON's runs: exact)")
+    return "\n".join(lines)
+
+
+def _cell(cell: dict) -> str:
+    if cell["low"] is None:
+        return f"x{cell['ratio']} {cell['verdict']}"
+    return f"x{cell['ratio']:.3f} [{cell['low']:.3f}, {cell['high']:.3f}] {cell['verdict']}"
 
 
 def plot(result: dict, path: str) -> None:
@@ -151,18 +181,24 @@ def plot(result: dict, path: str) -> None:
     plt = pyplot()
 
     names = list(result["figures"])
-    rows = [result["figures"][name] for name in names]
-    fig, ax = plt.subplots(figsize=(8, 0.3 * len(names) + 1.2))
-    y = range(len(names))
-    ax.errorbar([r["ratio"] for r in rows], y, xerr=[[r["ratio"] - r["low"] for r in rows],
-                                                    [r["high"] - r["ratio"] for r in rows]], fmt="o", capsize=3)
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.4))
+    for offset, (key, label, color) in enumerate((("after_before", "after / before", "C0"),
+                                                  ("again_before", "again / before (A/A)", "C7"))):
+        cells = [result["figures"][name][key] for name in names]
+        shown = [(i, c) for i, c in enumerate(cells) if c["low"] is not None]
+        ax.errorbar([c["ratio"] for _, c in shown], [i + 0.2 * offset for i, _ in shown],
+                    xerr=[[c["ratio"] - c["low"] for _, c in shown], [c["high"] - c["ratio"] for _, c in shown]],
+                    fmt="o", capsize=3, color=color, label=label)
+    margin = result["equivalence_margin"]
+    ax.axvspan(1 / margin, margin, color="C2", alpha=0.08, label=f"equivalence margin {margin}")
     ax.axvline(1.0, color="grey", linewidth=1)
-    ax.set_yticks(list(y), names, fontsize=8)
+    ax.set_yticks(list(range(len(names))), names, fontsize=8)
     ax.invert_yaxis()
     commits = result["commits"]
-    ax.set_xlabel("after / before, median of pairs, 95% bootstrap interval")
-    ax.set_title(f"{result['case']}: {commits['after']} / {commits['before']}, {result['repeats']} interleaved pairs",
-                 fontsize=10)
+    ax.set_xlabel("median of per-round ratios, 95% interval (lab.serving.stats)")
+    ax.set_title(f"{result['case']}: {commits['after']} / {commits['before']}, {result['repeats']} rounds"
+                 + (" (VOID: A/A not level)" if result["void_by"] else ""), fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
