@@ -86,9 +86,9 @@ class EngineProcess:
     """One vLLM engine in a process of its own; `url` None runs vLLM alone (no connector)."""
 
     def __init__(self, model_dir: str, url: str | None, log_path: Path, timeout_s: float = 30.0,
-                 cpu_level: str | None = None, fork: bool = True, **options) -> None:
-        """`cpu_level`: a CPU stood in for this engine (testkit/cpu_stand_in), else the suite's. `fork`: forked from
-        the session's zygote where one runs (testkit/vllm_zygote.py), else started from scratch."""
+                 cpu_level: str | None = None, **options) -> None:
+        """`cpu_level`: a CPU stood in for this engine (testkit/cpu_stand_in), else the suite's. Forked from the
+        session's zygote where one runs with the same environment (testkit/vllm_zygote.py)."""
         extra = options.pop("connector_extra", {})
         self.pool_file: Path | None = None  # vLLM's offloading pool (engines with option "offload")
         if "offload" in options:
@@ -101,7 +101,7 @@ class EngineProcess:
             settings["connector"] = {"url": url, "timeout_s": timeout_s, **extra}
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.process = spawn(json.dumps(settings), process_env(cpu_level), self._log, fork)
+        self.process = spawn(json.dumps(settings), process_env(cpu_level), self._log)
         self._lock = threading.Lock()
         self.tiercache_modules: dict[str, str | None] = self._call(None, timeout_s=180)["tiercache_modules"]
         if WHEEL_SITE and url is not None:

@@ -83,6 +83,14 @@ class Zygote:
         if not line or not json.loads(line).get("ready"):
             self.close()
             raise RuntimeError(f"the engine zygote did not start in {timeout_s}s:\n{log_path.read_text()[-3000:]}")
+        self.set_at_import: dict[str, str] = json.loads(line)["set_at_import"]
+
+    def differences(self, env: dict) -> list[str]:
+        """The variables by which an engine's environment differs from the one the zygote imported vLLM in, but
+        those it makes no difference to fork with: set by pytest or torch as the test process runs (_SET_AT_RUN_TIME),
+        or by importing vLLM (in the test process too, once a test imports it) to what the zygote's import set."""
+        return sorted(k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k)
+                      and k not in _SET_AT_RUN_TIME and self.set_at_import.get(k) != env.get(k))
 
     def fork(self, argv: list[str], env: dict, stderr: IO) -> ForkedProcess:
         child_stdin, to_child = os.pipe()
@@ -120,11 +128,6 @@ _zygote: Zygote | None = None
 _SET_AT_RUN_TIME = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 
 
-def _same(env: dict, zygotes: dict) -> bool:
-    return ({k: v for k, v in env.items() if k not in _SET_AT_RUN_TIME}
-            == {k: v for k, v in zygotes.items() if k not in _SET_AT_RUN_TIME})
-
-
 @contextlib.contextmanager
 def forking(env: dict, log_path: Path) -> Iterator[Zygote]:
     """Engines whose environment is `env` are forked from one zygote while this lasts."""
@@ -137,10 +140,15 @@ def forking(env: dict, log_path: Path) -> Iterator[Zygote]:
         zygote.close()
 
 
-def spawn(settings: str, env: dict, stderr: IO, fork: bool = True) -> subprocess.Popen | ForkedProcess:
+def spawn(settings: str, env: dict, stderr: IO) -> subprocess.Popen | ForkedProcess:
     """An engine process (testkit/vllm_engine_process.py with `settings`): forked from the session's zygote where
-    one runs with this very environment (and `fork`), else started from scratch."""
-    if fork and _zygote is not None and _zygote.process.poll() is None and _same(env, _zygote.env):
-        return _zygote.fork([settings], env, stderr)
+    one runs with this environment, else started from scratch, saying why in its log."""
+    if _zygote is not None and _zygote.process.poll() is None:
+        differences = _zygote.differences(env)
+        if not differences:
+            return _zygote.fork([settings], env, stderr)
+        stderr.write(f"testkit.vllm_zygote: started from scratch, not forked: its environment differs from the "
+                     f"zygote's in {', '.join(differences)}\n")
+        stderr.flush()
     return subprocess.Popen([sys.executable, str(ENGINE_SCRIPT), settings], env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=stderr, text=True)

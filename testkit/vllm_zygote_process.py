@@ -4,10 +4,11 @@ testkit/vllm_engine_process.py's main() as a process started from scratch would,
 it was sent; importing vLLM takes an engine process about 13 s of its start on one core, a fork a few milliseconds.
 vLLM forks its own workers from a process that has imported it in the same way (its default multiprocessing method).
 
-Usage: vllm_zygote_process.py SOCKET EXITS. It prints {"ready": true} on stdout once it listens on the Unix socket
-SOCKET, and exits when its stdin ends (the test process that started it closed it, or died). A request is one JSON
-line, {"argv": [...], "env": {...}}, sent with three file descriptors (the child's stdin, stdout and stderr); the
-answer is {"pid": n}. When a child exits, its exit status is written to EXITS/<pid> (a child is not the test
+Usage: vllm_zygote_process.py SOCKET EXITS. It prints {"ready": true, "set_at_import": {...}} on stdout once it
+listens on the Unix socket SOCKET (with what importing vLLM set in its environment), and exits when its stdin ends
+(the test process that started it closed it, or died). A request is one JSON line, {"argv": [...], "env": {...}},
+sent with three file descriptors (the child's stdin, stdout and stderr); the answer is {"pid": n}. When a child
+exits, its exit status is written to EXITS/<pid> (a child is not the test
 process's own, so the test process cannot wait for it)."""
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def serve(path: str, exits: Path) -> None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     selector.register(sys.stdin, selectors.EVENT_READ)
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True, "set_at_import": set_at_import()}), flush=True)
     while True:
         for key, _ in selector.select():
             if key.fileobj is sys.stdin:
