@@ -5,10 +5,10 @@ PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 # Flags for `tiercache serve`: make serve ARGS="--port 6000 --host-mem 2GiB"
 ARGS ?=
-# The vLLM engine suite's pytest-xdist workers, each taking whole modules (a module's engines start once): an engine
-# spends most of its start importing vLLM on one core, which leaves the other idle. TEST_WORKERS=2 is faster,
-# but its tests' cache servers (1 GiB host tiers each) ran 24 GiB out of memory: one is the default
-# and what CI runs.
+# The vLLM engine suite's pytest-xdist workers, each taking whole modules (a module's engines start once) and forking
+# its engines from a process of its own that imported vLLM once (testkit/vllm_zygote.py). One is the default and what
+# CI runs: two once ran this 24 GiB machine out of memory (with 1 GiB host tiers per test server, 256 MiB now) and
+# have not run since the engines fork.
 TEST_WORKERS ?= 1
 ENGINE_WORKERS = $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
