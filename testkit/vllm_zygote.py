@@ -87,7 +87,7 @@ class Zygote:
 
     def differences(self, env: dict) -> list[str]:
         """The variables by which an engine's environment differs from the one the zygote imported vLLM in, but
-        those it makes no difference to fork with: set by pytest or torch as the test process runs (_SET_AT_RUN_TIME),
+        those it makes no difference to fork with: set by pytest as the test process runs (_SET_AT_RUN_TIME),
         or by importing vLLM (in the test process too, once a test imports it) to what the zygote's import set."""
         return sorted(k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k)
                       and k not in _SET_AT_RUN_TIME and self.set_at_import.get(k) != env.get(k))
@@ -122,10 +122,10 @@ class Zygote:
 
 
 _zygote: Zygote | None = None
-# Set in the test process as it runs, read by nothing an engine imports: pytest's name of the test running now, and
-# torch's cache directory once the test process first writes a model (testkit.vllm_models). A forked engine gets
-# them all the same: its environment is the one it is sent.
-_SET_AT_RUN_TIME = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+# Set in the test process as it runs, read by nothing an engine imports: pytest's name of the test running now (torch's
+# cache directory, which the test process sets once it writes a model, vLLM's import sets too: `set_at_import`). A
+# forked engine gets it all the same: its environment is the one it is sent.
+_SET_AT_RUN_TIME = ("PYTEST_CURRENT_TEST",)
 
 
 @contextlib.contextmanager
