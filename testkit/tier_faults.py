@@ -4,13 +4,14 @@ later load gets, `plant(None)` clears it:
 - "swap": a load job's first two slots are exchanged (each key's bytes land in the other's slot);
 - "flip": one bit of a loaded slot is flipped after the load, before vLLM reads it;
 - "vanish": the job's keys are deleted from the server between the lookup's HIT and the load (an eviction, or a
-  checksum mismatch: the server answers both as a miss).
+  checksum mismatch: the server answers both as a miss); `vanished()` lists every key so deleted, once per load, so
+  a key vLLM was let load again shows twice.
 tests/vllm_engine/test_offload_tier.py plants them."""
 
 from __future__ import annotations
 
 KINDS = ("swap", "flip", "vanish")
-_state: dict = {"kind": None, "slots": {}, "planted": 0}
+_state: dict = {"kind": None, "slots": {}, "planted": 0, "vanished": []}
 
 
 def plant(kind: str | None) -> None:
@@ -22,6 +23,11 @@ def plant(kind: str | None) -> None:
 def planted() -> int:
     """How many loads got a fault."""
     return _state["planted"]
+
+
+def vanished() -> list[str]:
+    """The keys "vanish" deleted before their load, in hex, one entry per load."""
+    return list(_state["vanished"])
 
 
 def install() -> None:
@@ -37,6 +43,7 @@ def install() -> None:
             _state["planted"] += 1
         elif kind == "vanish":
             self._client.delete(self.namespace, [bytes(k) for k in job.keys])
+            _state["vanished"].extend(bytes(k).hex() for k in job.keys)
             _state["planted"] += 1
         elif kind == "flip":
             _state["slots"][job.job_id] = int(job.chunk_ids[0])

@@ -148,9 +148,10 @@ class EngineProcess:
         """vLLM's offloading counters and each secondary tier's own (testkit/offload_stats.py)."""
         return self._call({"op": "offload_stats"}, 60)
 
-    def plant(self, kind: str | None) -> None:
-        """A fault every later load of the tiercache tier gets (testkit.tier_faults), None to stop."""
-        self._call({"op": "tier_fault", "kind": kind}, 60)
+    def plant(self, kind: str | None) -> dict:
+        """A fault every later load of the tiercache tier gets (testkit.tier_faults), None to stop; the answer says
+        how many loads got one so far, and which keys "vanish" deleted."""
+        return self._call({"op": "tier_fault", "kind": kind}, 60)
 
     def close(self) -> None:
         ask_to_exit(self.process, self._kill)

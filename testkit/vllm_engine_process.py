@@ -30,7 +30,8 @@ Protocol: one JSON object per line on stdin, one answer per line on stdout ({"re
   {"op": "stats"} -> {"connector": {...} | null}
   {"op": "offload_stats"} -> testkit/offload_stats.py (engines with vLLM's offloading: option "offload",
       its TieringOffloadingSpec config; "offload_complete_after": testkit.offload_worker's delayed completion)
-  {"op": "tier_fault", "kind": testkit.tier_faults.KINDS | null} -> {"planted": loads faulted so far}
+  {"op": "tier_fault", "kind": testkit.tier_faults.KINDS | null} -> {"planted": loads faulted so far,
+      "vanished": the keys "vanish" deleted so far}
   {"op": "exit"}
 Everything vLLM logs goes to stderr.
 """
@@ -231,7 +232,7 @@ def main() -> None:
             from testkit import tier_faults
 
             tier_faults.plant(command["kind"])
-            answer = {"planted": tier_faults.planted()}
+            answer = {"planted": tier_faults.planted(), "vanished": tier_faults.vanished()}
         else:
             answer = {"error": f"unknown op {command['op']}"}
         reply.write(json.dumps(answer) + "\n")
