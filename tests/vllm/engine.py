@@ -13,6 +13,7 @@ produced wrong logits.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 
@@ -210,6 +211,7 @@ class Engine:
     def close(self) -> None:
         self.worker.shutdown()
         self.scheduler.connector.shutdown()
+        shutil.rmtree(self.model_dir, ignore_errors=True)  # (its config only: the model is read once, at start)
 
 
 @dataclass
