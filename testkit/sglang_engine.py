@@ -103,9 +103,15 @@ def engine_settings(model_dir: str, *, page_size: int, storage: str | None = Non
 
 def engine_env() -> dict:
     """The environment of an SGLang process (an engine's, or `python -m sglang.launch_server`): this checkout's
-    tiercache and testkit/sglang_site on PYTHONPATH, SGLang's CPU engine."""
+    tiercache and testkit/sglang_site on PYTHONPATH, SGLang's CPU engine; in a test session, a temp dir in its home."""
     pythonpath = os.pathsep.join([str(SITE), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, "SGLANG_USE_CPU_ENGINE": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, "SGLANG_USE_CPU_ENGINE": "1"}
+    home = os.environ.get("TIERCACHE_TEST_HOME")  # a test session's (testkit/pytest_session.py)
+    if home:
+        # SGLang names its ZeroMQ sockets by temp files it never removes: in a test, under the session's home.
+        env["TMPDIR"] = os.path.join(home, "sglang-tmp")
+        os.makedirs(env["TMPDIR"], exist_ok=True)
+    return env
 
 
 class EngineProcess:
