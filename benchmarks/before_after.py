@@ -157,10 +157,10 @@ def main() -> int:
 
 
 def table(result: dict) -> str:
-    lines = [f"{'figure':40s} {'before':>10s} {'after':>10s}  after / before [95%]        again / before [95%]"]
+    lines = [f"{'figure':40s} {'before':>10s} {'after':>10s}  {'after / before [95%]':36s} again / before [95%]"]
     for name, row in result["figures"].items():
         lines.append(f"{name:40s} {row['before']:>10.4g} {row['after']:>10.4g}  "
-                     f"{_cell(row['after_before']):28s}{_cell(row['again_before'])}")
+                     f"{_cell(row['after_before']):36s} {_cell(row['again_before'])}")
     lines.append(f"equivalence margin {result['equivalence_margin']} (fixed before the run)")
     if result["void_by"]:
         lines.append(f"VOID: the A/A pair is not level on {', '.join(result['void_by'])}")
