@@ -231,6 +231,8 @@ def test_a_lookup_never_waits_on_a_stopped_server(server, engines):
     finally:
         os.kill(server.process.pid, signal.SIGCONT)
     assert seen == [RETRY, MISS]
+    counts = tier_of(engine).counts()  # the tier counts it (and logs its counts at shutdown): a late answer, a miss
+    assert counts["timed_out"] + counts["failed_calls"] >= 1, counts
     # RETRY until the deadline (the tier's own, or the Exists call's of the same length: whichever ends first).
     assert 0.2 <= missed_at - asked < 1.0
     assert slowest < 0.05, f"a step took {slowest * 1000:.1f} ms with the server stopped"

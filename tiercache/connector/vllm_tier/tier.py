@@ -121,6 +121,9 @@ class TierCacheTier(SecondaryTierManager):
         self._verdicts.request_finished(req_context.req_id)
 
     def shutdown(self) -> None:
+        # What it did, in the engine's log: a served engine's tier is out of reach of any other reader (a shared
+        # tier answering fewer hits than another is read from `timed_out`: lookups the server answered too late).
+        log.info("%s: at shutdown %s", TIER_CLASS, " ".join(f"{k}={v}" for k, v in self.counts().items()))
         self._transfers.close()
         self._verdicts.close()
         self._lookup_client.close()
