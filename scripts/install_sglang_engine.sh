@@ -16,6 +16,8 @@ stamp="$VENV/.installed-engine-$(cat requirements/sglang-engine-0.5.23.txt | sha
 if [ ! -e "$stamp" ]; then
     say "installing SGLang's engine packages into $VENV with --no-deps" \
         "(requirements/sglang-engine-0.5.23.txt: uvloop, fastapi, xgrammar, ...; about 60 MB)"
+    "${PYTHON:-python3}" scripts/seed_venv.py "$VENV" -r requirements/sglang-engine-0.5.23.txt \
+        || echo "seed_venv failed: pip installs every package"  # (as in install_sglang.sh)
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
         -r requirements/sglang-engine-0.5.23.txt 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
     say "checking that SGLang's engine and HTTP server import with the CPU harness (testkit/sglang_site)"

