@@ -56,13 +56,13 @@ def site_packages(venv: Path) -> Path | None:
     return found[0] if found else None
 
 
-def installed(site: Path) -> dict[str, Path]:
-    """name -> .dist-info directory of every distribution in `site`."""
+def installed(site: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (.dist-info directory, version) of every distribution in `site`."""
     found = {}
     for info in site.glob("*.dist-info"):
         name, version = metadata(info)
         if name:
-            found[canonical(name)] = info
+            found[canonical(name)] = (info, version or "")
     return found
 
 
@@ -112,10 +112,9 @@ def record(info: Path) -> list[str]:
     return [line.split(",", 1)[0] for line in (info / "RECORD").read_text().splitlines() if line.strip()]
 
 
-def link_distribution(info: Path, source: Path, target: Path) -> int:
-    """Links (or, outside site-packages, copies) every file of the distribution; returns the files placed."""
+def link_distribution(info: Path, source: Path, target: Path) -> None:
+    """Links (or, outside site-packages, copies) every file of the distribution."""
     source_site, target_site = site_packages(source), site_packages(target)
-    placed = 0
     for relative in record(info):
         origin = (source_site / relative).resolve()
         if not origin.is_file():
@@ -131,8 +130,6 @@ def link_distribution(info: Path, source: Path, target: Path) -> int:
             os.link(origin, destination)
         else:
             copy_script(origin, destination, source, target)
-        placed += 1
-    return placed
 
 
 def copy_script(origin: Path, destination: Path, source: Path, target: Path) -> None:
@@ -159,18 +156,16 @@ def seed(target: Path, wanted: dict[str, str], candidates: list[Path]) -> list[s
     for source in sources(target, candidates):
         if not links_work(source, target):
             continue
-        for name, info in installed(site_packages(source)).items():
+        for name, (info, version) in installed(site_packages(source)).items():
             pinned = wanted.get(name)
-            if pinned is None or name in have or editable(info):
-                continue
-            if not satisfies(metadata(info)[1] or "", pinned):
+            if pinned is None or name in have or editable(info) or not satisfies(version, pinned):
                 continue
             try:
                 link_distribution(info, source, target)
             except OSError as error:  # what was linked stays; pip installs the distribution over it
                 print(f"seed_venv: {info.name} not linked ({error}): pip installs it", file=sys.stderr)
                 continue
-            have[name] = info
+            have[name] = (info, version)
             seeded.append(f"{info.name} (from {source.name})")
     return seeded
 
