@@ -17,8 +17,8 @@ fi
 stamp="$VENV/.installed-$(cat requirements/dynamo-1.6.1.txt pyproject.toml | sha1sum | cut -c1-12)"
 if [ ! -e "$stamp" ]; then
     quiet() { { grep -v 'is ignored: it is neither a file nor a directory' || true; }; }
-    # what another of this checkout's venvs already holds at a pinned version (typing-extensions, uvloop, ...) is linked from
-    # there, unpacked and compiled, not installed again (scripts/seed_venv.py); pip installs the rest
+    # what another of this checkout's venvs already holds at a pinned version (typing-extensions, uvloop, ...) is
+    # linked from there, unpacked and compiled, not installed again (scripts/seed_venv.py); pip installs the rest
     "$PYTHON" scripts/seed_venv.py "$VENV" -r requirements/dynamo-1.6.1.txt \
         || echo "seed_venv failed: pip installs every package"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
