@@ -7,7 +7,8 @@ engine's own word is the connector's start line (`N=` is the block size of vLLM'
 raised its block size above the CPU default of 128, its "Setting attention block size to N tokens" line.
 Each engine's N is also written to the file TIERCACHE_ENGINE_NS names, which .ci/run prints.
 
-The engines keep their caches under the test's tmp dir (tests/vllm_engine/process_env.py)."""
+The engines are the suite's (forked where they can be, testkit/vllm_zygote.py; their caches under the session's home);
+`tiercache layout` keeps its caches under the test's tmp dir (tests/vllm_engine/process_env.py)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,11 @@ import os
 import re
 import subprocess
 import sys
-import threading
 
 import pytest
 
 from testkit.cpu_stand_in import ENV, engine_cpu
-from testkit.engine_lines import ask
-from testkit.vllm_engine import ENGINE_SCRIPT
+from testkit.vllm_engine import EngineProcess
 from testkit.vllm_models import FOUR_LAYER, SIX_LAYER
 from tests.vllm_engine.process_env import process_env
 
@@ -31,23 +30,12 @@ CPU_DEFAULT_BLOCK = 128  # CpuPlatform.check_and_update_config, without --block-
 
 def engine_log(tmp_path, model_dir: str, url: str, options: dict, cpu_level: str | None = None) -> str:
     """Start an engine with the connector, wait until it is ready (the connector is made once vLLM sized its KV
-    cache), stop it, and return its log."""
-    settings = {"model": model_dir, "connector": {"url": url}, "prefix_cache_retention_interval": 0, **options}
+    cache), stop it, and return its log. Forked from the suite's zygote unless a CPU is stood in for it (that one
+    starts from scratch: the stand-in is loaded at interpreter start)."""
     log_path = tmp_path / "engine.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, str(ENGINE_SCRIPT), json.dumps(settings)], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, stderr=log, text=True,
-                                   env=process_env(tmp_path, cpu_level))
-        try:
-            ask(process, threading.Lock(), None, 600, engine="vLLM", kill=process.kill,
-                log_tail=lambda: log_path.read_text(errors="replace")[-3000:])
-            process.stdin.write(json.dumps({"op": "exit"}) + "\n")
-            process.stdin.close()
-            process.wait(timeout=120)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    engine = EngineProcess(model_dir, url, log_path, cpu_level=cpu_level, prefix_cache_retention_interval=0,
+                           **options)
+    engine.close()
     return log_path.read_text(errors="replace")
 
 

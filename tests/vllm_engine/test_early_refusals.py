@@ -5,7 +5,9 @@ initialization failed". Shown on vLLM's CPU engine both ways a user starts one: 
 process) and the OpenAI server (`python -m vllm.entrypoints.openai.api_server`, what `vllm serve` runs). And
 `tiercache check-vllm`, given the same flags, says the same line before anything starts.
 
-The processes here keep their caches under the test's tmp dir (tests/vllm_engine/process_env.py)."""
+The harness's engine is forked from the suite's zygote (testkit/vllm_zygote.py), as the suite's engines are; the
+OpenAI server and `tiercache check-vllm` keep their caches under the test's tmp dir
+(tests/vllm_engine/process_env.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from testkit.vllm_engine import ENGINE_SCRIPT
+from testkit.vllm_engine import process_env as engine_env
 from testkit.vllm_models import FOUR_LAYER
+from testkit.vllm_zygote import spawn
 from tests.helpers import free_port
 from tests.vllm_engine.process_env import process_env
 
@@ -60,9 +63,11 @@ def test_llm_refuses_before_its_engine_core_starts(tmp_path, model_dir, case):
                 "enable_prefix_caching": case != "no-prefix-caching"}
     log_path = tmp_path / "engine.log"
     with open(log_path, "w") as log:
-        engine = subprocess.run([sys.executable, str(ENGINE_SCRIPT), json.dumps(settings)], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=log, text=True, timeout=600, env=process_env(tmp_path))
-    assert engine.returncode != 0 and engine.stdout == ""  # never ready
+        engine = spawn(json.dumps(settings), engine_env(), log)  # forked from the suite's zygote
+        engine.stdin.close()
+        said = engine.stdout.read()
+        engine.wait(timeout=600)
+    assert engine.returncode != 0 and said == ""  # never ready
     refusal = NO_PREFIX_CACHING.format(version=vllm.__version__) if case == "no-prefix-caching" else UNKNOWN_KEY
     assert_refused_early(log_path.read_text(errors="replace"), refusal)
     # The preflight says it from the flags alone.
