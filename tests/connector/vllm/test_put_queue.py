@@ -104,7 +104,9 @@ def test_enough_bytes_waiting_send_the_batch_before_it_is_due(server):
     queue.add(second)  # two steps' bytes: due
     client = Client.from_url(server.url)
     assert _wait_for(lambda: _stored(client, expected_first) and _stored(client, expected_second))
-    assert queue.batches == 1
+    # The server holds the objects before the sending thread counts its batch and reports it: wait for the report.
+    assert _wait_for(lambda: saved)
+    assert queue.batches == 1 and saved == [(6, 6 * 4096)]
     queue.stop()
 
 
