@@ -1,6 +1,8 @@
-"""Prints how long a fixed single-core loop takes here, best of three: the same CI suites ran 1.5-2x slower on this
-kind of machine from one run to the next, and a suite's time means little without the machine's speed beside it.
-.ci/run prints it before its suites start and after they end (both with the machine otherwise quiet)."""
+"""Prints how long a fixed single-core loop takes here, best of three: the same CI suites took 1,864 to 3,497 s from
+one fresh-clone run to the next on this machine (docs/runs/ci-time-2026-11-29-42b4502), and a suite's time means
+little without the machine's speed beside it. It says when the CPU itself is slow, not everything that slows a run
+(that folder's README: the engine suites' CPU time moved where this loop did not). .ci/run prints it before its
+suites start and after they end (both with the machine otherwise quiet)."""
 
 from __future__ import annotations
 
