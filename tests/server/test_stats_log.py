@@ -47,8 +47,7 @@ def _number(text: str | None) -> int:
     return int(text.replace(",", "")) if text else 0
 
 
-def _summed(output: str, groups: tuple[int, ...]) -> list[int]:
-    lines = _activity(output)
+def _summed(lines: list[re.Match], groups: tuple[int, ...]) -> list[int]:
     return [sum(_number(m.group(i)) for m in lines) for i in groups]
 
 
@@ -65,13 +64,13 @@ def test_the_server_logs_lookups_and_hits_after_traffic_and_nothing_while_idle()
             loaded = cache.load(second.hit)
             assert loaded
             # The delivery report follows the reads, so it may land in a later interval than they do.
-            wait_for(lambda: _summed(server.output(), (6, 3)) == [len(loaded), 1],
+            wait_for(lambda: _summed(_activity(server.output()), (6, 3)) == [len(loaded), 1],
                      timeout_s=30, what="activity lines counting every read and the load reported")
         lines = _activity(server.output())
     # Lines cover the intervals with traffic only (an idle one writes nothing), and add up to what happened.
     assert all(_number(m.group(4)) or _number(m.group(6)) or _number(m.group(3)) for m in lines)
     # (lookups, tokens found, tokens asked for; tokens loaded, loads)
-    assert [sum(_number(m.group(i)) for m in lines) for i in (4, 5, 2, 1, 3)] == [2, 99, 200, 99, 1]
+    assert _summed(lines, (4, 5, 2, 1, 3)) == [2, 99, 200, 99, 1]
     assert all(m.group(7) in (None, "100.0") for m in lines)
     assert (lines[-1].group(8), lines[-1].group(9)) == ("2", "49.5")
 
